@@ -1,0 +1,48 @@
+# `make demo` and `make test` each bootstrap .venv from the pinned requirements on their own.
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+MINISTACK_VENV := .venv-ministack
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-fast bench-loader bench-runtime bench-cluster lock clean
+
+$(STAMP): requirements.lock pyproject.toml
+	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r requirements.lock
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@touch $(STAMP)
+
+# ministack pins its own botocore, so it lives in a venv of its own (benchmarks only).
+$(MINISTACK_VENV)/.installed: requirements-ministack.lock
+	@test -x $(MINISTACK_VENV)/bin/python || $(PYTHON) -m venv $(MINISTACK_VENV)
+	$(MINISTACK_VENV)/bin/pip install --quiet --disable-pip-version-check -r requirements-ministack.lock
+	@touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/dlo demo
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+bench-runtime: $(STAMP)
+	$(VENV)/bin/dlo bench runtime --json
+
+bench-loader: $(STAMP) $(MINISTACK_VENV)/.installed
+	$(VENV)/bin/dlo bench loader --json --ministack $(MINISTACK_VENV)/bin/ministack
+
+bench-cluster: $(STAMP) $(MINISTACK_VENV)/.installed
+	$(VENV)/bin/dlo bench cluster --json --ministack $(MINISTACK_VENV)/bin/ministack
+
+# Re-pin after changing requirements.in: resolves in a scratch venv and writes the lock.
+lock:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/pip install --quiet -r requirements.in
+	.venv-lock/bin/pip freeze --exclude-editable | grep -v '^dlo' > requirements.lock
+	rm -rf .venv-lock
+
+clean:
+	rm -rf $(VENV) $(MINISTACK_VENV)

@@ -1,0 +1,55 @@
+"""The `dlo` command table: lazy imports, complete table, one-line errors."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+from dlo_runtime import cli
+
+
+def test_help_lists_every_top_level_command(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for name in {c.path[0] for c in cli.COMMANDS}:
+        assert name in out
+
+
+def test_help_imports_no_plane() -> None:
+    code = (
+        "import sys\n"
+        "for name in ('torch', 'boto3', 'kopf', 'kubernetes'): sys.modules[name] = None\n"
+        "from dlo_runtime import cli\n"
+        "try:\n"
+        "    cli.main(['cache', '--help'])\n"
+        "except SystemExit as e:\n"
+        "    print('exit', e.code)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "exit 0" in out.stdout
+    for leaf in ("ls", "verify", "gc", "fill"):
+        assert leaf in out.stdout
+
+
+@pytest.mark.parametrize("command", cli.COMMANDS, ids=lambda c: " ".join(c.path))
+def test_every_command_module_provides_the_protocol(command: cli.Command) -> None:
+    module = importlib.import_module(command.module)
+    assert callable(module.add_arguments)
+    assert callable(module.run)
+
+
+def test_known_error_is_one_line_with_hint(tmp_path, capsys) -> None:
+    missing = tmp_path / "absent.json"
+    code = cli.main(["cache", "fill", "--config", str(missing)])
+    assert code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"dlo: error: cannot read settings document {missing}: No such file or directory "
+        "(hint: pass --config FILE or set DLO_CONFIG)"
+    ]
