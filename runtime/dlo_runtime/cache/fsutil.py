@@ -1,0 +1,59 @@
+"""Small filesystem primitives the cache needs in several places.
+
+Owns directory fsync, whole-tree removal, free-space and tree-size measurement. Called by
+`publish` and `evict`. Must not know about entries, manifests or locks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+from pathlib import Path
+
+SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+"""Write failures that mean "no room": a full disk, a quota, or a file-size limit."""
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (creations, renames) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    """Make a file's data durable (an O_RDONLY descriptor is enough for fsync on Linux)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a directory tree that may already be gone."""
+    with contextlib.suppress(FileNotFoundError):
+        shutil.rmtree(path)
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes an unprivileged writer may still use on `path`'s filesystem."""
+    stats = os.statvfs(path)
+    return stats.f_bavail * stats.f_frsize
+
+
+def tree_bytes(path: Path) -> int:
+    """Apparent size of the regular files under `path` (0 when it is gone)."""
+    total = 0
+    for dirpath, _, filenames in os.walk(path):
+        for name in filenames:
+            try:
+                info = os.lstat(os.path.join(dirpath, name))
+            except FileNotFoundError:
+                continue
+            total += info.st_size
+    return total
