@@ -10,6 +10,7 @@ library: the operator image has no torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import types
@@ -202,11 +203,18 @@ def _to_plain(value: Any) -> Any:
     return value
 
 
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    """Resolved field types of a settings dataclass (resolving them is slow; cached per class)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
 def _from_plain(cls: type, data: Any, where: str) -> Any:
     if not isinstance(data, dict):
         raise SettingsError(f"settings{where or ''}: expected an object, found {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    hints = _field_types(cls)
+    names = set(hints)
     unknown = sorted(set(data) - names)
     if unknown:
         raise SettingsError(

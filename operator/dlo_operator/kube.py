@@ -1,0 +1,117 @@
+"""The only module that calls the Kubernetes API client.
+
+Children are written with server-side apply (field manager `dlo-operator`, forced): one idempotent
+request per child that creates it or converges it to the desired manifest, removing fields an older
+manifest set. Restarting the operator therefore cannot create duplicates. The DOD's status is
+patched through its status subresource. Responses stay plain dicts (no client models).
+API failures become `KubeTransientError` (conflicts, throttling, 5xx: kopf retries) or `KubeError`.
+Called by `handlers`; builds no manifest and decides no status.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import kubernetes.client
+import kubernetes.config
+from kubernetes.client.exceptions import ApiException
+
+from dlo_operator.errors import KubeError, KubeTransientError
+from dlo_operator.naming import FIELD_MANAGER, GROUP, PLURAL, VERSION
+
+logger = logging.getLogger(__name__)
+
+_APPLY = "application/apply-patch+yaml"
+_MERGE = "application/merge-patch+json"
+_RETRY_STATUSES = frozenset({409, 429, 500, 502, 503, 504})
+
+
+class KubeClient:
+    """A thin wrapper over one `kubernetes.client.ApiClient`; safe to share between threads."""
+
+    def __init__(self, api_client: kubernetes.client.ApiClient) -> None:
+        self._api = api_client
+        self._core = kubernetes.client.CoreV1Api(api_client)
+        self._apps = kubernetes.client.AppsV1Api(api_client)
+        self._custom = kubernetes.client.CustomObjectsApi(api_client)
+
+    @classmethod
+    def from_environment(cls) -> KubeClient:
+        """In-cluster service account when running in a pod, else the kubeconfig."""
+        try:
+            kubernetes.config.load_incluster_config()
+        except kubernetes.config.ConfigException:
+            kubernetes.config.load_kube_config()
+        return cls(kubernetes.client.ApiClient())
+
+    def close(self) -> None:
+        self._api.close()
+
+    def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side apply one child (ConfigMap, Service or StatefulSet)."""
+        patchers: dict[str, Callable[..., Any]] = {
+            "ConfigMap": self._core.patch_namespaced_config_map,
+            "Service": self._core.patch_namespaced_service,
+            "StatefulSet": self._apps.patch_namespaced_stateful_set,
+        }
+        kind = manifest["kind"]
+        meta = manifest["metadata"]
+        what = f"{kind} {meta['namespace']}/{meta['name']}"
+        return self._call(what, patchers[kind], meta["name"], meta["namespace"], dict(manifest),
+                          field_manager=FIELD_MANAGER, force=True, _content_type=_APPLY)
+
+    def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The DOD, or None when it is gone."""
+        try:
+            return self._call(f"{PLURAL} {namespace}/{name}",
+                              self._custom.get_namespaced_custom_object,
+                              GROUP, VERSION, namespace, PLURAL, name)
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def patch_deployment_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        self._call(f"{PLURAL} {namespace}/{name} status",
+                   self._custom.patch_namespaced_custom_object_status,
+                   GROUP, VERSION, namespace, PLURAL, name, {"status": dict(status)},
+                   _content_type=_MERGE)
+
+    def _call(self, what: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            response = method(*args, _preload_content=False, **kwargs)
+        except ApiException as exc:
+            raise _api_error(what, exc) from exc
+        return json.loads(response.data or b"null")
+
+
+def _api_error(what: str, exc: ApiException) -> KubeError | KubeTransientError:
+    reason = _status_message(exc)
+    message = f"Kubernetes API answered {exc.status} for {what}: {reason}"
+    if exc.status in _RETRY_STATUSES or exc.status is None:
+        delay = _retry_after(exc)
+        logger.warning("%s; retrying in %.0f s", message, delay)
+        return KubeTransientError(message, delay_s=delay)
+    return KubeError(message, status=exc.status,
+                     hint="check the operator's RBAC and the CRD installation")
+
+
+def _status_message(exc: ApiException) -> str:
+    """The `message` of the API's Status object (never the request body, which may hold
+    secrets), else the HTTP reason."""
+    try:
+        body = json.loads(exc.body or "{}")
+    except (TypeError, ValueError):
+        body = {}
+    text = body.get("message") if isinstance(body, dict) else None
+    return str(text or exc.reason or "no reason given").splitlines()[0][:300]
+
+
+def _retry_after(exc: ApiException) -> float:
+    try:
+        return max(1.0, float((exc.headers or {}).get("Retry-After", 5)))
+    except (TypeError, ValueError):
+        return 5.0

@@ -1,0 +1,192 @@
+"""The workload pod template: loader init container, inference container, volumes, scheduling.
+
+Contract C2 (the loader's command line and environment) and contract C3 (the inference
+container's `DLO_*` environment and mounts) are written here and nowhere else. Pure; called by
+`statefulset.build_statefulset`. It must not decide names or labels (see `naming`).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from dlo_operator.naming import (
+    ENTRY_FILE,
+    INFERENCE_CONTAINER,
+    LABEL_POD_INDEX,
+    LOADER_CONTAINER,
+    RUN_DIR,
+    SETTINGS_KEY,
+    SETTINGS_MOUNT,
+    SETTINGS_PATH,
+    Owner,
+    selector_labels,
+)
+from dlo_operator.spec import DeploymentSpec
+
+GPU_RESOURCE = "nvidia.com/gpu"
+
+LOADER_SECURITY_CONTEXT: dict[str, Any] = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "privileged": False,
+    "readOnlyRootFilesystem": True,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+"""The loader only reads the network and writes the cache: no capability is needed. It keeps the
+image's user so that it can write the root-owned hostPath directory without CAP_DAC_OVERRIDE."""
+
+
+def build_pod_template(owner: Owner, spec: DeploymentSpec,
+                       annotations: dict[str, str]) -> dict[str, Any]:
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": spec.automount_service_account_token,
+        "enableServiceLinks": False,
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        "affinity": _affinity(owner, spec),
+        "initContainers": [_loader_container(owner, spec)],
+        "containers": [_inference_container(spec)],
+        "volumes": _volumes(owner, spec),
+    }
+    if spec.service_account_name:
+        pod_spec["serviceAccountName"] = spec.service_account_name
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+    return {
+        "metadata": {"labels": selector_labels(owner), "annotations": annotations},
+        "spec": pod_spec,
+    }
+
+
+def _runtime_cache_separate(spec: DeploymentSpec) -> bool:
+    """The runtime cache needs its own hostPath when it lives outside `cache.root`."""
+    settings = spec.settings
+    return settings.offload.enable_runtime_cache and (
+        settings.runtime_cache_root != settings.cache.root)
+
+
+def _volumes(owner: Owner, spec: DeploymentSpec) -> list[dict[str, Any]]:
+    volumes: list[dict[str, Any]] = [
+        {"name": "settings", "configMap": {
+            "name": owner.configmap_name, "items": [{"key": SETTINGS_KEY, "path": SETTINGS_KEY}],
+        }},
+        {"name": "run", "emptyDir": {}},
+        {"name": "loader-tmp", "emptyDir": {}},
+        {"name": "cache", "hostPath": {
+            "path": spec.settings.cache.root, "type": "DirectoryOrCreate",
+        }},
+    ]
+    if _runtime_cache_separate(spec):
+        volumes.append({"name": "runtime-cache", "hostPath": {
+            "path": spec.settings.runtime_cache_root, "type": "DirectoryOrCreate",
+        }})
+    return volumes
+
+
+def _loader_container(owner: Owner, spec: DeploymentSpec) -> dict[str, Any]:
+    """Contract C2: `dlo cache fill` with rank, world and rendezvous from the environment."""
+    env: list[dict[str, Any]] = [
+        {"name": "RANK", "valueFrom": {"fieldRef": {
+            "fieldPath": f"metadata.labels['{LABEL_POD_INDEX}']",
+        }}},
+        {"name": "WORLD_SIZE", "value": str(spec.replicas)},
+        {"name": "MASTER_ADDR", "value": owner.master_addr()},
+        {"name": "MASTER_PORT", "value": str(spec.loader.port)},
+        {"name": "DLO_CONFIG", "value": SETTINGS_PATH},
+    ]
+    env += _credential_env(spec)
+    return {
+        "name": LOADER_CONTAINER,
+        "image": spec.loader.image,
+        "imagePullPolicy": spec.loader.image_pull_policy,
+        "command": ["dlo", "cache", "fill"],
+        "args": ["--config", SETTINGS_PATH, "--entry-file", ENTRY_FILE],
+        "env": env,
+        "ports": [{"name": "rendezvous", "containerPort": spec.loader.port, "protocol": "TCP"}],
+        "resources": copy.deepcopy(dict(spec.loader.resources)),
+        "securityContext": copy.deepcopy(LOADER_SECURITY_CONTEXT),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": [
+            {"name": "settings", "mountPath": SETTINGS_MOUNT, "readOnly": True},
+            {"name": "run", "mountPath": RUN_DIR},
+            {"name": "loader-tmp", "mountPath": "/tmp"},
+            {"name": "cache", "mountPath": spec.settings.cache.root},
+        ],
+    }
+
+
+def _credential_env(spec: DeploymentSpec) -> list[dict[str, Any]]:
+    """S3 keys from a Secret reference; without one the SDK chain uses the service account."""
+    creds = spec.credentials
+    if not creds.secret_name:
+        return []
+    pairs = [
+        ("AWS_ACCESS_KEY_ID", creds.access_key_id_key, False),
+        ("AWS_SECRET_ACCESS_KEY", creds.secret_access_key_key, False),
+        ("AWS_SESSION_TOKEN", creds.session_token_key, True),
+    ]
+    return [
+        {"name": name, "valueFrom": {"secretKeyRef": {
+            "name": creds.secret_name, "key": key, "optional": optional,
+        }}}
+        for name, key, optional in pairs
+        if key
+    ]
+
+
+def _inference_container(spec: DeploymentSpec) -> dict[str, Any]:
+    """Contract C3: settings, entry file and cache root in `DLO_*`; the cache is read-only
+    unless the runtime cache publishes entries from this container."""
+    inference = spec.inference
+    settings = spec.settings
+    cache_writable = settings.offload.enabled and settings.offload.enable_runtime_cache
+    mounts: list[dict[str, Any]] = [
+        {"name": "settings", "mountPath": SETTINGS_MOUNT, "readOnly": True},
+        {"name": "run", "mountPath": RUN_DIR, "readOnly": True},
+        {"name": "cache", "mountPath": settings.cache.root, "readOnly": not cache_writable},
+    ]
+    if _runtime_cache_separate(spec):
+        mounts.append({"name": "runtime-cache", "mountPath": settings.runtime_cache_root})
+    env = [copy.deepcopy(dict(e)) for e in inference.env] + [
+        {"name": "DLO_CONFIG", "value": SETTINGS_PATH},
+        {"name": "DLO_ENTRY_FILE", "value": ENTRY_FILE},
+        {"name": "DLO_CACHE_ROOT", "value": settings.cache.root},
+    ]
+    container: dict[str, Any] = {
+        "name": INFERENCE_CONTAINER,
+        "image": inference.image,
+        "imagePullPolicy": inference.image_pull_policy,
+        "env": env,
+        "resources": _inference_resources(spec),
+        "volumeMounts": mounts,
+    }
+    if inference.command:
+        container["command"] = list(inference.command)
+    if inference.args:
+        container["args"] = list(inference.args)
+    if inference.ports:
+        container["ports"] = [copy.deepcopy(dict(p)) for p in inference.ports]
+    if inference.readiness_probe:
+        container["readinessProbe"] = copy.deepcopy(dict(inference.readiness_probe))
+    return container
+
+
+def _inference_resources(spec: DeploymentSpec) -> dict[str, Any]:
+    resources = copy.deepcopy(dict(spec.inference.resources))
+    if spec.gpus_per_pod:
+        resources.setdefault("limits", {})[GPU_RESOURCE] = str(spec.gpus_per_pod)
+    return resources
+
+
+def _affinity(owner: Owner, spec: DeploymentSpec) -> dict[str, Any]:
+    """The user's affinity plus a required anti-affinity term: one pod of this DOD per node."""
+    affinity = copy.deepcopy(dict(spec.affinity))
+    anti = affinity.setdefault("podAntiAffinity", {})
+    terms = anti.setdefault("requiredDuringSchedulingIgnoredDuringExecution", [])
+    terms.append({
+        "labelSelector": {"matchLabels": selector_labels(owner)},
+        "topologyKey": "kubernetes.io/hostname",
+    })
+    return affinity

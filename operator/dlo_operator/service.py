@@ -1,0 +1,32 @@
+"""`build_service`: the headless Service that gives each workload pod a stable DNS name.
+
+The loaders rendezvous at pod 0's name (`<dod>-0.<dod>-peers.<ns>.svc.cluster.local`) while they
+are still init containers, i.e. before any pod is Ready, so the Service publishes not-ready
+addresses. Pure; called by `manifests`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dlo_operator.naming import Owner, child_metadata, selector_labels
+from dlo_operator.spec import DeploymentSpec
+
+
+def build_service(owner: Owner, spec: DeploymentSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": child_metadata(owner, owner.service_name),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector_labels(owner),
+            "ports": [{
+                "name": "rendezvous",
+                "port": spec.loader.port,
+                "targetPort": spec.loader.port,
+                "protocol": "TCP",
+            }],
+        },
+    }

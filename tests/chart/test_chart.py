@@ -1,0 +1,158 @@
+"""The Helm chart, rendered and linted by the real Helm engine (helm-python-sdk, offline)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from dlo_operator import cli as operator_cli
+
+ROOT = Path(__file__).parents[2]
+CHART = ROOT / "charts" / "dlo-operator"
+KUBERNETES_VERSIONS = [f"1.{minor}" for minor in range(29, 38)]
+NON_DEFAULT = {
+    "image": {"repository": "registry.example.com/dlo-operator", "tag": "1.2.3",
+              "pullPolicy": "Always"},
+    "imagePullSecrets": [{"name": "registry"}],
+    "watchNamespaces": ["inference", "batch"],
+    "serviceAccount": {"create": True, "name": "dlo", "annotations": {"team": "ml"}},
+    "debug": True,
+    "livenessPort": 9090,
+    "podAnnotations": {"scrape": "false"},
+    "nodeSelector": {"pool": "system"},
+    "tolerations": [{"key": "system", "operator": "Exists", "effect": "NoSchedule"}],
+    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [
+            {"key": "pool", "operator": "In", "values": ["system"]}]}]}}},
+}
+
+
+def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    with helm.Chart.load(CHART) as chart:
+        rendered = chart.render(values, name="dlo", namespace="dlo-system", is_install=True)
+    return [doc for name, text in sorted(rendered.items()) if name.endswith(".yaml")
+            for doc in yaml.safe_load_all(text) if doc]
+
+
+def by_kind(docs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for doc in docs:
+        out.setdefault(doc["kind"], []).append(doc)
+    return out
+
+
+@pytest.mark.parametrize("values", [None, NON_DEFAULT], ids=["defaults", "non-default"])
+@pytest.mark.parametrize("kube_version", ["v1.29.0", "v1.37.0"])
+def test_chart_lints_clean_in_strict_mode(values: dict[str, Any] | None,
+                                          kube_version: str) -> None:
+    report = helm.lint(CHART, values, strict=True, kube_version=kube_version)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("values", [None, NON_DEFAULT], ids=["defaults", "non-default"])
+def test_rendered_manifests_and_crd_are_valid_for_every_version(
+        values: dict[str, Any] | None) -> None:
+    with helm.Chart.load(CHART) as chart:
+        crds = [yaml.safe_load(c["data"]) for c in chart.crds]
+    docs = render(values) + crds
+    for version in KUBERNETES_VERSIONS:
+        for doc in docs:
+            assert kubernetes_validate.validate(doc, version, strict=True) == version, doc["kind"]
+
+
+def test_defaults_watch_every_namespace_with_a_cluster_role() -> None:
+    kinds = by_kind(render())
+    assert sorted(kinds) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"]
+    deployment = kinds["Deployment"][0]
+    assert (deployment["spec"]["replicas"], deployment["spec"]["strategy"]) == (
+        1, {"type": "Recreate"})
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"] == ["operator", "run", "--all-namespaces",
+                                 "--liveness=http://0.0.0.0:8080/healthz"]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}
+    assert container["resources"]["requests"] == {"cpu": "100m", "memory": "128Mi"}
+    assert container["image"] == "dlo-operator:0.1.0"
+    binding = kinds["ClusterRoleBinding"][0]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "dlo-dlo-operator",
+                                    "namespace": "dlo-system"}]
+
+
+def test_watching_namespaces_uses_namespaced_roles_only() -> None:
+    kinds = by_kind(render(NON_DEFAULT))
+    assert "ClusterRole" not in kinds and "ClusterRoleBinding" not in kinds
+    assert [(r["metadata"]["namespace"]) for r in kinds["Role"]] == ["inference", "batch"]
+    bindings = kinds["RoleBinding"]
+    assert [(b["metadata"]["namespace"], b["subjects"][0]["name"]) for b in bindings] == [
+        ("inference", "dlo"), ("batch", "dlo")]
+    args = kinds["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args == ["--debug", "operator", "run", "--namespace=inference", "--namespace=batch",
+                    "--liveness=http://0.0.0.0:9090/healthz"]
+
+
+def test_operator_command_line_in_the_deployment_is_accepted_by_dlo() -> None:
+    for values in (None, NON_DEFAULT):
+        args = by_kind(render(values))["Deployment"][0]["spec"]["template"]["spec"][
+            "containers"][0]["args"]
+        args = [a for a in args if a != "--debug"]
+        assert args[:2] == ["operator", "run"]
+        parser = argparse.ArgumentParser()
+        operator_cli.add_arguments(parser)
+        parsed = parser.parse_args(args[2:])
+        assert parsed.all_namespaces == (values is None)
+
+
+def test_rbac_grants_only_what_the_operator_uses() -> None:
+    rules = by_kind(render())["ClusterRole"][0]["rules"]
+    granted = {(g, r): sorted(rule["verbs"]) for rule in rules
+               for g in rule["apiGroups"] for r in rule["resources"]}
+    assert granted == {
+        ("dlo.dev", "diffusionoffloaddeployments"): ["get", "list", "patch", "watch"],
+        ("dlo.dev", "diffusionoffloaddeployments/status"): ["get", "patch"],
+        ("", "pods"): ["list", "watch"],
+        ("", "configmaps"): ["create", "get", "patch"],
+        ("", "services"): ["create", "get", "patch"],
+        ("apps", "statefulsets"): ["create", "get", "patch"],
+        ("", "events"): ["create"],
+    }
+
+
+def test_values_schema_is_closed() -> None:
+    with helm.Chart.load(CHART) as chart:
+        chart.validate_schema(NON_DEFAULT)
+        with pytest.raises(helm.HelmValuesError, match="additional properties 'replicas'"):
+            chart.validate_schema({"replicas": 2})
+        with pytest.raises(helm.HelmValuesError, match="additional properties 'tga'"):
+            chart.validate_schema({"image": {"repository": "r", "tag": "", "tga": "x",
+                                             "pullPolicy": "Always"}})
+
+
+def test_every_value_in_the_schema_is_commented_in_values_yaml() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    lines = (CHART / "values.yaml").read_text().splitlines()
+
+    def commented(key: str, indent: int) -> bool:
+        pattern = re.compile(rf"^{' ' * indent}{key}:")
+        for i, line in enumerate(lines):
+            if pattern.match(line):
+                return lines[i - 1].strip().startswith("#")
+        raise AssertionError(f"{key} missing from values.yaml")
+
+    for key, sub in schema["properties"].items():
+        if "properties" in sub:
+            assert all(commented(k, 2) for k in sub["properties"]), key
+        else:
+            assert commented(key, 0), key
+
+
+def test_chart_ships_the_same_crd_as_crds_directory() -> None:
+    name = "dlo.dev_diffusionoffloaddeployments.yaml"
+    assert (CHART / "crds" / name).read_bytes() == (ROOT / "crds" / name).read_bytes()

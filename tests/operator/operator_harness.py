@@ -1,0 +1,204 @@
+"""Harness of the operator tests: a Kubernetes API emulator (KMock) and the operator under
+kopf's `KopfRunner`, plus helpers that play the StatefulSet controller and the kubelet.
+
+KMock gaps filled here, so that the emulator behaves like an API server where the operator
+relies on it: it assigns no uid, resourceVersion, generation or creationTimestamp (filled on
+create; resourceVersion and generation bumped on change), and a server-side apply of a missing
+object is a 404 there but a create on a real server. It has no selectors, no schema defaulting
+or pruning and no garbage collector; the operator is run cluster-wide (`-A`) because KMock cannot
+serve the namespace list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import itertools
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import kmock
+import kubernetes.config.kube_config
+import pytest
+import pytest_asyncio
+from kopf.testing import KopfRunner
+
+from dlo_operator import handlers
+from dlo_operator.naming import GROUP, KIND, LABEL_DEPLOYMENT, LABEL_POD_INDEX, PLURAL, VERSION
+
+NAMESPACE = "inference"
+DOD_RESOURCE = f"{GROUP}/{VERSION}/{PLURAL}"
+DOD_PATH = f"/apis/{GROUP}/{VERSION}/namespaces/{NAMESPACE}/{PLURAL}"
+PODS_PATH = f"/api/v1/namespaces/{NAMESPACE}/pods"
+_APPLY = "application/apply-patch+yaml"
+
+
+class ClusterEmulator(kmock.KubernetesEmulator):
+    """KMock's emulator plus the object metadata and server-side-apply create of a real server."""
+
+    _versions = itertools.count(1)
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if request.resource is not None and isinstance(request.data, dict):
+            if request.action == kmock.action.CREATE:
+                self._fill_new(request)
+            elif request.action == kmock.action.UPDATE and request.name is not None:
+                await self._prepare_update(request)
+        return await super()._handle(request)
+
+    def _fill_new(self, request: kmock.Request) -> None:
+        meta = request.data.setdefault("metadata", {})
+        meta.setdefault("namespace", request.namespace)
+        meta["uid"] = str(uuid.uuid4())
+        meta["resourceVersion"] = str(next(self._versions))
+        meta["generation"] = 1
+        meta["creationTimestamp"] = datetime.datetime.now(datetime.timezone.utc).strftime(
+            "%Y-%m-%dT%H:%M:%SZ")
+
+    async def _prepare_update(self, request: kmock.Request) -> None:
+        key = (request.resource, request.namespace, request.name)
+        exists = key in self._objects and not self._objects[key].deleted
+        if not exists and request.headers.get("Content-Type", "").startswith(_APPLY):
+            self._fill_new(request)
+            async with self._lock:
+                self._objects[key] = copy.deepcopy(request.data)
+                raw = self._objects[key].raw
+                await self._buses[request.resource].put({"type": "ADDED", "object": raw})
+            return
+        if not exists:
+            return
+        meta = request.data.setdefault("metadata", {})
+        meta["resourceVersion"] = str(next(self._versions))
+        current = self._objects[key].raw
+        if request.subresource is None and "spec" in request.data and _merged(
+                current.get("spec"), request.data["spec"]) != current.get("spec"):
+            meta["generation"] = int(current["metadata"].get("generation", 1)) + 1
+
+
+def _merged(base: Any, patch: Any) -> Any:
+    if not isinstance(base, dict) or not isinstance(patch, dict):
+        return patch
+    out = dict(base)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _merged(base.get(key), value)
+    return out
+
+
+@pytest_asyncio.fixture()
+async def cluster(tmp_path: Path,
+                  monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[ClusterEmulator]:
+    """A running emulator with the DOD and pod resources declared, and a kubeconfig for it."""
+    async with ClusterEmulator() as emulator, kmock.Server(emulator):
+        emulator.resources[DOD_RESOURCE] = kmock.ResourceInfo(
+            kind=KIND, singular="diffusionoffloaddeployment", namespaced=True,
+            shortnames={"dod"}, subresources={"status"},
+            verbs={"get", "list", "watch", "create", "patch", "delete"})
+        emulator.resources["v1/pods"] = kmock.ResourceInfo(
+            kind="Pod", singular="pod", namespaced=True, subresources={"status"},
+            verbs={"get", "list", "watch", "create", "patch", "delete"})
+        # kopf waits for these to be discoverable even when it scans neither of them.
+        emulator.resources["v1/namespaces"] = kmock.ResourceInfo(
+            kind="Namespace", singular="namespace", namespaced=False, verbs={"get", "list"})
+        emulator.resources["v1/events"] = kmock.ResourceInfo(
+            kind="Event", singular="event", namespaced=True, verbs={"create"})
+        emulator.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = (
+            kmock.ResourceInfo(kind="CustomResourceDefinition",
+                               singular="customresourcedefinition", namespaced=False,
+                               verbs={"get", "list"}))
+        kubeconfig = str(_kubeconfig(tmp_path, str(emulator.url)))
+        monkeypatch.setenv("KUBECONFIG", kubeconfig)
+        # The client library reads $KUBECONFIG once, at import; kopf and the operator use it.
+        monkeypatch.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION",
+                            kubeconfig)
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        yield emulator
+
+
+def _kubeconfig(tmp_path: Path, url: str) -> Path:
+    config = {
+        "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+        "clusters": [{"name": "emulator", "cluster": {"server": url.rstrip("/")}}],
+        "users": [{"name": "tester", "user": {"token": "test-token"}}],
+        "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "tester"}}],
+    }
+    path = tmp_path / "kubeconfig.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+class Operator:
+    """Starts and stops the operator (kopf's CLI runner in a thread) against the emulator."""
+
+    def __init__(self) -> None:
+        self._runner: KopfRunner | None = None
+
+    async def start(self, *extra: str) -> None:
+        self._runner = KopfRunner(["run", "-A", "--standalone", *extra],
+                                  registry=handlers.registry, timeout=30)
+        await asyncio.to_thread(self._runner.__enter__)
+
+    async def stop(self) -> KopfRunner:
+        runner, self._runner = self._runner, None
+        assert runner is not None
+        await asyncio.to_thread(runner.__exit__, None, None, None)
+        return runner
+
+
+@pytest_asyncio.fixture()
+async def operator(cluster: ClusterEmulator) -> AsyncIterator[Operator]:
+    op = Operator()
+    await op.start()
+    try:
+        yield op
+    finally:
+        if op._runner is not None:
+            await op.stop()
+
+
+async def eventually(check: Callable[[], Any], *, timeout: float = 20.0) -> Any:
+    """Poll `check` until it returns something truthy (the operator works asynchronously)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            value = check()
+        except (KeyError, ValueError, AssertionError):
+            value = None
+        if value:
+            return value
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not reached within {timeout} s: {check.__doc__}")
+        await asyncio.sleep(0.1)
+
+
+def live(cluster: ClusterEmulator, resource: str, name: str) -> dict[str, Any] | None:
+    """The current state of an object, or None if it does not exist."""
+    key = (kmock.resource(resource), NAMESPACE, name)
+    if key not in cluster.objects or cluster.objects[key].deleted:
+        return None
+    return cluster.objects[key].raw
+
+
+async def request(cluster: ClusterEmulator, method: str, path: str, body: Any = None,
+                  content_type: str = "application/merge-patch+json") -> dict[str, Any]:
+    headers = {"Content-Type": content_type if method == "PATCH" else "application/json"}
+    async with cluster.request(method, path, data=json.dumps(body) if body is not None else None,
+                               headers=headers) as response:
+        assert response.status < 300, await response.text()
+        return await response.json()
+
+
+def workload_pod(dod: str, index: int, node: str) -> dict[str, Any]:
+    """A pod as the StatefulSet controller creates it (labels only; the status comes later)."""
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": f"{dod}-{index}", "namespace": NAMESPACE, "labels": {
+            LABEL_DEPLOYMENT: dod, LABEL_POD_INDEX: str(index)}},
+        "spec": {"nodeName": node},
+    }

@@ -1,0 +1,188 @@
+"""The pure builders: what the workload pod looks like, and `dlo render`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from dlo_operator.errors import SpecError
+from dlo_operator.manifests import build_children
+from dlo_operator.naming import Owner
+from dlo_operator.render import render_file
+from dlo_operator.spec import parse_spec
+from dlo_runtime import cli
+
+OWNER = Owner(name="flux", namespace="ml", uid="uid-1")
+MINIMAL = {"model": {"source": "s3://models/flux/"}, "inference": {"image": "server:1"}}
+EXAMPLES = sorted(Path(__file__).parents[2].joinpath("examples").glob("*.yaml"))
+
+
+def statefulset(spec: dict[str, Any], owner: Owner = OWNER) -> dict[str, Any]:
+    return build_children(owner, parse_spec(spec))[2]
+
+
+def containers(sts: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    pod = sts["spec"]["template"]["spec"]
+    return pod["initContainers"][0], pod["containers"][0]
+
+
+def env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def mounts(container: dict[str, Any]) -> dict[str, tuple[str, bool]]:
+    return {m["name"]: (m["mountPath"], m.get("readOnly", False))
+            for m in container["volumeMounts"]}
+
+
+def test_children_are_owned_and_applied_in_dependency_order() -> None:
+    children = build_children(OWNER, parse_spec(MINIMAL))
+    assert [(c["kind"], c["metadata"]["name"]) for c in children] == [
+        ("ConfigMap", "flux-settings"), ("Service", "flux-peers"), ("StatefulSet", "flux")]
+    for child in children:
+        assert child["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+        assert child["metadata"]["labels"]["dlo.dev/deployment"] == "flux"
+
+
+def test_configmap_holds_the_normalized_settings_document() -> None:
+    spec = parse_spec({**MINIMAL, "offload": {"layerwiseCpuOffload": True}})
+    configmap = build_children(OWNER, spec)[0]
+    document = json.loads(configmap["data"]["settings.json"])
+    assert document == spec.settings.to_dict()
+    assert document["offload"]["layerwise_cpu_offload"] is False
+
+
+def test_headless_service_publishes_not_ready_pods_for_the_rendezvous() -> None:
+    service = build_children(OWNER, parse_spec(MINIMAL))[1]
+    assert (service["spec"]["clusterIP"], service["spec"]["publishNotReadyAddresses"]) == (
+        "None", True)
+    assert service["spec"]["ports"][0]["port"] == 29500
+
+
+def test_statefulset_runs_one_pod_per_node_started_in_parallel() -> None:
+    sts = statefulset({**MINIMAL, "replicas": 3})
+    assert (sts["spec"]["replicas"], sts["spec"]["podManagementPolicy"],
+            sts["spec"]["serviceName"]) == (3, "Parallel", "flux-peers")
+    terms = sts["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms == [{"labelSelector": {"matchLabels": sts["spec"]["selector"]["matchLabels"]},
+                      "topologyKey": "kubernetes.io/hostname"}]
+
+
+def test_user_affinity_is_kept_next_to_the_anti_affinity_term() -> None:
+    node_affinity = {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}]}}
+    sts = statefulset({**MINIMAL, "affinity": {"nodeAffinity": node_affinity}})
+    affinity = sts["spec"]["template"]["spec"]["affinity"]
+    assert affinity["nodeAffinity"] == node_affinity
+    assert len(affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]) == 1
+
+
+def test_loader_gets_contract_c2_rank_world_and_rendezvous() -> None:
+    loader, _ = containers(statefulset({**MINIMAL, "replicas": 4, "loader": {"port": 29600}}))
+    assert loader["command"] == ["dlo", "cache", "fill"]
+    assert loader["args"] == ["--config", "/etc/dlo/settings.json",
+                              "--entry-file", "/run/dlo/entry.json"]
+    assert env(loader) == {
+        "RANK": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}},
+        "WORLD_SIZE": "4",
+        "MASTER_ADDR": "flux-0.flux-peers.ml.svc.cluster.local",
+        "MASTER_PORT": "29600",
+        "DLO_CONFIG": "/etc/dlo/settings.json",
+    }
+    assert mounts(loader) == {"settings": ("/etc/dlo", True), "run": ("/run/dlo", False),
+                              "loader-tmp": ("/tmp", False),
+                              "cache": ("/var/lib/dlo/cache", False)}
+
+
+def test_loader_is_locked_down() -> None:
+    loader, _ = containers(statefulset(MINIMAL))
+    assert loader["securityContext"] == {
+        "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+        "privileged": False, "readOnlyRootFilesystem": True,
+        "seccompProfile": {"type": "RuntimeDefault"}}
+    pod = statefulset(MINIMAL)["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert "serviceAccountName" not in pod
+
+
+def test_s3_keys_come_from_the_secret_reference() -> None:
+    loader, inference = containers(statefulset({**MINIMAL, "model": {
+        "source": "s3://b/p/", "credentials": {"secretName": "keys", "accessKeyIdKey": "id"}}}))
+    assert env(loader)["AWS_ACCESS_KEY_ID"] == {
+        "secretKeyRef": {"name": "keys", "key": "id", "optional": False}}
+    assert env(loader)["AWS_SESSION_TOKEN"] == {
+        "secretKeyRef": {"name": "keys", "key": "AWS_SESSION_TOKEN", "optional": True}}
+    assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} & set(env(inference))
+
+
+def test_service_account_for_web_identity_is_passed_through() -> None:
+    pod = statefulset({**MINIMAL, "serviceAccountName": "reader",
+                       "automountServiceAccountToken": True})["spec"]["template"]["spec"]
+    assert (pod["serviceAccountName"], pod["automountServiceAccountToken"]) == ("reader", True)
+
+
+def test_inference_container_gets_contract_c3_and_a_read_only_cache() -> None:
+    _, inference = containers(statefulset({**MINIMAL, "gpusPerPod": 8, "inference": {
+        "image": "server:1", "env": [{"name": "A", "value": "1"}],
+        "resources": {"limits": {"memory": "10Gi"}}}}))
+    assert env(inference) == {"A": "1", "DLO_CONFIG": "/etc/dlo/settings.json",
+                              "DLO_ENTRY_FILE": "/run/dlo/entry.json",
+                              "DLO_CACHE_ROOT": "/var/lib/dlo/cache"}
+    assert mounts(inference) == {"settings": ("/etc/dlo", True), "run": ("/run/dlo", True),
+                                 "cache": ("/var/lib/dlo/cache", True)}
+    assert inference["resources"] == {"limits": {"memory": "10Gi", "nvidia.com/gpu": "8"}}
+
+
+def test_runtime_cache_makes_the_cache_writable_and_mounts_a_separate_root() -> None:
+    sts = statefulset({**MINIMAL, "offload": {
+        "useAllgather": False, "enableRuntimeCache": True, "runtimeCacheRoot": "/mnt/rt"}})
+    _, inference = containers(sts)
+    assert mounts(inference)["cache"] == ("/var/lib/dlo/cache", False)
+    assert mounts(inference)["runtime-cache"] == ("/mnt/rt", False)
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["runtime-cache"]["hostPath"] == {"path": "/mnt/rt", "type": "DirectoryOrCreate"}
+
+
+def test_a_settings_change_changes_the_pod_template() -> None:
+    def template_hash(spec: dict[str, Any]) -> str:
+        return statefulset(spec)["spec"]["template"]["metadata"]["annotations"][
+            "dlo.dev/settings-sha256"]
+    assert template_hash(MINIMAL) == template_hash(dict(MINIMAL))
+    assert template_hash(MINIMAL) != template_hash({**MINIMAL, "quantization": "fp8_per_tensor"})
+
+
+def test_render_prints_the_children_of_every_example(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["render", str(EXAMPLES[0])]) == 0
+    documents = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [d["kind"] for d in documents] == ["ConfigMap", "Service", "StatefulSet"]
+    assert all("ownerReferences" not in d["metadata"] for d in documents)
+    for example in EXAMPLES:
+        assert len(list(yaml.safe_load_all(render_file(example)))) == 3
+
+
+def test_render_reports_an_invalid_spec_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "dlo.dev/v1alpha1",
+                                    "kind": "DiffusionOffloadDeployment",
+                                    "metadata": {"name": "bad"},
+                                    "spec": {**MINIMAL, "parallel": {"hsdp": True, "dp": 2},
+                                             "offload": {"useAllgather": False}}}))
+    assert cli.main(["render", str(path)]) == 1
+    assert capsys.readouterr().err == (
+        "dlo: error: default/bad: invalid settings: parallel.hsdp, parallel.dp, parallel.tp: "
+        "HSDP cannot combine with parallel.dp=2 or parallel.tp=1 [hsdp-with-dp-or-tp]; "
+        "fix: set parallel.dp=1 and parallel.tp=1, or parallel.hsdp=false\n")
+
+
+def test_render_rejects_other_kinds(tmp_path: Path) -> None:
+    path = tmp_path / "pod.yaml"
+    path.write_text("apiVersion: v1\nkind: Pod\nmetadata: {name: p}\n")
+    with pytest.raises(SpecError, match="^expected apiVersion dlo.dev/v1alpha1 kind "
+                                        "DiffusionOffloadDeployment, found 'Pod'$"):
+        render_file(path)

@@ -1,0 +1,45 @@
+"""`dlo operator run`: the watch scope and the liveness endpoint reach kopf."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+import pytest
+
+from dlo_operator import handlers
+from dlo_runtime import cli
+
+
+@pytest.fixture()
+def kopf_runs(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(kopf, "run", lambda **kwargs: calls.append(kwargs))
+    return calls
+
+
+def test_namespaces_are_watched_one_by_one(kopf_runs: list[dict[str, Any]]) -> None:
+    assert cli.main(["operator", "run", "-n", "a", "--namespace", "b",
+                     "--liveness", "http://0.0.0.0:9000/healthz"]) == 0
+    assert kopf_runs == [{"registry": handlers.registry, "clusterwide": False,
+                          "namespaces": ["a", "b"], "standalone": True,
+                          "liveness_endpoint": "http://0.0.0.0:9000/healthz"}]
+
+
+def test_all_namespaces(kopf_runs: list[dict[str, Any]]) -> None:
+    assert cli.main(["operator", "run", "--all-namespaces"]) == 0
+    assert (kopf_runs[0]["clusterwide"], kopf_runs[0]["namespaces"],
+            kopf_runs[0]["liveness_endpoint"]) == (True, [], "http://0.0.0.0:8080/healthz")
+
+
+def test_a_scope_is_required(kopf_runs: list[dict[str, Any]],
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["operator", "run"])
+    assert info.value.code == 2
+    assert "one of the arguments -n/--namespace -A/--all-namespaces is required" in (
+        capsys.readouterr().err)
+    assert cli.main(["operator", "run", "--namespace", ""]) == 1
+    assert capsys.readouterr().err == ("dlo: error: --namespace needs a namespace name "
+                                       "(hint: pass --namespace NAME or --all-namespaces)\n")
+    assert kopf_runs == []

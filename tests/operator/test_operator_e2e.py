@@ -1,0 +1,205 @@
+"""The operator end to end: kopf's runner against the Kubernetes API emulator."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from typing import Any
+
+import aiohttp
+
+from operator_harness import (
+    DOD_PATH,
+    DOD_RESOURCE,
+    NAMESPACE,
+    PODS_PATH,
+    ClusterEmulator,
+    Operator,
+    eventually,
+    live,
+    request,
+    workload_pod,
+)
+
+CONFIGMAPS = "v1/configmaps"
+SERVICES = "v1/services"
+STATEFULSETS = "apps/v1/statefulsets"
+
+
+def dod(name: str = "flux", **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "dlo.dev/v1alpha1", "kind": "DiffusionOffloadDeployment",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {"replicas": 2, "model": {"source": "s3://models/flux/"},
+                 "inference": {"image": "server:1"}, **spec},
+    }
+
+
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next(c for c in status["conditions"] if c["type"] == kind)
+
+
+def children(cluster: ClusterEmulator, name: str) -> list[dict[str, Any] | None]:
+    return [live(cluster, CONFIGMAPS, f"{name}-settings"), live(cluster, SERVICES, f"{name}-peers"),
+            live(cluster, STATEFULSETS, name)]
+
+
+async def test_create_makes_owned_children_and_pods_drive_the_status(
+        cluster: ClusterEmulator, operator: Operator) -> None:
+    created = await request(cluster, "POST", DOD_PATH, dod())
+    uid = created["metadata"]["uid"]
+
+    found = await eventually(lambda: all(children(cluster, "flux")) and children(cluster, "flux"))
+    for child in found:
+        assert child["metadata"]["ownerReferences"] == [{
+            "apiVersion": "dlo.dev/v1alpha1", "kind": "DiffusionOffloadDeployment",
+            "name": "flux", "uid": uid, "controller": True, "blockOwnerDeletion": True}]
+    status = await eventually(lambda: live(cluster, DOD_RESOURCE, "flux")["status"])
+    assert (status["phase"], condition(status, "Valid")["status"]) == ("Pending", "True")
+    assert status["observedGeneration"] == 1
+
+    # The StatefulSet controller creates the pods; the kubelet reports the loaders' progress.
+    for index in (0, 1):
+        await request(cluster, "POST", PODS_PATH, workload_pod("flux", index, f"gpu-{index}"))
+    await _loader(cluster, "flux-0", {"state": {"running": {}}})
+    await eventually(lambda: live(cluster, DOD_RESOURCE, "flux")["status"]["phase"] == "Loading")
+
+    summary = {"status": "ok", "entry_id": "e" * 64, "mode": "multi-reader", "rank": 0,
+               "world_size": 2, "bytes_from_store": 600, "bytes_from_peers": 400,
+               "bytes_to_peers": 600, "seconds": 2.5, "cached": False}
+    await _loader(cluster, "flux-0", {"state": {"terminated": {
+        "exitCode": 0, "reason": "Completed", "message": json.dumps(summary)}}})
+    await _loader(cluster, "flux-1", {"restartCount": 3, "state": {"waiting": {
+        "reason": "CrashLoopBackOff"}}, "lastState": {"terminated": {
+            "exitCode": 1, "message": json.dumps({
+                "status": "error", "rank": 1, "error": "s3://models/flux/ not readable: 403"})}}})
+    status = await eventually(lambda: _phase_is(cluster, "Degraded"))
+    assert status["message"] == ("loader on gpu-1 (pod flux-1, 3 restarts) failed: "
+                                 "CrashLoopBackOff: s3://models/flux/ not readable: 403")
+    assert condition(status, "CacheReady")["reason"] == "LoaderFailed"
+    assert status["nodes"][0] | {} == {
+        "pod": "flux-0", "node": "gpu-0", "rank": 0, "loader": "Cached", "restarts": 0,
+        "ready": False, "entryId": "e" * 64, "mode": "multi-reader", "bytesFromStore": 600,
+        "bytesFromPeers": 400, "seconds": 2.5}
+
+    await _loader(cluster, "flux-1", {"restartCount": 4, "state": {"terminated": {
+        "exitCode": 0, "message": json.dumps({**summary, "rank": 1})}}})
+    for index in (0, 1):
+        await request(cluster, "PATCH", f"{PODS_PATH}/flux-{index}/status", {"status": {
+            "conditions": [{"type": "Ready", "status": "True"}]}})
+    status = await eventually(lambda: _phase_is(cluster, "Ready"))
+    assert [condition(status, t)["status"] for t in ("Valid", "CacheReady", "Available")] == [
+        "True", "True", "True"]
+    assert (status["ready"], status["cache"]) == ("2/2", "2/2")
+
+
+async def test_invalid_spec_is_reported_and_creates_nothing(
+        cluster: ClusterEmulator, operator: Operator) -> None:
+    await request(cluster, "POST", DOD_PATH, dod(parallel={"hsdp": True}))
+
+    status = await eventually(lambda: live(cluster, DOD_RESOURCE, "flux")["status"])
+    assert status["phase"] == "Failed"
+    assert condition(status, "Valid") | {"lastTransitionTime": None} == {
+        "type": "Valid", "status": "False", "reason": "SpecInvalid", "lastTransitionTime": None,
+        "message": "invalid settings: parallel.hsdp, offload.use_allgather: HSDP with DLO "
+                   "AllGather would shard parameters twice [hsdp-allgather]; fix: set "
+                   "offload.use_allgather=false (HSDP then keeps rank-local tensors)"}
+    assert children(cluster, "flux") == [None, None, None]
+    assert not [r for r in list(cluster) if r.resource is not None
+                and r.resource.plural in ("configmaps", "services", "statefulsets")]
+
+
+async def test_update_rolls_the_statefulset(cluster: ClusterEmulator, operator: Operator) -> None:
+    await request(cluster, "POST", DOD_PATH, dod())
+    before = await eventually(lambda: live(cluster, STATEFULSETS, "flux"))
+    old_hash = before["spec"]["template"]["metadata"]["annotations"]["dlo.dev/settings-sha256"]
+
+    await request(cluster, "PATCH", f"{DOD_PATH}/flux", {"spec": {
+        "offload": {"useAllgather": False, "residentLayers": 2}, "replicas": 3}})
+
+    after = await eventually(lambda: _rolled(cluster, old_hash))
+    assert after["spec"]["replicas"] == 3
+    settings = json.loads(live(cluster, "v1/configmaps", "flux-settings")["data"]["settings.json"])
+    assert (settings["offload"]["use_allgather"], settings["offload"]["resident_layers"]) == (
+        False, 2)
+    await eventually(lambda: live(cluster, DOD_RESOURCE, "flux")["status"][
+        "observedGeneration"] == 2)
+
+
+async def test_restart_resumes_without_duplicates(
+        cluster: ClusterEmulator, operator: Operator) -> None:
+    await request(cluster, "POST", DOD_PATH, dod())
+    first = await eventually(lambda: all(children(cluster, "flux")) and children(cluster, "flux"))
+    await operator.stop()
+    writes_before = len(_child_writes(cluster))
+
+    await operator.start()
+    await eventually(lambda: len(_child_writes(cluster)) >= writes_before + 3)
+    await operator.stop()
+
+    assert [r.method for r in _child_writes(cluster)] == ["PATCH"] * (writes_before + 3)
+    again = children(cluster, "flux")
+    assert [c["metadata"]["uid"] for c in again] == [c["metadata"]["uid"] for c in first]
+    assert [c["metadata"]["generation"] for c in again] == [1, 1, 1]
+    assert len([key for key in cluster.objects if key[0].plural == "statefulsets"]) == 1
+
+
+async def test_delete_leaves_children_to_owner_references(
+        cluster: ClusterEmulator, operator: Operator) -> None:
+    await request(cluster, "POST", DOD_PATH, dod())
+    await eventually(lambda: live(cluster, DOD_RESOURCE, "flux")["metadata"].get("finalizers"))
+    await eventually(lambda: all(children(cluster, "flux")))
+
+    await request(cluster, "DELETE", f"{DOD_PATH}/flux")
+
+    await eventually(lambda: live(cluster, DOD_RESOURCE, "flux") is None)
+    assert all(children(cluster, "flux"))  # the cluster's garbage collector removes them
+    events = [r.data for r in list(cluster) if r.resource is not None
+              and r.resource.plural == "events" and r.method == "POST"]
+    assert any(e.get("reason") == "Deleted" for e in events)
+
+
+async def test_liveness_endpoint_answers(cluster: ClusterEmulator) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    operator = Operator()
+    await operator.start(f"--liveness=http://127.0.0.1:{port}/healthz")
+    try:
+        async with aiohttp.ClientSession() as session:
+            async def healthy() -> bool:
+                try:
+                    async with session.get(f"http://127.0.0.1:{port}/healthz") as response:
+                        return response.status == 200
+                except aiohttp.ClientConnectionError:
+                    return False
+            for _ in range(100):
+                if await healthy():
+                    break
+                await asyncio.sleep(0.1)
+            assert await healthy()
+    finally:
+        await operator.stop()
+
+
+async def _loader(cluster: ClusterEmulator, pod: str, loader_status: dict[str, Any]) -> None:
+    await request(cluster, "PATCH", f"{PODS_PATH}/{pod}/status", {"status": {
+        "initContainerStatuses": [{"name": "loader", "restartCount": 0, **loader_status}]}})
+
+
+def _phase_is(cluster: ClusterEmulator, phase: str) -> dict[str, Any] | None:
+    status = live(cluster, DOD_RESOURCE, "flux")["status"]
+    return status if status["phase"] == phase else None
+
+
+def _rolled(cluster: ClusterEmulator, old_hash: str) -> dict[str, Any] | None:
+    sts = live(cluster, STATEFULSETS, "flux")
+    annotations = sts["spec"]["template"]["metadata"]["annotations"]
+    return sts if annotations["dlo.dev/settings-sha256"] != old_hash else None
+
+
+def _child_writes(cluster: ClusterEmulator) -> list[Any]:
+    return [r for r in list(cluster) if r.resource is not None
+            and r.resource.plural in ("configmaps", "services", "statefulsets")
+            and r.method in ("POST", "PATCH", "PUT")]

@@ -1,0 +1,75 @@
+"""Every manifest the builders produce passes kubernetes-validate (strict) on 1.29 to 1.37."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate.utils import all_versions
+
+from dlo_operator.manifests import build_children
+from dlo_operator.naming import Owner
+from dlo_operator.spec import parse_spec
+
+KUBERNETES_VERSIONS = [f"1.{minor}" for minor in range(29, 38)]
+EXAMPLES = sorted(Path(__file__).parents[2].joinpath("examples").glob("*.yaml"))
+BASE = {"model": {"source": "s3://models/m/"}, "inference": {"image": "server:1"}}
+SPECS: dict[str, dict[str, Any]] = {
+    "minimal": BASE,
+    "no-gpus-one-replica": {**BASE, "gpusPerPod": 0},
+    "secret-credentials": {**BASE, "model": {"source": "s3://m/p/", "credentials": {
+        "secretName": "s3", "sessionTokenKey": ""}}},
+    "runtime-cache-separate-root": {**BASE, "offload": {
+        "useAllgather": False, "enableRuntimeCache": True, "runtimeCacheRoot": "/mnt/rt",
+        "runtimeCachePinLimitGiB": 1.5}},
+    "offload-disabled": {**BASE, "offload": {"enabled": False}},
+    "scheduling": {**BASE, "replicas": 8, "nodeSelector": {"pool": "gpu"},
+                   "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                   "affinity": {"podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                       {"weight": 1, "podAffinityTerm": {"topologyKey": "zone", "labelSelector": {
+                           "matchLabels": {"app": "cache"}}}}]}},
+                   "serviceAccountName": "reader", "automountServiceAccountToken": True},
+    "inference-full": {**BASE, "inference": {
+        "image": "server:1", "imagePullPolicy": "Always", "command": ["python"],
+        "args": ["-m", "s"],
+        "env": [{"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+        "ports": [{"name": "http", "containerPort": 8000}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}},
+        "resources": {"requests": {"cpu": "4"}, "limits": {"memory": "64Gi"}}},
+        "loader": {"resources": {"requests": {"cpu": "500m"}}, "port": 30000}},
+}
+
+
+def _manifests() -> list[tuple[str, dict[str, Any]]]:
+    owner = Owner(name="dod", namespace="ns", uid="0b5e7b57-5b1c-4b39-9d7e-3f8f4f6c7a10")
+    cases = [(f"spec:{name}", spec) for name, spec in SPECS.items()]
+    cases += [(f"example:{path.name}", yaml.safe_load(path.read_text())["spec"])
+              for path in EXAMPLES]
+    return [(f"{case}:{child['kind']}", child)
+            for case, spec in cases for child in build_children(owner, parse_spec(spec))]
+
+
+MANIFESTS = _manifests()
+
+
+def test_the_installed_validator_ships_every_version() -> None:
+    shipped = {".".join(v.split(".")[:2]) for v in all_versions()}
+    assert set(KUBERNETES_VERSIONS) <= shipped
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_every_built_manifest_is_valid_for(version: str) -> None:
+    assert len(MANIFESTS) == 3 * (len(SPECS) + len(EXAMPLES))
+    for case, manifest in MANIFESTS:
+        checked = kubernetes_validate.validate(manifest, version, strict=True)
+        assert checked == version, case
+
+
+def test_strict_validation_catches_a_misspelled_field() -> None:
+    _, manifest = MANIFESTS[2]
+    broken = {**manifest, "spec": {**manifest["spec"], "podManagmentPolicy": "Parallel"}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSIONS[-1], strict=True)

@@ -1,0 +1,122 @@
+"""`status_from_pods`: phases, conditions and per-node rows from pod and loader states."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from dlo_operator.status import node_entry, status_from_pods
+
+NOW = "2030-01-01T00:00:00Z"
+LATER = "2030-01-01T00:05:00Z"
+SUMMARY = {"status": "ok", "entry_id": "ab" * 32, "mode": "multi-reader", "rank": 1,
+           "world_size": 2, "bytes_from_store": 10, "bytes_from_peers": 30, "bytes_to_peers": 10,
+           "seconds": 1.5, "cached": False}
+
+
+def pod(index: int, loader: dict[str, Any] | None = None, *, ready: bool = False,
+        inference: dict[str, Any] | None = None) -> dict[str, Any]:
+    status: dict[str, Any] = {"conditions": [{"type": "Ready", "status": str(ready)}]}
+    if loader is not None:
+        status["initContainerStatuses"] = [{"name": "loader", "restartCount": 0, **loader}]
+    if inference is not None:
+        status["containerStatuses"] = [{"name": "inference", **inference}]
+    return {"metadata": {"name": f"flux-{index}", "labels": {
+        "apps.kubernetes.io/pod-index": str(index)}}, "spec": {"nodeName": f"node-{index}"},
+        "status": status}
+
+
+def done(summary: dict[str, Any] = SUMMARY) -> dict[str, Any]:
+    return {"state": {"terminated": {"exitCode": 0, "message": json.dumps(summary)}}}
+
+
+def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+
+def test_no_pods_is_pending() -> None:
+    status = status_from_pods([], replicas=2, previous=None, now=NOW)
+    assert (status["phase"], status["message"]) == (
+        "Pending", "0/2 pods created, no loader started yet")
+    assert conditions(status) == {"Valid": ("True", "SpecValid"),
+                                  "CacheReady": ("False", "Loading"),
+                                  "Available": ("False", "ReplicasNotReady"),
+                                  "Progressing": ("True", "Pending")}
+
+
+def test_a_running_loader_is_loading() -> None:
+    status = status_from_pods([pod(0, {"state": {"running": {}}}), pod(1)], replicas=2,
+                              previous=None, now=NOW)
+    assert (status["phase"], status["cache"], status["ready"]) == ("Loading", "0/2", "0/2")
+    assert [n["loader"] for n in status["nodes"]] == ["Running", "Waiting"]
+
+
+def test_finished_loaders_report_their_summary_and_ready_pods_make_it_ready() -> None:
+    status = status_from_pods([pod(1, done(), ready=True), pod(0, done(), ready=True)],
+                              replicas=2, previous=None, now=NOW)
+    assert status["phase"] == "Ready"
+    assert conditions(status)["CacheReady"] == ("True", "AllNodesCached")
+    assert conditions(status)["Progressing"] == ("False", "Complete")
+    assert status["nodes"][1] == {
+        "pod": "flux-1", "node": "node-1", "rank": 1, "loader": "Cached", "restarts": 0,
+        "ready": True, "entryId": "ab" * 32, "mode": "multi-reader", "bytesFromStore": 10,
+        "bytesFromPeers": 30, "seconds": 1.5}
+
+
+def test_a_crash_looping_loader_is_degraded_with_its_error() -> None:
+    failing = {"restartCount": 5, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+               "lastState": {"terminated": {"exitCode": 1, "message": json.dumps(
+                   {"status": "error", "rank": 0, "error": "no space left on /var/lib/dlo"})}}}
+    status = status_from_pods([pod(0, failing), pod(1, done())], replicas=2, previous=None, now=NOW)
+    assert status["phase"] == "Degraded"
+    assert status["message"] == ("loader on node-0 (pod flux-0, 5 restarts) failed: "
+                                 "CrashLoopBackOff: no space left on /var/lib/dlo")
+    assert conditions(status)["CacheReady"] == ("False", "LoaderFailed")
+    assert conditions(status)["Progressing"] == ("False", "Stalled")
+
+
+def test_a_loader_that_died_without_a_summary_shows_its_log_tail() -> None:
+    crashed = {"state": {"terminated": {"exitCode": 137, "reason": "OOMKilled",
+                                        "message": "reading chunk 3\nKilled\n"}}}
+    entry = node_entry(pod(0, crashed))
+    assert (entry["loader"], entry["message"]) == ("Failed", "Killed")
+    silent = {"state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}
+    assert node_entry(pod(0, silent))["message"] == "exit code 137 (OOMKilled)"
+
+
+def test_missing_credentials_secret_is_a_failure_not_a_wait() -> None:
+    waiting = {"state": {"waiting": {"reason": "CreateContainerConfigError",
+                                     "message": 'secret "keys" not found'}}}
+    status = status_from_pods([pod(0, waiting)], replicas=1, previous=None, now=NOW)
+    assert status["message"] == ('loader on node-0 (pod flux-0, 0 restarts) failed: '
+                                 'CreateContainerConfigError: secret "keys" not found')
+
+
+def test_a_crash_looping_inference_container_is_degraded() -> None:
+    status = status_from_pods([pod(0, done(), inference={"state": {"waiting": {
+        "reason": "CrashLoopBackOff", "message": "back-off 5m0s"}}})], replicas=1,
+        previous=None, now=NOW)
+    assert (status["phase"], status["message"]) == (
+        "Degraded", "inference container of pod flux-0 is in CrashLoopBackOff: back-off 5m0s")
+    assert conditions(status)["CacheReady"] == ("True", "AllNodesCached")
+
+
+def test_invalid_spec_is_failed_whatever_the_pods_say() -> None:
+    status = status_from_pods([pod(0, done(), ready=True)], replicas=1, previous=None, now=NOW,
+                              invalid_message="invalid settings: x")
+    assert (status["phase"], conditions(status)["Valid"]) == ("Failed", ("False", "SpecInvalid"))
+
+
+def test_terminating_pods_are_not_counted() -> None:
+    leaving = pod(0, done(), ready=True)
+    leaving["metadata"]["deletionTimestamp"] = NOW
+    status = status_from_pods([leaving], replicas=1, previous=None, now=NOW)
+    assert (status["phase"], status["nodes"]) == ("Pending", [])
+
+
+def test_transition_times_change_only_with_the_condition_status() -> None:
+    first = status_from_pods([pod(0, {"state": {"running": {}}})], replicas=1,
+                             previous=None, now=NOW)
+    second = status_from_pods([pod(0, done(), ready=True)], replicas=1, previous=first, now=LATER)
+    times = {c["type"]: c["lastTransitionTime"] for c in second["conditions"]}
+    assert times == {"Valid": NOW, "CacheReady": LATER, "Available": LATER, "Progressing": LATER}
