@@ -1,0 +1,233 @@
+"""`dlo bench runtime`: what the DLO hooks cost, against the resident model in the same run.
+
+Owns the runtime benchmark. On the CPU it measures the host time the hooks spend per streamed
+block (slot bookkeeping and repointing, apart from the block copies, which on a GPU run on the
+copy stream) against the resident forward. On CUDA it also times one step resident, with DLO,
+and with diffusers' own block-level group offloading (one block per group, with streams) on the
+same model and inputs. Every variant's output is compared with the resident one before any
+figure is reported. With `--host-memory ARGS...` it runs `dlo_bench.host_memory` instead.
+Must not be imported by the runtime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kind", choices=("flux", "sd3", "wan"), default="flux",
+                        help="diffusers DiT class (tiny config, random weights)")
+    parser.add_argument("--layers", type=int, default=8, help="DiT blocks")
+    parser.add_argument("--head-dim", type=int, default=64, help="head width (2 heads)")
+    parser.add_argument("--side", type=int, default=16, help="latent height and width")
+    parser.add_argument("--batch", type=int, default=2, help="batch size")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads for torch; 1 keeps other load from skewing the ratio")
+    parser.add_argument("--cuda-head-dim", type=int, default=512,
+                        help="head width of the CUDA step-time comparison")
+    parser.add_argument("--cuda-side", type=int, default=64,
+                        help="latent side of the CUDA step-time comparison")
+    parser.add_argument("--json", action="store_true",
+                        help="end the output with one JSON line holding every figure")
+    parser.add_argument("--host-memory", nargs=argparse.REMAINDER, default=None,
+                        metavar="ARGS", help="run the host-memory benchmark with ARGS instead")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.host_memory is not None:
+        return _host_memory(args)
+    import torch
+
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    report: dict[str, Any] = {
+        "benchmark": "runtime",
+        "commit": _commit(),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "torch": torch.__version__,
+                    "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+        "parameters": {k: v for k, v in vars(args).items() if k not in ("json", "host_memory")},
+    }
+    figures = _cpu_hooks(args)
+    if torch.cuda.is_available():
+        figures |= _cuda_steps(args)
+    report["figures"] = figures
+    failed = [name for name, value in figures.items() if name.endswith("_equal") and not value]
+    for name, value in figures.items():
+        print(f"{name:44s} {value:.4g}" if isinstance(value, float) else f"{name:44s} {value}")
+    if args.json:
+        print(json.dumps(report, sort_keys=True))
+    if failed:
+        print(f"bench runtime: outputs differ from the resident model: {', '.join(failed)}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _host_memory(args: argparse.Namespace) -> int:
+    from dlo_bench import host_memory
+
+    parser = argparse.ArgumentParser(prog="dlo bench runtime --host-memory")
+    host_memory.add_arguments(parser)
+    extra = ["--json"] if args.json and "--json" not in args.host_memory else []
+    return host_memory.run(parser.parse_args([*args.host_memory, *extra]))
+
+
+def _settings() -> Any:
+    from dlo_runtime.settings import OffloadConfig, Settings
+
+    return Settings(offload=OffloadConfig(use_allgather=False))
+
+
+def _timed_steps(step: Callable[[], Any], args: argparse.Namespace, sync: Callable[[], None]
+                 ) -> float:
+    """Median seconds of one step, after `args.warmup` untimed ones."""
+    for _ in range(args.warmup):
+        step()
+    sync()
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _cpu_hooks(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from dlo_bench.models import example_inputs, tiny_model
+    from dlo_runtime.backend import DistributedLayerwiseOffloadBackend
+
+    model = tiny_model(args.kind, num_layers=args.layers, head_dim=args.head_dim)
+    inputs = example_inputs(args.kind, model, batch=args.batch, side=args.side)
+
+    def step() -> torch.Tensor:
+        with torch.inference_mode():
+            return model(**inputs)[0]
+
+    expected = step()
+    resident_s = _timed_steps(step, args, lambda: None)
+    with DistributedLayerwiseOffloadBackend(model, settings=_settings(), device="cpu") as backend:
+        equal = torch.equal(step(), expected)
+        dlo_s = _timed_steps(step, args, lambda: None)
+        hook_s, copy_s = _instrumented(backend, step, args)
+        blocks = len(backend.layouts)
+    steps_blocks = args.steps * blocks
+    hook_us = hook_s / steps_blocks * 1e6
+    copy_us = copy_s / steps_blocks * 1e6
+    resident_block_us = resident_s / args.layers * 1e6
+    return {
+        "cpu_dlo_equal": equal,
+        "cpu_streamed_blocks": blocks,
+        "cpu_resident_step_us": resident_s * 1e6,
+        "cpu_dlo_step_us": dlo_s * 1e6,
+        "cpu_dlo_step_ratio": dlo_s / resident_s,
+        "cpu_resident_us_per_block": resident_block_us,
+        "cpu_hook_us_per_block": hook_us,
+        "cpu_copy_us_per_block": copy_us,
+        "cpu_hook_overhead_us_per_block": hook_us - copy_us,
+        "cpu_hook_overhead_ratio": (hook_us - copy_us) / resident_block_us,
+    }
+
+
+def _instrumented(backend: Any, step: Callable[[], Any], args: argparse.Namespace
+                  ) -> tuple[float, float]:
+    """Seconds spent in the hooks, and in the block copies they issue, over `args.steps`."""
+    spent = {"hooks": 0.0, "copies": 0.0}
+
+    def timed(function: Callable[..., Any], bucket: str) -> Callable[..., Any]:
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*a, **kw)
+            finally:
+                spent[bucket] += time.perf_counter() - start
+        return wrapper
+
+    scheduler, source = backend._scheduler, backend._source
+    for name in ("acquire", "prefetch", "release"):
+        setattr(scheduler, name, timed(getattr(scheduler, name), "hooks"))
+    source.load = timed(source.load, "copies")
+    for _ in range(args.warmup):
+        step()
+    spent.update(hooks=0.0, copies=0.0)
+    for _ in range(args.steps):
+        step()
+    return spent["hooks"], spent["copies"]
+
+
+def _cuda_steps(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from diffusers.hooks import apply_group_offloading
+
+    from dlo_bench.models import example_inputs, tiny_model
+    from dlo_runtime.backend import DistributedLayerwiseOffloadBackend
+
+    device = torch.device("cuda")
+    sync = torch.cuda.synchronize
+
+    def build() -> Any:
+        return tiny_model(args.kind, num_layers=args.layers, head_dim=args.cuda_head_dim,
+                          dtype=torch.bfloat16)
+
+    def measure(model: Any) -> tuple[float, Any, int]:
+        inputs = example_inputs(args.kind, model, batch=args.batch, side=args.cuda_side)
+        inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
+
+        def step() -> Any:
+            with torch.inference_mode():
+                return model(**inputs)[0]
+
+        torch.cuda.reset_peak_memory_stats()
+        seconds = _timed_steps(step, args, sync)
+        return seconds, step(), torch.cuda.max_memory_allocated()
+
+    resident = build().to(device)
+    resident_s, expected, resident_peak = measure(resident)
+    del resident
+    torch.cuda.empty_cache()
+    dlo_model = build()
+    with DistributedLayerwiseOffloadBackend(dlo_model, settings=_settings(), device=device):
+        dlo_s, dlo_out, dlo_peak = measure(dlo_model)
+    del dlo_model
+    torch.cuda.empty_cache()
+    group_model = build()
+    apply_group_offloading(group_model, onload_device=device, offload_type="block_level",
+                           num_blocks_per_group=1, use_stream=True)
+    group_s, group_out, group_peak = measure(group_model)
+    return {
+        "cuda_dlo_equal": torch.equal(dlo_out, expected),
+        "cuda_group_offload_matches_resident": torch.equal(group_out, expected),
+        "cuda_resident_step_ms": resident_s * 1e3,
+        "cuda_dlo_step_ms": dlo_s * 1e3,
+        "cuda_group_offload_step_ms": group_s * 1e3,
+        "cuda_dlo_vs_resident_ratio": dlo_s / resident_s,
+        "cuda_dlo_vs_group_offload_ratio": dlo_s / group_s,
+        "cuda_resident_peak_bytes": resident_peak,
+        "cuda_dlo_peak_bytes": dlo_peak,
+        "cuda_group_offload_peak_bytes": group_peak,
+    }
+
+
+def _commit() -> str | None:
+    """The checked-out commit, or None outside a git work tree."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, timeout=10, check=False)
+    except OSError:
+        return None
+    return done.stdout.strip() or None

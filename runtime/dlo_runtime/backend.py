@@ -1,0 +1,286 @@
+"""Distributed Layerwise Offload of one DiT: setup, hooks and teardown.
+
+Owns `DistributedLayerwiseOffloadBackend`, the resource owner of DLO in one process: it validates
+the settings, discovers the blocks, consumes the host weight plan (or the module's own tensors),
+selects the existing DP/SP group, builds the host shards or sources, allocates the two device
+slots, moves the non-block parts to the device, installs one hook per streamed block and primes
+the first transfer. `disable` undoes all of it. Called by the inference server at startup and
+shutdown (before it destroys its process groups); it never creates a process group and never
+re-runs the loader's checks. Tensor bookkeeping lives in `dlo_runtime.tensors`.
+
+    backend = DistributedLayerwiseOffloadBackend(
+        pipeline.transformer, settings=load_settings(), device="cuda:0",
+        group=dp_group, host_plan=loader.take_host_weight_plan(),
+    )
+    with backend:          # enable(); disable() at exit, before the process groups go
+        pipeline(prompt)
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from dlo_runtime.discovery import DiscoveredModel, ModuleDiscovery
+from dlo_runtime.hooks import BlockScheduler, DistributedLayerwiseOffloadHook
+from dlo_runtime.layout import (
+    ALIGN_BYTES,
+    CUDA_ALIGN_BYTES,
+    BlockLayout,
+    build_layout,
+    slot_sizes,
+    views,
+)
+from dlo_runtime.settings import Settings, SettingsError
+from dlo_runtime.slots import DeviceSlots
+from dlo_runtime.streams import StreamSet
+from dlo_runtime.tensors import ModelTensors, OffloadError, restore_device
+from dlo_runtime.transfer import DirectSource, ShardStore, StagedSource
+from dlo_runtime.validation import select_group, validate
+
+logger = logging.getLogger(__name__)
+
+
+class HostPlan(Protocol):
+    """The part of `dlo_runtime.host_weight_plan.HostWeightPlan` the backend uses."""
+
+    backing_kind: Any
+    sources_pinned: bool
+
+    def take_tensors(self) -> dict[str, torch.Tensor]: ...
+
+    def release_sources(self) -> None: ...
+
+
+class DistributedLayerwiseOffloadBackend:
+    """Streams the DiT blocks of `dit` through two device slots while enabled.
+
+    In AllGather mode (a DLO group of G > 1 ranks) every rank must call `enable`, run the same
+    forwards and call `disable` together: each of them issues collectives over `group`.
+    """
+
+    def __init__(
+        self,
+        dit: object,
+        *,
+        settings: Settings,
+        device: torch.device | str,
+        group: dist.ProcessGroup | None = None,
+        host_plan: HostPlan | None = None,
+    ) -> None:
+        self.settings = validate(settings)
+        if not self.settings.offload.enabled:
+            raise SettingsError(
+                "offload.enabled=false: the DLO backend would have nothing to do",
+                hint="keep the model resident, or set offload.enabled=true",
+            )
+        self.device = torch.device(device)
+        self.discovery = ModuleDiscovery(dit)
+        self.dit = self.discovery.dit
+        self.group, self.rank, self.shard_count = self._resolve_group(group)
+        self.host_plan = host_plan
+        self.enabled = False
+        self.layouts: list[BlockLayout] = []
+        self.slots: DeviceSlots | None = None
+        self._source: ShardStore | StagedSource | DirectSource | None = None
+        self._scheduler: BlockScheduler | None = None
+        self._hooks: list[DistributedLayerwiseOffloadHook] = []
+        self._tensors: ModelTensors | None = None
+        self._mapped_plan: HostPlan | None = None
+        self._streams = StreamSet(self.device)
+
+    @property
+    def mode(self) -> str:
+        return "allgather" if self.group is not None else "rank-local"
+
+    def _resolve_group(self, group: dist.ProcessGroup | None) -> tuple[Any, int, int]:
+        """(group or None, rank in it, shard count) from the settings and the passed group."""
+        choice = select_group(self.settings)
+        size = dist.get_world_size(group) if group is not None else 1
+        if choice.shard_size == 1:
+            if group is not None and size > 1 and self.settings.offload.use_allgather:
+                p = self.settings.parallel
+                raise OffloadError(
+                    f"the group passed has {size} ranks, but parallel.dp={p.dp} and "
+                    f"parallel.sp={p.sp} select no DLO group",
+                    hint="pass no group, or set parallel.dp (or parallel.sp) to the group size",
+                )
+            return None, 0, 1
+        if group is None:
+            if not dist.is_initialized() or dist.get_world_size() != choice.shard_size:
+                raise OffloadError(
+                    f"the settings select the existing {choice.kind.upper()} group of "
+                    f"{choice.shard_size} ranks for DLO AllGather, but no group was passed and "
+                    "the default group is not that group",
+                    hint="pass the existing group as group=, or set offload.use_allgather=false",
+                )
+            group = dist.group.WORLD
+            size = dist.get_world_size()
+        if size != choice.shard_size:
+            raise OffloadError(
+                f"the group passed has {size} ranks, but parallel.{choice.kind}="
+                f"{choice.shard_size} selects a DLO group of {choice.shard_size}",
+                hint=f"pass the {choice.kind.upper()} group, or fix parallel.{choice.kind}",
+            )
+        return group, dist.get_rank(group), size
+
+    def enable(self) -> DistributedLayerwiseOffloadBackend:
+        """Shard or map the streamed blocks, move the rest to the device and install hooks."""
+        if self.enabled:
+            raise OffloadError("DLO is already enabled on this model", hint="call disable() first")
+        model = self.discovery.discover(self.settings.offload.resident_layers)
+        tensors = ModelTensors(model)
+        plan, self.host_plan = self.host_plan, None
+        sources = tensors.sources(plan.take_tensors() if plan is not None else None)
+        align = CUDA_ALIGN_BYTES if self._streams.is_cuda else ALIGN_BYTES
+        self.layouts = [
+            build_layout(block.path, tensors.metas(index, sources), self.shard_count, align)
+            for index, block in enumerate(model.streamed)
+        ]
+        self.slots = DeviceSlots(slot_sizes(self.layouts), self._streams)
+        slot_views = [
+            [views(layout, slot.flats) for layout in self.layouts] for slot in self.slots.slots
+        ]
+        self._source = self._build_source(sources, plan, slot_views)
+        tensors.replace_meta()
+        tensors.place_resident(sources, self.device, copy=plan is not None)
+        del sources
+        self._mapped_plan = None if plan is None or self.group is not None else plan
+        if plan is not None and self.group is not None:
+            # Shards and resident copies are made: the loader's mappings are no longer read.
+            plan.release_sources()
+        tensors.place_streamed_placeholders(
+            self.device, [[e.meta.dtype for e in layout.entries] for layout in self.layouts]
+        )
+        self._install_hooks(model, tensors, slot_views)
+        self._tensors = tensors
+        self.enabled = True
+        self._scheduler.prime()
+        gc.collect()
+        logger.info(
+            "dlo: enabled on %s (%s plan): %d streamed, %d resident blocks, mode %s over %d "
+            "rank(s), device slots %d bytes",
+            type(self.dit).__name__, model.plan.source, len(model.streamed),
+            len(model.resident), self.mode, self.shard_count, self.slot_bytes,
+        )
+        return self
+
+    def _install_hooks(
+        self,
+        model: DiscoveredModel,
+        tensors: ModelTensors,
+        slot_views: list[list[list[torch.Tensor]]],
+    ) -> None:
+        """One hook per streamed block, all sharing one scheduler."""
+        assert self.slots is not None and self._source is not None
+        self._scheduler = BlockScheduler(
+            tensors=tensors.streamed_tensors,
+            placeholders=tensors.placeholders,
+            slot_views=slot_views,
+            slots=self.slots,
+            source=self._source,
+            streams=self._streams,
+        )
+        self._hooks = []
+        for position, block in enumerate(model.streamed):
+            hook = DistributedLayerwiseOffloadHook(position, self._scheduler)
+            hook.attach(block.module)
+            self._hooks.append(hook)
+
+    def _build_source(
+        self,
+        sources: dict[str, torch.Tensor],
+        plan: HostPlan | None,
+        slot_views: list[list[list[torch.Tensor]]],
+    ) -> ShardStore | StagedSource | DirectSource:
+        """Shards (AllGather, or ordinary tensors), staged mapped views, or direct views."""
+        if plan is None or self.group is not None or _kind(plan) == "ordinary":
+            return ShardStore(
+                self.layouts, sources, self._streams, group=self.group, rank=self.rank
+            )
+        if plan.sources_pinned and self._streams.is_cuda:
+            return DirectSource(self.layouts, sources, self._streams, slot_views)
+        return StagedSource(self.layouts, sources, self._streams)
+
+    def disable(self, *, restore: bool = True) -> None:
+        """Synchronize, remove hooks, release the slots and the host sources.
+
+        With `restore` every tensor gets its own storage back on the device it had before
+        `enable` (the model runs resident again and can be enabled again); in AllGather mode
+        that gathers every block once, so all ranks must call it. `restore=False` is for
+        shutdown: the streamed tensors stay empty placeholders.
+        """
+        if not self.enabled:
+            return
+        assert self._tensors is not None and self._scheduler is not None and self.slots
+        # Outstanding transfers and kernels still read the slots and host sources.
+        self._streams.synchronize()
+        for hook in self._hooks:
+            hook.detach()
+        if restore:
+            self._restore()
+        self._hooks = []
+        self._scheduler = None
+        self._source = None
+        self.slots = None
+        self._tensors = None
+        self.enabled = False
+        if self._mapped_plan is not None:
+            # Mappings close only after the synchronize above: no copy reads them any more.
+            self._mapped_plan.release_sources()
+            self._mapped_plan = None
+        gc.collect()
+        logger.info("dlo: disabled on %s", type(self.dit).__name__)
+
+    def _restore(self) -> None:
+        assert self._tensors is not None and self._scheduler is not None and self.slots
+        slot = self.slots[0]
+        for index in range(len(self.layouts)):
+            self.slots.clear()
+            self._scheduler.load(index, slot)
+            self._streams.synchronize()
+            owned = self._tensors.streamed_tensors[index]
+            for tensor, view, device in zip(
+                owned, self._scheduler.slot_views[0][index], self._tensors.streamed_devices[index]
+            ):
+                tensor.data = view.to(restore_device(device), copy=True)
+        self._tensors.restore_resident()
+
+    def __enter__(self) -> DistributedLayerwiseOffloadBackend:
+        return self.enable()
+
+    def __exit__(self, *exc: object) -> None:
+        self.disable()
+
+    @property
+    def slot_bytes(self) -> int:
+        """Device bytes of the two slots."""
+        return self.slots.nbytes if self.slots is not None else 0
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes of the streamed blocks' tensors (without padding)."""
+        return sum(layout.tensor_bytes for layout in self.layouts)
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The host tensors this backend holds for the streamed blocks."""
+        return self._source.host_tensors() if self._source is not None else []
+
+
+def _kind(plan: HostPlan) -> str:
+    kind = plan.backing_kind
+    return str(getattr(kind, "value", kind))
+
+
+def host_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one storage count once)."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+

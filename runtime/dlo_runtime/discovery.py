@@ -1,0 +1,107 @@
+"""Finds the DiT of a pipeline and resolves its offload plan to concrete block modules.
+
+Owns `ModuleDiscovery`: given a diffusers pipeline (anything with a `transformer` module) or the
+DiT itself, it returns the DiT, its `OffloadPlan` and the ordered blocks, split into resident
+leading blocks and streamed ones. Called by the DLO backend before it changes anything; it must
+not move, copy or repoint tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from dlo_runtime.offload_plan import OffloadPlan, OffloadPlanError, plan_for
+
+
+@dataclass(frozen=True)
+class Block:
+    """One DiT block in execution order."""
+
+    index: int
+    """Position among all blocks of the plan (resident ones included)."""
+    path: str
+    """Dotted path relative to the DiT, e.g. `single_transformer_blocks.2`."""
+    list_path: str
+    """The block list it belongs to, e.g. `single_transformer_blocks`."""
+    module: nn.Module
+
+
+@dataclass(frozen=True)
+class DiscoveredModel:
+    """The DiT, its plan, and its blocks split by placement."""
+
+    dit: nn.Module
+    plan: OffloadPlan
+    resident: tuple[Block, ...]
+    """Leading blocks kept on the device (`offload.resident_layers`)."""
+    streamed: tuple[Block, ...]
+    """Blocks streamed through the two device slots, in execution order."""
+
+
+class ModuleDiscovery:
+    """Resolves a pipeline or DiT to a `DiscoveredModel`."""
+
+    def __init__(self, target: object) -> None:
+        self.dit = self.find_dit(target)
+
+    @staticmethod
+    def find_dit(target: object) -> nn.Module:
+        """The pipeline's `transformer`, or `target` itself when it is a module."""
+        transformer = getattr(target, "transformer", None)
+        if isinstance(transformer, nn.Module):
+            return transformer
+        if isinstance(target, nn.Module):
+            return target
+        raise OffloadPlanError(
+            f"cannot find a DiT in {type(target).__name__}: expected an nn.Module or a pipeline "
+            "with a `transformer` module"
+        )
+
+    def discover(self, resident_layers: int = 0) -> DiscoveredModel:
+        """Blocks of the plan, the first `resident_layers` of them kept resident."""
+        plan = plan_for(self.dit)
+        blocks = self._blocks(plan)
+        if resident_layers >= len(blocks):
+            raise OffloadPlanError(
+                f"offload.resident_layers={resident_layers} leaves no block to stream: "
+                f"{type(self.dit).__name__} has {len(blocks)} blocks; "
+                f"use at most {len(blocks) - 1}"
+            )
+        eligible = set(plan.resident_lists)
+        for block in blocks[:resident_layers]:
+            if block.list_path not in eligible:
+                raise OffloadPlanError(
+                    f"offload.resident_layers={resident_layers} would keep {block.path} "
+                    f"resident, but the offload plan allows resident blocks only from "
+                    f"{', '.join(plan.resident_lists)}; lower offload.resident_layers"
+                )
+        return DiscoveredModel(
+            dit=self.dit,
+            plan=plan,
+            resident=tuple(blocks[:resident_layers]),
+            streamed=tuple(blocks[resident_layers:]),
+        )
+
+    def _blocks(self, plan: OffloadPlan) -> list[Block]:
+        modules = dict(self.dit.named_modules())
+        blocks: list[Block] = []
+        seen: set[int] = set()
+        for list_path in plan.blocks:
+            block_list = modules.get(list_path)
+            if not isinstance(block_list, nn.ModuleList):
+                found = "nothing" if block_list is None else type(block_list).__name__
+                raise OffloadPlanError(
+                    f"offload plan of {type(self.dit).__name__} names {list_path!r}, which is "
+                    f"{found}; expected an nn.ModuleList of blocks"
+                )
+            for position, module in enumerate(block_list):
+                if id(module) in seen:
+                    raise OffloadPlanError(
+                        f"offload plan of {type(self.dit).__name__}: block {list_path}.{position} "
+                        "appears twice; each block may be listed once"
+                    )
+                seen.add(id(module))
+                blocks.append(Block(len(blocks), f"{list_path}.{position}", list_path, module))
+        return blocks

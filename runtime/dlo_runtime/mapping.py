@@ -1,0 +1,179 @@
+"""Read-only shared mappings of the safetensors files of one cache entry, and zero-copy views.
+
+Owns the `mmap` objects of an entry and the entry's `.use` lock (through the `EntryHandle` the
+caller opened), and parses safetensors headers. Called by `checkpoint_plan` and
+`runtime_weight_cache`; the resulting `MappedEntry` is the `MappedSource` of a `HostWeightPlan`.
+
+Every process on a node that maps the same file shares its page-cache pages, which is the point
+of the node cache. The mappings are `PROT_READ`: a write through a view faults, so consumers must
+copy, never modify in place. `close()` drops this module's references and never unmaps under a
+live view: each view's storage holds its `mmap`, so the kernel mapping ends with the last view
+(unmapping earlier would turn a later read into a crash).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlo_runtime.errors import PermanentError
+from dlo_runtime.host_weight_plan import TensorBinding
+
+
+_HEADER_LIMIT = 100 << 20
+"""safetensors caps its JSON header at 100 MB; a larger length means a damaged file."""
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class MappingError(PermanentError):
+    """A file of the entry is not a readable safetensors file."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoredTensor:
+    """One tensor as a safetensors header describes it; `offset` is absolute in the file."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def read_header(path: Path) -> dict[str, StoredTensor]:
+    """Parse the header of a safetensors file (8-byte little-endian length, then JSON)."""
+    try:
+        with open(path, "rb") as stream:
+            prefix = stream.read(8)
+            (length,) = struct.unpack("<Q", prefix) if len(prefix) == 8 else (-1,)
+            if not 0 < length <= _HEADER_LIMIT:
+                raise MappingError(f"{path}: not a safetensors file (header length {length})")
+            header = json.loads(stream.read(length))
+    except (OSError, ValueError) as exc:
+        raise MappingError(f"{path}: cannot read the safetensors header: {exc}") from exc
+    data_start = 8 + length
+    size = path.stat().st_size
+    return {key: _stored(path, key, spec, data_start, size)
+            for key, spec in header.items() if key != "__metadata__"}
+
+
+def _stored(path: Path, key: str, spec: Any, data_start: int, size: int) -> StoredTensor:
+    try:
+        dtype = SAFETENSORS_DTYPES[spec["dtype"]]
+        begin, end = spec["data_offsets"]
+        shape = tuple(int(d) for d in spec["shape"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise MappingError(f"{path}: tensor {key!r} has an unsupported header entry "
+                           f"{spec!r}") from exc
+    if not 0 <= begin <= end or data_start + end > size:
+        raise MappingError(f"{path}: tensor {key!r} spans bytes {begin}..{end} beyond the file")
+    return StoredTensor(key=key, dtype=dtype, shape=shape, offset=data_start + begin,
+                        nbytes=end - begin)
+
+
+_DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> int:
+    """Write contiguous CPU `tensors` as one safetensors file straight from their memory (no
+    serialized copy of the whole file in memory); returns the file size. Larger element sizes
+    come first so that every tensor's offset is aligned for its dtype."""
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    header: dict[str, Any] = {}
+    offset = 0
+    for name in order:
+        tensor = tensors[name]
+        header[name] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + tensor.nbytes]}
+        offset += tensor.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned, as safetensors does
+    with open(path, "wb") as stream:
+        stream.write(struct.pack("<Q", len(encoded)) + encoded)
+        for name in order:
+            if tensors[name].nbytes:
+                stream.write(tensors[name].reshape(-1).view(torch.uint8).numpy().data)
+    return 8 + len(encoded) + offset
+
+
+class _MappedFile:
+    """One file mapped `MAP_SHARED`/`PROT_READ`, with a byte view over all of it."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise MappingError(f"{path}: cannot open for mapping: {exc.strerror}") from exc
+        try:
+            self.length = os.fstat(fd).st_size
+            self._mmap = mmap.mmap(fd, self.length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)  # the mapping keeps the file; the descriptor is not needed
+        with warnings.catch_warnings():
+            # torch warns that it cannot mark a tensor read-only. The pages are PROT_READ and
+            # every consumer copies out of them, so the warning carries no information here.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            self.bytes = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self.address = self.bytes.data_ptr()
+
+
+class MappedEntry:
+    """The safetensors files of one entry directory, mapped on first use."""
+
+    def __init__(self, directory: Path, *, handle: Any = None) -> None:
+        """`handle` is the open `EntryHandle` whose shared `.use` lock keeps eviction away
+        while the mapping is in use; it is closed with the mapping."""
+        self.directory = directory
+        self._handle = handle
+        self._files: dict[str, _MappedFile] = {}
+        self._closed = False
+
+    def view(self, binding: TensorBinding) -> torch.Tensor:
+        """A zero-copy tensor over the binding's bytes."""
+        mapped = self._file(binding.file)
+        end = binding.offset + binding.nbytes
+        if end > mapped.length:
+            raise MappingError(f"{binding.file}: {binding.name!r} ends at byte {end}, past the "
+                               f"file's {mapped.length} bytes")
+        if binding.offset % binding.dtype.itemsize:
+            raise MappingError(f"{binding.file}: {binding.name!r} starts at byte "
+                               f"{binding.offset}, not aligned for {binding.dtype}")
+        raw = mapped.bytes[binding.offset:end]
+        return raw.view(binding.dtype).view(binding.shape)
+
+    def extent(self, file: str) -> tuple[int, int]:
+        """(address, length) of one file's mapping, for page-aligned registration ranges."""
+        mapped = self._file(file)
+        return mapped.address, mapped.length
+
+    def close(self) -> None:
+        """Drop the mappings (each lasts until its last view is freed) and the `.use` lock."""
+        if self._closed:
+            return
+        self._closed = True
+        self._files.clear()
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+    def _file(self, name: str) -> _MappedFile:
+        if self._closed:
+            raise MappingError(f"{self.directory}: the mapping is closed")
+        mapped = self._files.get(name)
+        if mapped is None:
+            mapped = self._files[name] = _MappedFile(self.directory / name)
+        return mapped

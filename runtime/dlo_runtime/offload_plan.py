@@ -1,0 +1,137 @@
+"""Which modules of a DiT are streamed block by block, and which may stay resident.
+
+Owns `OffloadPlan`, the built-in plans for the diffusers transformers users run most (Flux, SD3,
+Wan), the way a model declares its own plan, and the heuristic used when neither applies.
+Called by `dlo_runtime.discovery`; it only names paths and must not touch tensors, devices or
+process groups.
+
+A model declares its plan with a class attribute (or a method taking no argument) named
+`_dlo_offload_plan`, holding either an `OffloadPlan` or a plain mapping, so that a model package
+needs no import of this one::
+
+    class MyDiT(nn.Module):
+        _dlo_offload_plan = {"blocks": ["double_blocks", "single_blocks"],
+                             "resident": ["double_blocks"]}
+
+Precedence: the model's declaration, then the built-in plan for its class name, then the
+heuristic (the largest `nn.ModuleList` whose children all share one class).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torch import nn
+
+from dlo_runtime.errors import PermanentError
+
+PLAN_ATTRIBUTE = "_dlo_offload_plan"
+PlanSource = Literal["declared", "builtin", "heuristic"]
+
+
+class OffloadPlanError(PermanentError):
+    """A model's offload plan is malformed or names modules the model does not have."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadPlan:
+    """Block lists of a DiT, in the order its forward runs them."""
+
+    blocks: tuple[str, ...]
+    """Dotted paths (relative to the DiT) of `nn.ModuleList`s whose children are streamed one
+    block at a time, in execution order. Everything outside them stays resident on the device."""
+    resident: tuple[str, ...] = ()
+    """Block lists whose leading blocks may be kept on the device (`offload.resident_layers`).
+    Empty means every list in `blocks` is eligible."""
+    source: PlanSource = "declared"
+    """Where the plan came from; reported in logs so that a surprising plan can be traced."""
+
+    def __post_init__(self) -> None:
+        if not self.blocks:
+            raise OffloadPlanError(
+                "offload plan: blocks is empty; name at least one nn.ModuleList of DiT blocks"
+            )
+        stray = sorted(set(self.resident) - set(self.blocks))
+        if stray:
+            raise OffloadPlanError(
+                f"offload plan: resident path(s) {', '.join(stray)} are not block lists; "
+                f"allowed: {', '.join(self.blocks)}"
+            )
+
+    @property
+    def resident_lists(self) -> tuple[str, ...]:
+        return self.resident or self.blocks
+
+
+BUILTIN_PLANS: dict[str, OffloadPlan] = {
+    "FluxTransformer2DModel": OffloadPlan(
+        blocks=("transformer_blocks", "single_transformer_blocks"), source="builtin"
+    ),
+    "SD3Transformer2DModel": OffloadPlan(blocks=("transformer_blocks",), source="builtin"),
+    "WanTransformer3DModel": OffloadPlan(blocks=("blocks",), source="builtin"),
+}
+"""Keyed by class name so that this module needs no diffusers import."""
+
+
+def plan_for(dit: nn.Module) -> OffloadPlan:
+    """The plan of `dit`: its own declaration, else the built-in one, else the heuristic."""
+    declared = getattr(type(dit), PLAN_ATTRIBUTE, None)
+    if declared is not None:
+        value = getattr(dit, PLAN_ATTRIBUTE)
+        return _coerce(value() if callable(value) else value, type(dit).__name__)
+    builtin = BUILTIN_PLANS.get(type(dit).__name__)
+    if builtin is not None:
+        return builtin
+    return heuristic_plan(dit)
+
+
+def _coerce(value: Any, owner: str) -> OffloadPlan:
+    if isinstance(value, OffloadPlan):
+        return value
+    if not isinstance(value, Mapping):
+        raise OffloadPlanError(
+            f"{owner}.{PLAN_ATTRIBUTE} is a {type(value).__name__}; "
+            "expected an OffloadPlan or a mapping with 'blocks' (and optionally 'resident')"
+        )
+    unknown = sorted(set(value) - {"blocks", "resident"})
+    if unknown:
+        raise OffloadPlanError(
+            f"{owner}.{PLAN_ATTRIBUTE}: unknown key(s) {', '.join(unknown)}; "
+            "allowed: blocks, resident"
+        )
+    return OffloadPlan(
+        blocks=_paths(value.get("blocks", ()), owner, "blocks"),
+        resident=_paths(value.get("resident", ()), owner, "resident"),
+        source="declared",
+    )
+
+
+def _paths(value: Any, owner: str, key: str) -> tuple[str, ...]:
+    if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+        raise OffloadPlanError(
+            f"{owner}.{PLAN_ATTRIBUTE}[{key!r}] must be a list of dotted module paths, "
+            f"found {value!r}"
+        )
+    return tuple(value)
+
+
+def heuristic_plan(dit: nn.Module) -> OffloadPlan:
+    """The largest `nn.ModuleList` (by parameter count) of two or more same-class children."""
+    best: tuple[int, str] | None = None
+    for path, module in dit.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        if len({type(child) for child in module}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if best is None or size > best[0]:
+            best = (size, path)
+    if best is None:
+        raise OffloadPlanError(
+            f"{type(dit).__name__} has no nn.ModuleList of two or more blocks of one class; "
+            f"declare the block lists with a class attribute {PLAN_ATTRIBUTE} = "
+            "{'blocks': ['<path>', ...]}"
+        )
+    return OffloadPlan(blocks=(best[1],), source="heuristic")

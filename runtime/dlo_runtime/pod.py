@@ -1,0 +1,248 @@
+"""The in-pod entry point: the one import an inference server needs.
+
+    dit = pod.build_dit(FluxTransformer2DModel)          # weightless when the entry can back it
+    pipe = FluxPipeline.from_pretrained(path, transformer=dit, ...)
+    handle = pod.enable(pipe, device="cuda:0")           # or enable(dit)
+    ...serve...
+    handle.close()                                       # then destroy process groups
+
+Owns the startup sequence of one process: read the settings document (`DLO_CONFIG`) and the
+loader's `DLO_ENTRY_FILE` (`/run/dlo/entry.json`), pick each DiT's host backing (a checkpoint plan
+over the mapped entry, a runtime-cache plan, or the ordinary tensors, logging why), register a
+runtime-cache mapping when a budget allows, take the server's existing process group (or the
+default world) by `validation.select_group`, and enable `DistributedLayerwiseOffloadBackend` on
+each DiT. `OffloadHandle.close()` follows the shutdown order: synchronize, remove hooks,
+unregister, close mappings; the caller destroys its process groups afterwards.
+
+Must not create process groups, load pipeline components other than the DiT, or decide
+compatibility itself (the plan builders and `validation` do).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dlo_runtime import checkpoint_plan
+from dlo_runtime.cache import open_entry
+from dlo_runtime.errors import PermanentError
+from dlo_runtime.host_registration import register_plan
+from dlo_runtime.host_weight_plan import BackingKind, HostWeightPlan
+from dlo_runtime.runtime_weight_cache import RuntimeLayout, load_runtime_plan
+from dlo_runtime.settings import GIB, Settings, load_settings
+from dlo_runtime.validation import select_group, validate
+
+logger = logging.getLogger(__name__)
+
+ENTRY_FILE_ENV = "DLO_ENTRY_FILE"
+DEFAULT_ENTRY_FILE = "/run/dlo/entry.json"
+DIT_ATTRIBUTES = ("transformer", "transformer_2")
+"""Pipeline attributes holding DiTs (Wan 2.2 has two experts)."""
+
+
+class PodError(PermanentError):
+    """The process cannot start offloading as configured."""
+
+
+@dataclass(frozen=True)
+class EntryRef:
+    """The checkpoint entry the loader filled, as `entry.json` names it."""
+
+    entry_id: str
+    root: str
+    path: Path
+
+
+def read_entry_file(path: str | os.PathLike[str] | None = None) -> EntryRef | None:
+    """The entry named by `path` (else `$DLO_ENTRY_FILE`, else the default), or None when no
+    loader ran for this pod (no file)."""
+    where = Path(path or os.environ.get(ENTRY_FILE_ENV) or DEFAULT_ENTRY_FILE)
+    try:
+        data = json.loads(where.read_text())
+        return EntryRef(data["entry_id"], data["root"], Path(data["path"]))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PodError(f"entry file {where} is unreadable: {exc}",
+                       hint="it is written by `dlo cache fill --entry-file`") from exc
+
+
+def build_dit(model_cls: Any, *, component: str = "transformer", dtype: torch.dtype = torch.float32,
+              settings: Settings | None = None, entry_file: str | None = None) -> nn.Module:
+    """The DiT of `component`: weightless (parameters on meta) when checkpoint preflight over
+    the pod's entry accepts it, so `enable()` backs it with the mapping; otherwise loaded
+    ordinarily from the entry with `from_pretrained`."""
+    settings = validate(settings or load_settings())
+    entry = read_entry_file(entry_file)
+    if entry is None:
+        raise PodError(f"no entry file at {entry_file or os.environ.get(ENTRY_FILE_ENV) or DEFAULT_ENTRY_FILE}",
+                       hint="run the loader (`dlo cache fill`) first, or load the DiT yourself")
+    folder = entry.path / component
+    dit = checkpoint_plan.build_meta_dit(model_cls, folder, dtype)
+    if settings.offload.enabled:
+        result = checkpoint_plan.preflight(entry.path, dit, settings, component=component)
+        if result.plan is not None:
+            result.plan.close()
+            return dit
+        logger.info("loading %s ordinarily: %s", component, result.reason)
+    return model_cls.from_pretrained(folder, torch_dtype=dtype, low_cpu_mem_usage=False).eval()
+
+
+@dataclass
+class _Offloaded:
+    component: str
+    backend: Any
+    plan: HostWeightPlan | None
+
+
+class OffloadHandle:
+    """What `enable()` returns: the enabled backends and the host plans they consume."""
+
+    def __init__(self, device: torch.device, offloaded: list[_Offloaded]) -> None:
+        self.device = device
+        self._offloaded = offloaded
+
+    def backing(self, component: str = "transformer") -> BackingKind:
+        """Host backing of one DiT (`ordinary` when it kept its loader tensors)."""
+        for item in self._offloaded:
+            if item.component == component:
+                return item.plan.backing_kind if item.plan else BackingKind.ORDINARY
+        raise KeyError(component)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of the backends' device slots (host memory when the device is the CPU)."""
+        return sum(item.backend.slot_bytes for item in self._offloaded)
+
+    def close(self) -> None:
+        """Shutdown order: synchronize device work, remove hooks, unregister host pages, close
+        mappings. Process groups stay; the caller destroys them afterwards."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no copy may still read pages about to go
+        while self._offloaded:
+            item = self._offloaded.pop()
+            item.backend.disable(restore=False)
+            if item.plan is not None:
+                item.plan.close()
+
+
+def enable(target: Any, *, device: str | torch.device | None = None,
+           settings: Settings | None = None, entry_file: str | None = None,
+           groups: Mapping[str, Any] | None = None,
+           layout: RuntimeLayout | None = None) -> OffloadHandle:
+    """Offload the DiT(s) of `target` (a pipeline or a DiT module) as the settings say.
+
+    `groups` maps "dp"/"sp" to the server's existing process groups; absent ones fall back to
+    the default world. `layout` describes this rank for the runtime cache (TP coordinates, SP
+    guards). A DiT built without weights whose plan cannot be consumed is a startup error.
+    """
+    from dlo_runtime.backend import DistributedLayerwiseOffloadBackend
+
+    settings = validate(settings or load_settings())
+    torch_device = _device(device)
+    group = _group(settings, groups)
+    entry = read_entry_file(entry_file)
+    layout = layout or RuntimeLayout(tp_size=settings.parallel.tp, sp_size=settings.parallel.sp,
+                                     source=entry.entry_id if entry else "")
+    handle = OffloadHandle(torch_device, [])
+    try:
+        for component, dit in _dits(target):
+            plan = _host_plan(component, dit, settings, entry, layout, torch_device)
+            backend = DistributedLayerwiseOffloadBackend(
+                dit, settings=settings, device=torch_device, group=group, host_plan=plan)
+            handle._offloaded.append(_Offloaded(component, backend, plan))
+            backend.enable()
+            logger.info("%s: host backing %s%s", component,
+                        plan.backing_kind.value if plan else "ordinary",
+                        " (registered pages)" if plan and plan.sources_pinned else "")
+            if plan is not None:
+                plan.require_consumed()
+    except BaseException:
+        handle.close()
+        raise
+    return handle
+
+
+def _dits(target: Any) -> list[tuple[str, nn.Module]]:
+    if isinstance(target, nn.Module) and not any(
+            isinstance(getattr(target, a, None), nn.Module) for a in DIT_ATTRIBUTES):
+        return [("transformer", target)]
+    found = [(a, getattr(target, a)) for a in DIT_ATTRIBUTES
+             if isinstance(getattr(target, a, None), nn.Module)]
+    if not found:
+        raise PodError(f"{type(target).__name__} has no DiT: expected an nn.Module or a pipeline "
+                       f"with one of the attributes {', '.join(DIT_ATTRIBUTES)}")
+    return found
+
+
+def _device(device: str | torch.device | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _group(settings: Settings, groups: Mapping[str, Any] | None) -> Any:
+    """The existing DP or SP group DLO shards over, by `select_group`; never a new one."""
+    choice = select_group(settings)
+    if choice.kind == "none":
+        return None
+    group = (groups or {}).get(choice.kind)
+    if group is None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise PodError(f"the settings shard weights over the {choice.kind} group of "
+                           f"{choice.shard_size} ranks, but no process group exists",
+                           hint="initialize torch.distributed first, or pass groups=")
+        group = dist.group.WORLD
+    size = torch.distributed.get_world_size(group)
+    if size != choice.shard_size:
+        raise PodError(f"the {choice.kind} group has {size} ranks; the settings ask for "
+                       f"parallel.{choice.kind}={choice.shard_size}",
+                       hint=f"pass groups={{'{choice.kind}': <group of that size>}}")
+    return group
+
+
+def _host_plan(component: str, dit: nn.Module, settings: Settings, entry: EntryRef | None,
+               layout: RuntimeLayout, device: torch.device) -> HostWeightPlan | None:
+    """Checkpoint plan for a weightless DiT, runtime-cache plan when enabled, else None."""
+    weightless = any(p.is_meta for p in dit.parameters())
+    if weightless:
+        return _checkpoint_plan(component, dit, settings, entry)
+    result = load_runtime_plan(dit, settings, layout)
+    if result.plan is None:
+        logger.info("%s keeps its ordinary tensors: %s", component, result.reason)
+        return None
+    limit = settings.offload.runtime_cache_pin_limit_gib
+    if limit > 0 and device.type == "cuda":
+        from dlo_runtime.cuda_registration import CudaRegistrationBackend
+
+        register_plan(result.plan, budget_bytes=int(limit * GIB),
+                      backend=CudaRegistrationBackend(device.index or 0))
+    return result.plan
+
+
+def _checkpoint_plan(component: str, dit: nn.Module, settings: Settings,
+                     entry: EntryRef | None) -> HostWeightPlan:
+    if entry is None:
+        raise PodError(f"{component} has no weights (meta parameters) and no entry file names a "
+                       "checkpoint to map", hint="build it with pod.build_dit() in a pod that ran "
+                                                 "the loader")
+    handle = open_entry(entry.root, entry.entry_id, verify=settings.cache.verify)
+    result = checkpoint_plan.preflight(handle.path, dit, settings, component=component,
+                                       handle=handle, skips_ordinary_load=True)
+    if result.plan is None:
+        handle.close()
+        raise PodError(f"{component} was built without weights but its checkpoint plan was "
+                       f"rejected: {result.reason}", hint="load the DiT ordinarily")
+    return result.plan

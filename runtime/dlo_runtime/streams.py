@@ -1,0 +1,86 @@
+"""Streams and events of the DLO hot path, with a no-op stand-in for the CPU.
+
+Owns the copy stream (host-to-device transfers), the communication stream (the DLO AllGather)
+and event creation. On CUDA these are real streams and events; on the CPU every operation runs
+in program order, so the stand-ins do nothing and the same scheduling code runs unchanged.
+Called by the backend, the slots and the transfers; it must not decide what to wait for (the
+callers do, and name the hazard at each wait).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+
+
+class Event(Protocol):
+    def record(self, stream: object = None) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+
+class Stream(Protocol):
+    def wait_event(self, event: Event) -> None: ...
+
+
+class _NullEvent:
+    """CPU stand-in: work before `record` has already finished when `record` returns."""
+
+    def record(self, stream: object = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+class _NullStream:
+    """CPU stand-in: operations run in program order, so waits are satisfied already."""
+
+    def wait_event(self, event: Event) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+class StreamSet:
+    """The streams of one backend on one device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        if self.is_cuda:
+            self.copy: Stream = torch.cuda.Stream(device)
+            self.comm: Stream = torch.cuda.Stream(device)
+        else:
+            self.copy = self.comm = _NullStream()
+        self._cpu_compute = _NullStream()
+
+    def event(self) -> Event:
+        """A reusable event (recording again replaces the previous point)."""
+        return torch.cuda.Event() if self.is_cuda else _NullEvent()
+
+    def compute(self) -> Stream:
+        """The stream the model's kernels run on (the current stream at call time)."""
+        return torch.cuda.current_stream(self.device) if self.is_cuda else self._cpu_compute
+
+    @contextlib.contextmanager
+    def on(self, stream: Stream) -> Iterator[None]:
+        """Make `stream` current for the kernels and copies issued inside."""
+        if self.is_cuda:
+            with torch.cuda.stream(stream):  # type: ignore[arg-type]
+                yield
+        else:
+            yield
+
+    def synchronize(self) -> None:
+        """Block the host until every queued copy, collective and kernel has finished."""
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer, page-locked on CUDA so that copies from it are asynchronous."""
+        return torch.empty(numel, dtype=dtype, pin_memory=self.is_cuda)

@@ -1,0 +1,183 @@
+"""Host sources of streamed blocks, and the transfers that fill a device slot from them.
+
+Owns the host side of the hot path, in three forms chosen by the backend:
+- `ShardStore`: this rank's 1/G of every streamed block, packed per dtype (page-locked on CUDA).
+  A load copies the shard into its place in the slot and, when G > 1, rebuilds the block in place
+  with one AllGather per dtype over the existing group. G = 1 is rank-local mode with the
+  loader's ordinary tensors: whole blocks packed once at enable.
+- `StagedSource`: rank-local mode over mapped files that are not registered with the device
+  runtime: each block is packed into one of two bounded host staging slots, then copied.
+- `DirectSource`: rank-local mode over registered (pinned) views: each view is copied straight
+  to its offset in the slot.
+Called by the hook scheduler; it must not repoint parameters or decide which block comes next.
+Every event record and wait follows [Note: slot events] in `dlo_runtime.slots`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dlo_runtime.layout import BlockLayout, dtype_order, slot_sizes, views
+from dlo_runtime.slots import DeviceSlot
+from dlo_runtime.streams import StreamSet
+
+
+def _wait_reusable(streams: StreamSet, slot: DeviceSlot) -> None:
+    """Make the copy stream wait until nothing reads or writes `slot` any more."""
+    # free: the kernels of the block that last used this slot must finish before we overwrite.
+    streams.copy.wait_event(slot.free)
+    # ready: a previous transfer into this slot (a prefetch that was never used) must finish
+    # before this one writes, or the two would interleave.
+    streams.copy.wait_event(slot.ready)
+
+
+class ShardStore:
+    """This rank's shard of every streamed block; rebuilt on the device by AllGather."""
+
+    def __init__(
+        self,
+        layouts: Sequence[BlockLayout],
+        sources: Mapping[str, torch.Tensor],
+        streams: StreamSet,
+        *,
+        group: dist.ProcessGroup | None,
+        rank: int,
+    ) -> None:
+        self.layouts = layouts
+        self.streams = streams
+        self.group = group
+        self.rank = rank
+        self.flats: dict[torch.dtype, torch.Tensor] = {}
+        self.shards: list[dict[torch.dtype, torch.Tensor]] = [{} for _ in layouts]
+        totals: dict[torch.dtype, int] = {}
+        for layout in layouts:
+            for dtype, size in layout.shard_sizes.items():
+                totals[dtype] = totals.get(dtype, 0) + size
+        for dtype in dtype_order(totals):
+            self.flats[dtype] = streams.host_empty(totals[dtype], dtype).zero_()
+        cursor = dict.fromkeys(totals, 0)
+        for index, layout in enumerate(layouts):
+            for dtype, size in layout.shard_sizes.items():
+                self.shards[index][dtype] = self.flats[dtype].narrow(0, cursor[dtype], size)
+                cursor[dtype] += size
+            self._fill(index, sources)
+
+    def _fill(self, index: int, sources: Mapping[str, torch.Tensor]) -> None:
+        """Copy the part of each tensor of block `index` that falls in this rank's shard."""
+        layout = self.layouts[index]
+        for entry in layout.entries:
+            shard_size = layout.shard_sizes[entry.meta.dtype]
+            lo = self.rank * shard_size
+            start = max(entry.offset, lo)
+            stop = min(entry.offset + entry.meta.numel, lo + shard_size)
+            if start >= stop:
+                continue
+            flat = sources[entry.meta.name].reshape(-1)
+            self.shards[index][entry.meta.dtype][start - lo : stop - lo].copy_(
+                flat[start - entry.offset : stop - entry.offset]
+            )
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        return list(self.flats.values())
+
+    def load(self, index: int, slot: DeviceSlot) -> None:
+        """Issue the transfer of block `index` into `slot`; `slot.ready` marks its end."""
+        layout = self.layouts[index]
+        with self.streams.on(self.streams.copy):
+            _wait_reusable(self.streams, slot)
+            for dtype, size in layout.shard_sizes.items():
+                part = slot.flats[dtype].narrow(0, self.rank * size, size)
+                part.copy_(self.shards[index][dtype], non_blocking=True)
+            # staged: the AllGather below reads this rank's part only after its copy lands.
+            slot.staged.record(self.streams.copy)
+        if self.group is None:
+            # ready: compute waits on this before the block reads the slot (no collective).
+            slot.ready.record(self.streams.copy)
+            return
+        with self.streams.on(self.streams.comm):
+            # staged: gathering before the shard's copy lands would send stale bytes.
+            self.streams.comm.wait_event(slot.staged)
+            for dtype, size in layout.shard_sizes.items():  # [Note: dtype order]
+                whole = slot.flats[dtype].narrow(0, 0, size * layout.shard_count)
+                part = whole.narrow(0, self.rank * size, size)
+                dist.all_gather_single(
+                    whole.view(torch.uint8), part.view(torch.uint8), group=self.group
+                )
+            # ready: compute waits on this before the block reads the gathered weights.
+            slot.ready.record(self.streams.comm)
+
+
+class StagedSource:
+    """Rank-local blocks from pageable mapped views, through two bounded staging slots."""
+
+    def __init__(
+        self,
+        layouts: Sequence[BlockLayout],
+        sources: Mapping[str, torch.Tensor],
+        streams: StreamSet,
+    ) -> None:
+        self.layouts = layouts
+        self.streams = streams
+        self.sources = [[sources[e.meta.name] for e in layout.entries] for layout in layouts]
+        sizes = slot_sizes(layouts)
+        self.staging = [
+            {dtype: streams.host_empty(size, dtype) for dtype, size in sizes.items()}
+            for _ in range(2)
+        ]
+        self.consumed = [streams.event(), streams.event()]
+        self.next = 0
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        staging = [flat for flats in self.staging for flat in flats.values()]
+        return staging + [t for block in self.sources for t in block]
+
+    def load(self, index: int, slot: DeviceSlot) -> None:
+        """Pack block `index` into a staging slot, then copy it to `slot`."""
+        layout = self.layouts[index]
+        which, self.next = self.next, 1 - self.next
+        staging = self.staging[which]
+        # consumed: the host must not repack a staging slot whose previous device copy is still
+        # reading it. Issued one block earlier, so this wait is normally already satisfied; it
+        # is what bounds host staging to two slots.
+        self.consumed[which].synchronize()
+        for target, source in zip(views(layout, staging), self.sources[index]):
+            target.copy_(source)
+        with self.streams.on(self.streams.copy):
+            _wait_reusable(self.streams, slot)
+            for dtype, size in layout.sizes.items():
+                slot.flats[dtype].narrow(0, 0, size).copy_(
+                    staging[dtype].narrow(0, 0, size), non_blocking=True
+                )
+            # consumed: marks when this staging slot may be packed again.
+            self.consumed[which].record(self.streams.copy)
+            # ready: compute waits on this before the block reads the slot.
+            slot.ready.record(self.streams.copy)
+
+
+class DirectSource:
+    """Rank-local blocks copied view by view from sources the device can read directly."""
+
+    def __init__(
+        self,
+        layouts: Sequence[BlockLayout],
+        sources: Mapping[str, torch.Tensor],
+        streams: StreamSet,
+        slot_views: Sequence[Sequence[list[torch.Tensor]]],
+    ) -> None:
+        self.streams = streams
+        self.sources = [[sources[e.meta.name] for e in layout.entries] for layout in layouts]
+        self.slot_views = slot_views
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        return [t for block in self.sources for t in block]
+
+    def load(self, index: int, slot: DeviceSlot) -> None:
+        with self.streams.on(self.streams.copy):
+            _wait_reusable(self.streams, slot)
+            for target, source in zip(self.slot_views[slot.index][index], self.sources[index]):
+                target.copy_(source, non_blocking=True)
+            # ready: compute waits on this before the block reads the slot.
+            slot.ready.record(self.streams.copy)
