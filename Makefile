@@ -35,7 +35,7 @@ bench-loader: $(STAMP) $(MINISTACK_VENV)/.installed
 	$(VENV)/bin/dlo bench loader --json --ministack $(MINISTACK_VENV)/bin/ministack
 
 bench-cluster: $(STAMP) $(MINISTACK_VENV)/.installed
-	$(VENV)/bin/dlo bench cluster --json --ministack $(MINISTACK_VENV)/bin/ministack
+	$(VENV)/bin/dlo bench cluster --json --ministack $(MINISTACK_VENV)/bin/ministack --out bench/results
 
 # Re-pin after changing requirements.in: resolves in a scratch venv and writes the lock.
 lock:

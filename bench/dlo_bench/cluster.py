@@ -1,0 +1,303 @@
+"""`dlo bench cluster`: multi-node cache fills on simulated nodes with shaped links.
+
+Builds one store namespace and up to N node namespaces (`dlo_bench.netns`), serves a diffusers
+checkpoint it writes itself (random weights) from ministack in the store namespace
+(`dlo_bench.cluster_store`), then for each node count runs one `dlo cache fill` per node in each
+mode, each on empty caches. Every fill is checked before it counts: every rank reports success in
+the requested mode and every node's entry is byte-identical to the source. The kernel's own
+counters of the shaped links give each node's wire bytes from the store and from its peers.
+Figures, bounds and the plot come from `dlo_bench.cluster_report`.
+
+Without root or iproute2 it says why and exits 0 with no figures. It must not leave namespaces,
+servers or cache directories behind: each is removed by the block that made it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from dlo_bench import cluster_report, linkprobe, netns, provenance
+from dlo_bench.s3server import DUMMY_CREDENTIALS
+from dlo_runtime.cache import sha256_file
+from dlo_runtime.errors import PermanentError
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+_BUCKET = "models"
+_PREFIX = "cluster-bench/flux"
+_STORE_PORT = 4566
+_MASTER_PORT = 29500
+
+
+class ClusterBenchError(PermanentError):
+    """A fill failed or produced a wrong entry; its figures would mean nothing."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", default="2,3,4",
+                        help="comma-separated node counts to run (default: %(default)s)")
+    parser.add_argument("--modes", default=",".join(cluster_report.MODES),
+                        help="comma-separated loader modes (default: %(default)s)")
+    parser.add_argument("--store-mbit", type=float, default=50.0,
+                        help="each node's link to the object store, Mbit/s (default: %(default)s)")
+    parser.add_argument("--peer-mbit", type=float, default=2000.0,
+                        help="each node's link to the other nodes, Mbit/s (default: %(default)s)")
+    parser.add_argument("--head-dim", type=int, default=384,
+                        help="width of the generated Flux model; 384 gives ~143 MB in bfloat16")
+    parser.add_argument("--chunk-bytes", type=int, default=2 * MIB,
+                        help="loader chunk size; small enough to balance a small model over 4 "
+                             "nodes (default: %(default)s)")
+    parser.add_argument("--readers", type=int, default=2,
+                        help="concurrent ranged GETs per loader; readers x chunk is the read-ahead "
+                             "window, kept under a second of the store link (default: %(default)s)")
+    parser.add_argument("--ministack", default="ministack", help="ministack executable")
+    parser.add_argument("--fill-timeout-s", type=float, default=300.0,
+                        help="longest one fill may take before the benchmark fails")
+    parser.add_argument("--out", type=Path, help="write cluster.json and cluster.png here")
+    parser.add_argument("--json", action="store_true", help="last line: the report as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    counts = [n.strip() for n in args.nodes.split(",") if n.strip()]
+    nodes = sorted({int(n) for n in counts if n.isdigit()})
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(cluster_report.MODES))
+    if unknown or not modes or not nodes or len(nodes) < len(set(counts)) or min(nodes) < 1:
+        raise ClusterBenchError(f"--nodes {args.nodes!r} / --modes {args.modes!r} invalid",
+                                hint="node counts >= 1; modes from "
+                                     + ", ".join(cluster_report.MODES))
+    links = netns.LinkConfig(store_mbit=args.store_mbit, peer_mbit=args.peer_mbit)
+    try:
+        reason = netns.unavailable_reason()
+        if reason is not None:
+            raise netns.NetnsUnavailable(reason)
+        report = _measure(args, nodes, modes, links)
+    except netns.NetnsUnavailable as exc:
+        return _skip(str(exc), as_json=args.json)
+    print("\n".join(cluster_report.format_table(report)))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "cluster.json").write_text(json.dumps(report, indent=2) + "\n")
+        cluster_report.plot(report, args.out / "cluster.png")
+        print(f"wrote {args.out / 'cluster.json'} and {args.out / 'cluster.png'}")
+    if args.json:
+        print(json.dumps(report, separators=(",", ":")))
+    return 0
+
+
+def _skip(reason: str, *, as_json: bool) -> int:
+    """No namespaces here: say why, print no figures, and succeed (the benchmark is optional)."""
+    print(f"dlo bench cluster: skipped, no figures: {reason}")
+    if as_json:
+        print(json.dumps({"benchmark": "cluster", "skipped": reason}))
+    return 0
+
+
+def _measure(args: argparse.Namespace, nodes: list[int], modes: list[str],
+             links: netns.LinkConfig) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="dlo-cluster-bench-") as tmp:
+        work = Path(tmp)
+        model_dir = _write_model(work / "model", args.head_dim)
+        # Entry file names are object keys relative to the source prefix: `transformer/...`.
+        digests = {p.relative_to(model_dir.parent).as_posix(): sha256_file(p)
+                   for p in sorted(model_dir.rglob("*")) if p.is_file()}
+        with netns.cluster(max(nodes), links) as cluster:
+            probe = _probe(cluster)
+            with _store(cluster, args.ministack, model_dir) as store:
+                runs = [
+                    _fill(cluster, store, n, mode, work / f"{mode}-{n}", index, digests, args)
+                    for index, (n, mode) in enumerate((n, m) for n in nodes for m in modes)
+                ]
+    parameters = {
+        "nodes": nodes, "modes": modes, "store_mbit": links.store_mbit,
+        "peer_mbit": links.peer_mbit, "head_dim": args.head_dim, "chunk_bytes": args.chunk_bytes,
+        "readers": args.readers,
+        "model": "flux (diffusers FluxTransformer2DModel, 5 blocks, bfloat16, random weights)",
+        "command": shlex.join(["dlo", *sys.argv[1:]]),
+        "server": "ministack",
+        "fill_time": "slowest rank's own seconds, listing to publication, all ranks released "
+                     "together after their imports",
+    }
+    return cluster_report.build_report(
+        model_bytes=store["bytes"], files=len(store["keys"]), runs=runs, parameters=parameters,
+        probe=probe, commit=provenance.commit(), machine=provenance.machine(),
+    )
+
+
+def _write_model(directory: Path, head_dim: int) -> Path:
+    """A Flux DiT in diffusers layout, sharded so that the fill spans several objects."""
+    import torch
+
+    from dlo_bench.models import save_diffusers_layout, tiny_model
+
+    model = tiny_model("flux", seed=0, num_layers=5, head_dim=head_dim, dtype=torch.bfloat16)
+    return save_diffusers_layout(model, directory, max_shard_bytes=64 * MIB)
+
+
+def _probe(cluster: netns.Cluster) -> dict[str, Any]:
+    """Achieved rate of each kind of link, ~2 s per transfer, before any loader is timed."""
+    links = cluster.links
+    store = linkprobe.measure_mbit(cluster, server_ns=cluster.store_ns,
+                               server_addr=cluster.store_addr, client_ns=cluster.node_ns[0],
+                               nbytes=int(links.store_mbit * 1e6 / 8 * 2))
+    result = {"store_to_node_mbit": round(store, 1),
+              "store_link_efficiency": round(store / links.store_mbit, 3)}
+    if len(cluster.node_ns) > 1:
+        peer = linkprobe.measure_mbit(cluster, server_ns=cluster.node_ns[1],
+                                  server_addr=cluster.node_addrs[1], client_ns=cluster.node_ns[0],
+                                  nbytes=int(links.peer_mbit * 1e6 / 8 * 2))
+        result |= {"node_to_node_mbit": round(peer, 1),
+                   "peer_link_efficiency": round(peer / links.peer_mbit, 3)}
+    log.info("link probe: %s", result)
+    return result
+
+
+@contextmanager
+def _store(cluster: netns.Cluster, ministack: str, model_dir: Path) -> Iterator[dict[str, Any]]:
+    """ministack in the store namespace holding the model; stopped by closing its stdin."""
+    root = model_dir.parent
+    binary = Path(shutil.which(ministack) or ministack).absolute()
+    if not binary.is_file():
+        raise ClusterBenchError(f"ministack executable {ministack} not found",
+                                hint="run `make .venv-ministack/.installed` or pass "
+                                     "--ministack PATH")
+    argv = [sys.executable, "-m", "dlo_bench.cluster_store", "--ministack", str(binary),
+            "--host", cluster.store_addr,
+            "--port", str(_STORE_PORT), "--bucket", _BUCKET, "--prefix", _PREFIX, str(root)]
+    # Closing stdin stops the store; the with block then closes the pipes and reaps it.
+    with subprocess.Popen(cluster.exec_argv(cluster.store_ns, argv), stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None and proc.stdin is not None
+        try:
+            line = proc.stdout.readline()
+            if not line:
+                raise ClusterBenchError(f"the store in {cluster.store_ns} exited with "
+                                        f"{proc.wait()} before serving the model")
+            yield json.loads(line)
+        finally:
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+# One loader, `dlo cache fill` in-process, started in two steps: imports first (torch, boto3:
+# seconds of CPU that four loaders sharing this machine's cores would otherwise spend inside the
+# timed fill, in some modes only), then a `ready` file, then the fill once a line arrives on
+# stdin. All loaders of a fill thus start their clocks together, as on separate nodes.
+_LOADER = """
+import pathlib, sys
+import torch.distributed, dlo_loader.cli, dlo_loader.transport
+from dlo_runtime.cli import main
+pathlib.Path(sys.argv[1]).touch()
+sys.stdin.readline()
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _loader_argv(cluster: netns.Cluster, store: dict[str, Any], *, nodes: int, rank: int,
+                 mode: str, root: Path, port: int, args: argparse.Namespace) -> list[str]:
+    return cluster.exec_argv(cluster.node_ns[rank], [
+        sys.executable, "-c", _LOADER, str(root / "ready"), "cache", "fill",
+        "--source", f"s3://{_BUCKET}/{_PREFIX}/", "--endpoint-url", store["endpoint_url"],
+        "--region", DUMMY_CREDENTIALS["AWS_DEFAULT_REGION"], "--path-style",
+        "--mode", mode, "--chunk-bytes", str(args.chunk_bytes), "--cache-root", str(root / "cache"),
+        "--rank", str(rank), "--world-size", str(nodes),
+        "--master-addr", cluster.node_addrs[0], "--master-port", str(port),
+        "--entry-file", str(root / "entry.json"), "--summary-file", str(root / "summary.json"),
+        "--readers", str(args.readers),
+    ])
+
+
+def _start_together(procs: list[subprocess.Popen[bytes]], roots: list[Path],
+                    timeout_s: float) -> float:
+    """Wait until every loader has imported what it needs, then release all; returns the time."""
+    deadline = time.monotonic() + timeout_s
+    while not all((root / "ready").exists() for root in roots):
+        dead = [i for i, p in enumerate(procs) if p.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            raise ClusterBenchError(f"loaders {dead or 'all'} did not get ready; see "
+                                    f"{roots[(dead or [0])[0]] / 'stderr'}")
+        time.sleep(0.05)
+    started = time.perf_counter()
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write(b"go\n")
+        p.stdin.close()
+    return started
+
+
+def _fill(cluster: netns.Cluster, store: dict[str, Any], nodes: int, mode: str, work: Path,
+          index: int, digests: dict[str, str],
+          args: argparse.Namespace) -> cluster_report.RunResult:
+    """One fill by `nodes` loaders in `mode` on empty caches, checked, then removed."""
+    env = {**os.environ, **DUMMY_CREDENTIALS, "GLOO_SOCKET_IFNAME": netns.INTERFACE,
+           "OMP_NUM_THREADS": "1"}
+    roots = [work / f"node{rank}" for rank in range(nodes)]
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank, root in enumerate(roots):
+            root.mkdir(parents=True)
+            argv = _loader_argv(cluster, store, nodes=nodes, rank=rank, mode=mode, root=root,
+                                port=_MASTER_PORT + index, args=args)
+            with (root / "stdout").open("wb") as out, (root / "stderr").open("wb") as err:
+                procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out,
+                                              stderr=err, env=env))
+        before = [netns.node_traffic(cluster, rank) for rank in range(nodes)]
+        started = _start_together(procs, roots, args.fill_timeout_s)
+        codes = [p.wait(timeout=args.fill_timeout_s) for p in procs]
+        wall = time.perf_counter() - started
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    traffic = [netns.node_traffic(cluster, r).minus(before[r]) for r in range(nodes)]
+    ranks = tuple(
+        _check_rank(root, rank, code, mode, digests, traffic[rank])
+        for rank, (root, code) in enumerate(zip(roots, codes))
+    )
+    shutil.rmtree(work)
+    run = cluster_report.RunResult(nodes=nodes, mode=mode, ranks=ranks, wall_s=wall)
+    print(f"N={nodes} {mode}: fill {run.fill_s:.2f} s (processes {wall:.2f} s), store bytes "
+          f"per node {[r.wire_from_store for r in ranks]}", flush=True)
+    return run
+
+
+def _check_rank(root: Path, rank: int, code: int, mode: str, digests: dict[str, str],
+                traffic: netns.NodeTraffic) -> cluster_report.RankResult:
+    """The rank's summary, after checking it succeeded in `mode` with a byte-identical entry."""
+    lines = (root / "stdout").read_text(errors="replace").strip().splitlines()
+    summary = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+    if (code != 0 or summary.get("status") != "ok" or summary.get("mode") != mode
+            or summary.get("cached")):
+        tail = (root / "stderr").read_text(errors="replace")[-1500:]
+        raise ClusterBenchError(f"rank {rank} in {mode} mode: exit {code}, summary {summary}; "
+                                f"stderr tail:\n{tail}")
+    entry = Path(json.loads((root / "entry.json").read_text())["path"])
+    for name, digest in digests.items():
+        if sha256_file(entry / name) != digest:
+            raise ClusterBenchError(f"rank {rank} in {mode} mode: {entry / name} differs "
+                                    "from the source object")
+    return cluster_report.RankResult(
+        rank=rank, seconds=float(summary["seconds"]),
+        bytes_from_store=int(summary["bytes_from_store"]),
+        bytes_from_peers=int(summary["bytes_from_peers"]),
+        bytes_to_peers=int(summary["bytes_to_peers"]),
+        wire_from_store=traffic.from_store, wire_from_peers=traffic.from_peers,
+    )

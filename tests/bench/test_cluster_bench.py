@@ -1,0 +1,184 @@
+"""The cluster benchmark's arithmetic, report, skip path, and namespace lifecycle."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dlo_bench import cluster, cluster_report, linkprobe, netns
+from dlo_bench.cluster_report import RankResult, RunResult
+from dlo_runtime.cache import sha256_file
+
+
+def _rank(rank: int, seconds: float) -> RankResult:
+    return RankResult(rank=rank, seconds=seconds, bytes_from_store=100, bytes_from_peers=300,
+                      bytes_to_peers=300, wire_from_store=105, wire_from_peers=315)
+
+
+def _run(nodes: int, mode: str, *seconds: float) -> RunResult:
+    return RunResult(nodes=nodes, mode=mode, wall_s=max(seconds) + 3,
+                     ranks=tuple(_rank(i, s) for i, s in enumerate(seconds)))
+
+
+def test_bounds_store_limited() -> None:
+    # 1 GB, 4 nodes, 200 Mbit/s = 25 MB/s to the store, 2 Gbit/s = 250 MB/s between nodes.
+    b = cluster_report.bounds(10**9, 4, store_mbit=200, peer_mbit=2000)
+    assert b.store_s == pytest.approx(10.0)
+    assert b.peer_link_s == pytest.approx(3.0)
+    assert b.one_link_s == pytest.approx(40.0)
+    assert b.bound_s == pytest.approx(10.0)
+
+
+def test_bound_is_the_peer_link_when_peers_are_slower() -> None:
+    b = cluster_report.bounds(10**9, 2, store_mbit=1000, peer_mbit=100)
+    assert b.store_s == pytest.approx(4.0)
+    assert b.peer_link_s == pytest.approx(40.0)
+    assert b.bound_s == pytest.approx(40.0)
+
+
+def test_single_node_has_no_peer_traffic() -> None:
+    b = cluster_report.bounds(10**9, 1, store_mbit=200, peer_mbit=2000)
+    assert b.peer_link_s == 0
+    assert b.bound_s == pytest.approx(b.one_link_s)
+
+
+def test_fill_time_is_the_slowest_rank() -> None:
+    assert _run(3, "multi-reader", 4.0, 6.5, 5.0).fill_s == 6.5
+
+
+def test_report_ratios_and_goal() -> None:
+    model = 10**9  # bound at N=4: 10 s; one link: 40 s
+    runs = [_run(4, "multi-reader", 12.0, 12.5, 11.0, 12.0), _run(4, "single-reader", 41, 40, 40, 40),
+            _run(4, "independent", 40.0, 44.0, 42.0, 41.0), _run(2, "multi-reader", 21.0, 22.0)]
+    report = cluster_report.build_report(
+        model_bytes=model, files=3, runs=runs, parameters={"store_mbit": 200, "peer_mbit": 2000},
+        probe={"store_to_node_mbit": 191.0}, commit="abc", machine={"cores": 2},
+    )
+    two, four = report["results"]
+    assert two["nodes"] == 2 and two["bound_s"] == 20.0
+    assert two["multi_reader_to_bound_ratio"] == 1.1
+    assert two["independent_s"] is None and two["multi_reader_to_independent_ratio"] is None
+    assert four["multi_reader_s"] == 12.5
+    assert four["multi_reader_to_bound_ratio"] == 1.25
+    assert four["multi_reader_to_independent_ratio"] == round(12.5 / 44.0, 3)
+    assert four["single_reader_to_one_link_bound_ratio"] == round(41 / 40, 3)
+    assert report["goal"]["bound_met"] is True and report["goal"]["independent_met"] is True
+    assert report["runs"][0]["ranks"][1]["seconds"] == 12.5
+    assert report["commit"] == "abc" and report["machine"] == {"cores": 2}
+    json.dumps(report)  # every figure is JSON-ready
+    lines = cluster_report.format_table(report)
+    assert lines[2] == " 2   22.00       -       -   20.00         1.1        None"
+    assert lines[3] == " 4   12.50   41.00   44.00   10.00        1.25       0.284"
+    assert lines[-1] == ("goal at N=4: multi-reader/bound 1.25 (<= 1.3: True), "
+                         "multi-reader/independent 0.284 (< 0.4: True)")
+
+
+def test_goal_missed_and_goal_unmeasured() -> None:
+    rows = cluster_report.summarize(10**9, [_run(4, "multi-reader", 14.0), _run(4, "independent", 30.0)],
+                                    store_mbit=200, peer_mbit=2000)
+    missed = cluster_report.goal(rows)
+    assert missed["bound_met"] is False and missed["independent_met"] is False
+    unmeasured = cluster_report.goal(cluster_report.summarize(
+        10**9, [_run(2, "multi-reader", 14.0)], store_mbit=200, peer_mbit=2000))
+    assert unmeasured["bound_met"] is None and unmeasured["multi_reader_to_bound_ratio"] is None
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    runs = [_run(n, mode, s * 4 / n) for n in (2, 3, 4) for mode, s in
+            (("multi-reader", 12.0), ("single-reader", 40.0 * n / 4), ("independent", 40.0 * n / 4))]
+    report = cluster_report.build_report(
+        model_bytes=10**9, files=3, runs=runs, parameters={"store_mbit": 200, "peer_mbit": 2000},
+        probe={}, commit=None, machine={},
+    )
+    cluster_report.plot(report, tmp_path / "out" / "cluster.png")
+    assert (tmp_path / "out" / "cluster.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _args(**overrides: object) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cluster.add_arguments(parser)
+    args = parser.parse_args(["--json"])
+    vars(args).update(overrides)
+    return args
+
+
+def test_without_namespaces_it_says_why_and_exits_zero(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(netns, "unavailable_reason", lambda: "network namespaces need root")
+    assert cluster.run(_args()) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "dlo bench cluster: skipped, no figures: network namespaces need root"
+    assert json.loads(lines[-1]) == {"benchmark": "cluster", "skipped": "network namespaces need root"}
+
+
+def test_unknown_mode_is_refused() -> None:
+    with pytest.raises(cluster.ClusterBenchError) as info:
+        cluster.run(_args(modes="multi-reader,broadcast"))
+    assert str(info.value) == "--nodes '2,3,4' / --modes 'multi-reader,broadcast' invalid"
+    with pytest.raises(cluster.ClusterBenchError) as info:
+        cluster.run(_args(nodes="2,four"))
+    assert str(info.value).startswith("--nodes '2,four' / --modes")
+
+
+def _rank_dir(root: Path, summary: dict[str, object], entry: Path) -> None:
+    root.mkdir(parents=True)
+    (root / "stdout").write_text("progress 10%\n" + json.dumps(summary) + "\n")
+    (root / "stderr").write_text("")
+    (root / "entry.json").write_text(json.dumps({"path": str(entry)}))
+
+
+def test_a_fill_that_fell_back_to_another_mode_does_not_count(tmp_path: Path) -> None:
+    entry = tmp_path / "entry"
+    entry.mkdir()
+    (entry / "a.safetensors").write_bytes(b"abc")
+    summary = {"status": "ok", "mode": "independent", "seconds": 1.0, "bytes_from_store": 3,
+               "bytes_from_peers": 0, "bytes_to_peers": 0}
+    _rank_dir(tmp_path / "n0", summary, entry)
+    traffic = netns.NodeTraffic(from_store=3, from_peers=0, to_store=0, to_peers=0)
+    digests = {"a.safetensors": sha256_file(entry / "a.safetensors")}
+    with pytest.raises(cluster.ClusterBenchError, match="rank 0 in multi-reader mode: exit 0"):
+        cluster._check_rank(tmp_path / "n0", 0, 0, "multi-reader", digests, traffic)
+    ok = cluster._check_rank(tmp_path / "n0", 0, 0, "independent", digests, traffic)
+    assert ok.bytes_from_store == 3 and ok.wire_from_store == 3
+    (entry / "a.safetensors").write_bytes(b"abd")
+    with pytest.raises(cluster.ClusterBenchError) as info:
+        cluster._check_rank(tmp_path / "n0", 0, 0, "independent", digests, traffic)
+    assert str(info.value) == f"rank 0 in independent mode: {entry / 'a.safetensors'} differs from the source object"
+
+
+needs_netns = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+    reason="network namespaces need root and iproute2 (ip, tc)",
+)
+
+
+@needs_netns
+def test_cluster_leaves_no_namespace_behind() -> None:
+    links = netns.LinkConfig(store_mbit=200, peer_mbit=2000)
+    with pytest.raises(RuntimeError, match="inside the block"):
+        with netns.cluster(2, links) as made:
+            assert set(made.namespaces) <= set(netns.list_namespaces())
+            assert len(made.namespaces) == 4  # switch, store, two nodes
+            raise RuntimeError("inside the block")
+    assert not set(made.namespaces) & set(netns.list_namespaces())
+
+
+@needs_netns
+def test_kernel_counters_tell_store_traffic_from_peer_traffic() -> None:
+    with netns.cluster(2, netns.LinkConfig(store_mbit=800, peer_mbit=2000)) as made:
+        before = netns.node_traffic(made, 0)
+        linkprobe.measure_mbit(made, server_ns=made.store_ns, server_addr=made.store_addr,
+                           client_ns=made.node_ns[0], nbytes=2_000_000)
+        linkprobe.measure_mbit(made, server_ns=made.node_ns[1], server_addr=made.node_addrs[1],
+                           client_ns=made.node_ns[0], nbytes=3_000_000)
+        seen = netns.node_traffic(made, 0).minus(before)
+    assert 2_000_000 < seen.from_store < 2_300_000
+    assert 3_000_000 < seen.from_peers < 3_400_000
+    assert seen.to_store < 200_000 and seen.to_peers < 200_000
+    assert not set(made.namespaces) & set(netns.list_namespaces())
