@@ -1,0 +1,257 @@
+"""`dlo bench loader`: single-node fill throughput against a raw parallel-GET ceiling.
+
+Owns the loader benchmark. One ministack server (ranged reads at memory speed) holds a synthetic
+checkpoint of valid safetensors files. The ceiling is what this machine can pull from that server
+with the same number of concurrent ranged GETs of the same chunk size, discarding the bytes; the
+fill is `dlo cache fill`'s code path (one rank) into a fresh cache root, including hashing,
+positioned writes, header validation, fsync and publication. A node's other limit is its disk, so
+the same run also measures writing and fsyncing the same bytes where the cache goes. Correctness
+first (the published files equal the source, digests verified), one warm-up, then ceiling, disk
+and fill runs interleaved so drift hits all alike. The figure asked for is `fill_to_ceiling_ratio`
+(median fill throughput / median GET ceiling); `fill_to_bound_ratio` divides by the slower of the
+GET ceiling and the disk instead. `--json` prints one JSON object as the last line,
+with the commit, the machine and the parameters. Must not be imported by the planes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import struct
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from dlo_bench.s3server import DUMMY_CREDENTIALS, S3Server, start_ministack, upload_tree
+from dlo_loader.fill import FillRequest, fill
+from dlo_runtime.cache import sha256_file, verify_entry
+from dlo_runtime.settings import CacheConfig, LoaderConfig, Settings
+
+MIB = 1 << 20
+BUCKET = "bench"
+PREFIX = "ckpt"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--json", action="store_true", help="print one JSON object as the last line")
+    add("--ministack", default=".venv-ministack/bin/ministack",
+        help="ministack executable (default: %(default)s)")
+    add("--size-mib", type=int, default=1024, help="checkpoint size in MiB (default: %(default)s)")
+    add("--files", type=int, default=4, help="safetensors files (default: %(default)s)")
+    add("--chunk-bytes", type=int, default=16 * MIB, help="default: %(default)s")
+    add("--readers", type=int, default=16, help="concurrent ranged GETs (default: %(default)s)")
+    add("--repeats", type=int, default=3, help="measured runs of each (default: %(default)s)")
+    add("--work-dir", help="where the source files and cache roots go (default: a temp dir)")
+    add("--output", help="also write the JSON report to this file")
+
+
+def run(args: argparse.Namespace) -> int:
+    for name, value in DUMMY_CREDENTIALS.items():
+        os.environ.setdefault(name, value)
+    work = Path(tempfile.mkdtemp(prefix="dlo-bench-loader-", dir=args.work_dir))
+    try:
+        with start_ministack(args.ministack) as server:
+            report = measure(args, server, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    _print(report, args.json)
+    if args.output:
+        Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
+    return 0 if report["correct"] else 1
+
+
+def measure(args: argparse.Namespace, server: S3Server, work: Path) -> dict[str, Any]:
+    """The whole report for one server (ministack from `run`; any S3 server works)."""
+    digests = _write_checkpoint(work / "source", args.size_mib * MIB, args.files)
+    upload_tree(server, BUCKET, PREFIX, work / "source")
+    total = sum(p.stat().st_size for p in (work / "source").iterdir())
+    ranges = _ranges(server, args.chunk_bytes)
+    correct = _check_fill(args, server, work / "cache-check", digests)
+    _ceiling(server, ranges, args.readers)  # warm-up: connections, server caches
+    ceiling_s, disk_s, fill_s = [], [], []
+    for repeat in range(args.repeats):
+        ceiling_s.append(_ceiling(server, ranges, args.readers))
+        disk_s.append(_disk(work / "disk", total, args.chunk_bytes))
+        fill_s.append(_fill(args, server, work / f"cache-{repeat}"))
+    ceiling = total / statistics.median(ceiling_s)
+    disk = total / statistics.median(disk_s)
+    fill = total / statistics.median(fill_s)
+    return {
+        "benchmark": "loader",
+        "commit": _commit(),
+        "machine": _machine(),
+        "parameters": {
+            "bytes": total, "files": args.files, "chunk_bytes": args.chunk_bytes,
+            "readers": args.readers, "repeats": args.repeats, "server": server.name,
+            "world_size": 1,
+        },
+        "correct": correct,
+        "ceiling_seconds": [round(s, 4) for s in ceiling_s],
+        "fill_seconds": [round(s, 4) for s in fill_s],
+        "disk_seconds": [round(s, 4) for s in disk_s],
+        "ceiling_bytes_per_s": round(ceiling),
+        "disk_write_bytes_per_s": round(disk),
+        "fill_bytes_per_s": round(fill),
+        "fill_to_ceiling_ratio": round(fill / ceiling, 4),
+        "fill_to_bound_ratio": round(fill / min(ceiling, disk), 4),
+    }
+
+
+def _write_checkpoint(directory: Path, total: int, files: int) -> dict[str, str]:
+    """`files` valid safetensors files of one U8 tensor each, `total` bytes in all, random
+    content; returns their SHA-256 digests."""
+    directory.mkdir(parents=True, exist_ok=True)
+    digests = {}
+    for index in range(files):
+        header, size = _header_for(total // files)
+        name = f"model-{index:05d}-of-{files:05d}.safetensors"
+        digest = hashlib.sha256()
+        with (directory / name).open("wb") as handle:
+            for piece in (struct.pack("<Q", len(header)) + header, *_random(size)):
+                handle.write(piece)
+                digest.update(piece)
+        digests[name] = digest.hexdigest()
+    return digests
+
+
+def _header_for(file_bytes: int) -> tuple[bytes, int]:
+    """A padded header and the tensor size that make a file of exactly `file_bytes`."""
+    size = file_bytes
+    while True:  # the header's length depends on the digits of the size: settle both
+        header = json.dumps({"data": {"dtype": "U8", "shape": [size],
+                                      "data_offsets": [0, size]}}).encode()
+        header += b" " * (-len(header) % 8)  # the format pads headers to 8-byte alignment
+        fitted = file_bytes - 8 - len(header)
+        if fitted == size:
+            return header, size
+        size = fitted
+
+
+def _random(size: int) -> list[bytes]:
+    block = 4 * MIB
+    noise = os.urandom(block)
+    # Each block starts with its offset: a server or cache that deduplicates cannot flatter us.
+    return [(struct.pack("<Q", offset) + noise[8:])[:min(block, size - offset)]
+            for offset in range(0, size, block)]
+
+
+def _ranges(server: S3Server, chunk_bytes: int) -> list[tuple[str, int, int]]:
+    listing = server.client().list_objects_v2(Bucket=BUCKET, Prefix=PREFIX + "/")
+    return [(item["Key"], start, min(chunk_bytes, item["Size"] - start))
+            for item in listing["Contents"] for start in range(0, item["Size"], chunk_bytes)]
+
+
+def _ceiling(server: S3Server, ranges: list[tuple[str, int, int]], readers: int) -> float:
+    """Seconds to GET every range with `readers` threads, reading each body and dropping it,
+    from creating the client on (the fill's time includes its client too)."""
+    started = time.perf_counter()
+    client = server.client()
+
+    def get(item: tuple[str, int, int]) -> int:
+        key, start, length = item
+        body = client.get_object(Bucket=BUCKET, Key=key,
+                                 Range=f"bytes={start}-{start + length - 1}")["Body"]
+        got = 0
+        while piece := body.read(MIB):
+            got += len(piece)
+        return got
+
+    with ThreadPoolExecutor(max_workers=readers) as pool:
+        got = sum(pool.map(get, ranges))
+    elapsed = time.perf_counter() - started
+    if got != sum(r[2] for r in ranges):
+        raise RuntimeError(f"ceiling run read {got} bytes, expected {sum(r[2] for r in ranges)}")
+    return elapsed
+
+
+def _disk(directory: Path, total: int, chunk_bytes: int) -> float:
+    """Seconds to write and fsync `total` bytes where the cache goes: the node's other limit."""
+    directory.mkdir(exist_ok=True)
+    block = os.urandom(chunk_bytes)
+    path = directory / "probe"
+    started = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for offset in range(0, total, chunk_bytes):
+            os.pwrite(fd, block[:total - offset], offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    elapsed = time.perf_counter() - started
+    path.unlink()
+    return elapsed
+
+
+def _settings(args: argparse.Namespace, server: S3Server, root: Path) -> Settings:
+    return Settings(
+        loader=LoaderConfig(source=f"s3://{BUCKET}/{PREFIX}/", endpoint_url=server.endpoint_url,
+                            path_style=True, chunk_bytes=args.chunk_bytes, readers=args.readers),
+        cache=CacheConfig(root=str(root)),
+    )
+
+
+def _fill(args: argparse.Namespace, server: S3Server, root: Path) -> float:
+    """Seconds for one complete fill (list, read, hash, write, validate, publish)."""
+    started = time.perf_counter()
+    fill(FillRequest(settings=_settings(args, server, root)))
+    elapsed = time.perf_counter() - started
+    shutil.rmtree(root)
+    return elapsed
+
+
+def _check_fill(args: argparse.Namespace, server: S3Server, root: Path,
+                digests: dict[str, str]) -> bool:
+    """One fill whose published files must hash to the source's digests (and verify fully)."""
+    result = fill(FillRequest(settings=_settings(args, server, root)))
+    published = {name: sha256_file(Path(result.path) / name) for name in digests}
+    good = published == digests and not verify_entry(root, result.entry_id, full=True)
+    shutil.rmtree(root)
+    return good
+
+
+def _commit() -> str | None:
+    """The checked-out commit (with `-dirty` for local changes), or None outside git."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def _machine() -> dict[str, Any]:
+    meminfo = Path("/proc/meminfo")
+    memory = next((int(line.split()[1]) * 1024 for line in meminfo.read_text().splitlines()
+                   if line.startswith("MemTotal:")), None) if meminfo.exists() else None
+    return {"hostname": platform.node(), "system": platform.platform(),
+            "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "memory_bytes": memory, "python": platform.python_version(),
+            "load_average": list(os.getloadavg())}
+
+
+def _print(report: dict[str, Any], as_json: bool) -> None:
+    print(f"correct: {report['correct']}")
+    print(f"ceiling (raw parallel GETs): {report['ceiling_bytes_per_s'] / 1e9:.3f} GB/s "
+          f"(runs: {report['ceiling_seconds']} s)")
+    print(f"fill (dlo cache fill, 1 rank): {report['fill_bytes_per_s'] / 1e9:.3f} GB/s "
+          f"(runs: {report['fill_seconds']} s)")
+    print(f"disk write+fsync where the cache goes: {report['disk_write_bytes_per_s'] / 1e9:.3f} "
+          f"GB/s (runs: {report['disk_seconds']} s)")
+    print(f"fill_to_ceiling_ratio: {report['fill_to_ceiling_ratio']:.3f}; fill_to_bound_ratio "
+          f"(against the slower of GETs and disk): {report['fill_to_bound_ratio']:.3f}")
+    if as_json:
+        print(json.dumps(report), flush=True)

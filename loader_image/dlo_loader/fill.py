@@ -1,0 +1,273 @@
+"""One fill of the node cache from object storage: the loader protocol of DESIGN.md section 5.
+
+Owns the order of the steps and the decisions between them: list the source and derive the entry
+id first, and if this node already holds a valid entry, return at once (no object-store reads, no
+rendezvous); else take the publication (the cache's `.publish` lock), join the group (or fall back
+to reading alone, per policy), agree on the plan, run the exchange, validate every safetensors
+header and compare chunk digests across ranks, and only then commit. A node whose entry appeared
+while it waited for the lock serves its share from disk and publishes nothing. Any failure leaves
+no entry (the publication removes its tmp dir). Called by `cli` (and by tests in-process for one
+rank). Must not parse flags or print: it returns a `FillResult`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dlo_loader.errors import GroupError, LoaderError, RendezvousTimeout
+from dlo_loader.exchange import Exchange, Reader
+from dlo_loader.plan import Chunk, Plan, build_plan
+from dlo_loader.progress import Progress, human_bytes, rank_prefix
+from dlo_loader.safetensors_header import read_header
+from dlo_loader.sink import EntryChunks, FileSink
+from dlo_loader.source import ObjectStore, parse_source
+from dlo_runtime.cache import (
+    CacheRoot,
+    FileRecord,
+    ObjectIdentity,
+    Publication,
+    begin_publication,
+    checkpoint_identity,
+    entry_id,
+    find_entry,
+)
+from dlo_runtime.errors import DloError
+from dlo_runtime.settings import Settings
+
+if TYPE_CHECKING:  # transport imports torch: loaded only when a group is needed
+    from dlo_loader.transport import Group
+
+log = logging.getLogger(__name__)
+
+PRODUCER = "dlo-loader"
+_COLLECTIVE_TIMEOUT_S = 60.0
+"""Longest wait inside one collective; ranks poll in status rounds, so only a hung peer hits it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FillRequest:
+    settings: Settings
+    rank: int = 0
+    world_size: int = 1
+    master_addr: str | None = None
+    master_port: int = 29500
+    emit: Callable[[str], None] | None = None
+    """Where progress lines go (the CLI prints them); None: no progress lines."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FillResult:
+    entry_id: str
+    root: str
+    path: str
+    source: str
+    mode: str
+    rank: int
+    world_size: int
+    bytes_from_store: int
+    bytes_from_peers: int
+    bytes_to_peers: int
+    seconds: float
+    cached: bool
+
+    def summary(self) -> dict[str, Any]:
+        """The one-line JSON summary of contract C2."""
+        return {
+            "status": "ok", "entry_id": self.entry_id, "mode": self.mode, "rank": self.rank,
+            "world_size": self.world_size, "bytes_from_store": self.bytes_from_store,
+            "bytes_from_peers": self.bytes_from_peers, "bytes_to_peers": self.bytes_to_peers,
+            "seconds": round(self.seconds, 3), "cached": self.cached,
+        }
+
+    def entry_document(self) -> dict[str, Any]:
+        """What the main container reads from `/run/dlo/entry.json`."""
+        return {"entry_id": self.entry_id, "kind": "checkpoint", "root": self.root,
+                "path": self.path, "source": self.source}
+
+
+def fill(request: FillRequest) -> FillResult:
+    """Make sure this node's cache holds the checkpoint; see the module docstring for the steps."""
+    return _Fill(request).run()
+
+
+class _Fill:
+    """The state of one fill, shared by its steps."""
+
+    def __init__(self, request: FillRequest) -> None:
+        self.request = request
+        self.started = time.monotonic()
+        self.loader, self.cache = request.settings.loader, request.settings.cache
+        self.deadline = self.started + self.loader.timeout_s
+        self.uri = parse_source(self.loader.source)
+        self.stop = threading.Event()
+        self.store = ObjectStore(
+            self.uri, endpoint_url=self.loader.endpoint_url, region=self.loader.region,
+            path_style=self.loader.path_style, readers=self.loader.readers,
+            attempts=self.loader.max_retries, stop=self.stop,
+        )
+        self.root = CacheRoot(self.cache.root)
+        self.progress = Progress(total_bytes=0, emit=request.emit,
+                                 prefix=rank_prefix(request.rank, request.world_size))
+
+    def run(self) -> FillResult:
+        files = self.store.list(self.loader.include)
+        identity = checkpoint_identity(str(self.uri), files)
+        eid = entry_id(identity)
+        self.progress.total_bytes = total = sum(f.size for f in files)
+        log.info("%s: %d objects, %s; entry %s", self.uri, len(files), human_bytes(total), eid)
+        existing = find_entry(self.root, eid, self.cache.verify)
+        if existing is not None:
+            log.info("entry %s is cached already at %s; nothing to read", eid, existing)
+            return self._result(eid, existing, self.loader.mode, cached=True)
+        lock_timeout_s = max(self.deadline - time.monotonic(), 1.0)
+        with begin_publication(self.root, eid, expected_bytes=total, lock_timeout_s=lock_timeout_s,
+                               min_free_bytes=self.cache.min_free_bytes) as pub:
+            group, mode = self._join_group()
+            if group is None and pub.existing is not None:
+                return self._result(eid, pub.existing, mode, cached=True)
+            try:
+                plan = build_plan(files, mode=mode, world_size=self.request.world_size,
+                                  chunk_bytes=self.loader.chunk_bytes)
+                self._transfer(pub, plan, group, identity)
+            finally:
+                if group is not None:
+                    group.close()
+            final = pub.existing or pub.committed
+        assert final is not None
+        return self._result(eid, final, mode, cached=pub.existing is not None)
+
+    def _result(self, eid: str, path: Path, mode: str, *, cached: bool) -> FillResult:
+        return FillResult(
+            entry_id=eid, root=str(self.root.path), path=str(path), source=str(self.uri),
+            mode=mode, rank=self.request.rank, world_size=self.request.world_size, cached=cached,
+            bytes_from_store=self.progress.bytes_from_store,
+            bytes_from_peers=self.progress.bytes_from_peers,
+            bytes_to_peers=self.progress.bytes_to_peers,
+            seconds=time.monotonic() - self.started,
+        )
+
+    def _join_group(self) -> tuple[Group | None, str]:
+        """The group for this fill, or None to read alone (one rank, independent, fallback)."""
+        request, loader = self.request, self.loader
+        if request.world_size == 1 or loader.mode == "independent":
+            return None, loader.mode
+        if not request.master_addr:
+            raise LoaderError(
+                f"world size {request.world_size} needs a rendezvous address",
+                hint="pass --master-addr or set MASTER_ADDR (rank 0's stable DNS name)",
+            )
+        from dlo_loader import transport
+
+        try:
+            group = transport.rendezvous(
+                backend=loader.backend, master_addr=request.master_addr,
+                master_port=request.master_port, rank=request.rank,
+                world_size=request.world_size, timeout_s=loader.rendezvous_timeout_s,
+                collective_timeout_s=min(_COLLECTIVE_TIMEOUT_S, loader.timeout_s),
+            )
+        except RendezvousTimeout as exc:
+            if loader.on_rendezvous_timeout == "fail":
+                raise
+            log.warning("%s; falling back to independent mode: this loader reads every byte", exc)
+            return None, "independent"
+        return group, loader.mode
+
+    def _transfer(self, pub: Publication, plan: Plan, group: Group | None,
+                  identity: dict[str, Any]) -> None:
+        """Exchange, check and (unless this node holds the entry already) commit."""
+        if group is not None:
+            _agree(group, plan.fingerprint)
+        rank = self.request.rank if group is not None else 0
+        log.info("plan: %s over %d rank(s), %d chunks of %s; this rank reads %s%s", plan.mode,
+                 plan.world_size, len(plan.chunks), human_bytes(plan.chunk_bytes),
+                 human_bytes(plan.owned_bytes(rank)),
+                 " from its cached entry" if pub.existing else "")
+        sink = None if pub.existing is not None else FileSink(pub.tmp_dir, plan.files)
+        read = EntryChunks(pub.existing, plan.files).read if pub.existing else self._reader(plan)
+        self.progress.start()
+        try:
+            digests = Exchange(plan, rank=self.request.rank, group=group, read=read, sink=sink,
+                               progress=self.progress, config=self.loader,
+                               deadline=self.deadline, stop=self.stop).run()
+        finally:
+            self.progress.stop()
+            if sink is not None:
+                sink.close()
+        if pub.existing is not None:
+            _conclude(group, digests, lambda: None)
+            return
+        records, tensors = _conclude(
+            group, digests, lambda: _check_files(pub.tmp_dir, plan, digests, str(self.uri)))
+        pub.commit("checkpoint", identity, records, tensor_count=tensors, producer=PRODUCER)
+
+    def _reader(self, plan: Plan) -> Reader:
+        def read(chunk: Chunk, into: memoryview) -> None:
+            self.store.read(plan.files[chunk.file], chunk.offset, into)
+            self.progress.add(from_store=len(into))
+
+        return read
+
+
+def _agree(group: Group, fingerprint: str) -> None:
+    """Every rank must have listed the same objects and built the same plan."""
+    fingerprints = group.all_gather_object(fingerprint)
+    differing = [r for r, f in enumerate(fingerprints) if f != fingerprint]
+    if differing:
+        raise GroupError(
+            f"loader ranks {differing} built a different transfer plan than rank {group.rank}",
+            hint="every loader needs the same settings (source, include, mode, chunk_bytes) "
+                 "and the source must not change during the fill",
+        )
+
+
+def _conclude(group: Group | None, digests: list[str], check: Callable[[], Any]) -> Any:
+    """Run this rank's final checks, then (with a group) learn every rank's outcome and compare
+    chunk digests, so no rank publishes unless all agree byte for byte."""
+    try:
+        value, mine = check(), {"digests": digests}
+    except DloError as exc:
+        value, mine = exc, {"error": str(exc)}
+    gathered = group.all_gather_object(mine) if group is not None else [mine]
+    if isinstance(value, BaseException):
+        raise value
+    for rank, other in enumerate(gathered):
+        if "error" in other:
+            raise GroupError(f"loader rank {rank} failed: {other['error']}",
+                             hint=f"see the log of rank {rank}; nothing was published")
+        if other["digests"] != digests:
+            chunk = next(i for i, (a, b) in enumerate(zip(digests, other["digests"])) if a != b)
+            raise GroupError(f"chunk {chunk} differs between this loader and rank {rank} "
+                             "(corrupted in transfer or on disk)", hint="rerun the fill")
+    return value
+
+
+def _check_files(directory: Path | None, plan: Plan, digests: list[str],
+                 source: str) -> tuple[list[FileRecord], int]:
+    """Validate every safetensors header; build the manifest records from the chunk digests."""
+    assert directory is not None
+    by_file: dict[int, list[str]] = {}
+    for chunk in plan.chunks:
+        by_file.setdefault(chunk.file, []).append(digests[chunk.index])
+    tensors = 0
+    records = []
+    for index, obj in enumerate(plan.files):
+        if obj.key.endswith(".safetensors"):
+            tensors += len(read_header(directory / obj.key, source + obj.key).tensors)
+        records.append(_record(obj, plan.chunk_bytes, by_file.get(index, [])))
+    return records, tensors
+
+
+def _record(obj: ObjectIdentity, chunk_bytes: int, chunk_digests: list[str]) -> FileRecord:
+    """Small files carry one SHA-256 (their single chunk's); larger ones the chunk list."""
+    if obj.size > chunk_bytes:
+        return FileRecord(obj.key, obj.size, chunk_bytes=chunk_bytes,
+                          chunk_sha256=tuple(chunk_digests))
+    single = chunk_digests[0] if chunk_digests else hashlib.sha256(b"").hexdigest()
+    return FileRecord(obj.key, obj.size, sha256=single)

@@ -1,0 +1,110 @@
+"""Progress of one fill: byte counters and a progress line every few seconds.
+
+Owns the loader's counters (bytes from the object store, from peers, to peers, written) and the
+line a person watching `kubectl logs` reads: `[rank r/w] 1.2 GiB of 4.0 GiB (30%), 410.5 MiB/s,
+ETA 7 s`. A daemon thread emits the line through a callable the CLI provides (stdout), so a
+stalled fill keeps reporting. Also owns the `[rank r/w]` prefix for the loader's log records.
+Called by `fill`, `exchange` and `cli`. Must not decide anything about the fill.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+DEFAULT_INTERVAL_S = 5.0
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def human_bytes(count: float) -> str:
+    """`1536` -> `1.5 KiB`."""
+    value, unit = float(count), _UNITS[0]
+    for larger in _UNITS[1:]:
+        if abs(value) < 1024:
+            break
+        value, unit = value / 1024, larger
+    return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
+def rank_prefix(rank: int, world_size: int) -> str:
+    return f"[rank {rank}/{world_size}]"
+
+
+class Progress:
+    """Thread-safe counters; `start()` begins periodic lines, `stop()` ends them."""
+
+    def __init__(
+        self, *, total_bytes: int, prefix: str, emit: Callable[[str], None] | None = None,
+        interval_s: float = DEFAULT_INTERVAL_S, clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.total_bytes = total_bytes
+        self.prefix = prefix
+        self.emit = emit
+        self.interval_s = interval_s
+        self.clock = clock
+        self.started = clock()
+        self.bytes_written = 0
+        self.bytes_from_store = 0
+        self.bytes_from_peers = 0
+        self.bytes_to_peers = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, *, written: int = 0, from_store: int = 0, from_peers: int = 0,
+            to_peers: int = 0) -> None:
+        with self._lock:
+            self.bytes_written += written
+            self.bytes_from_store += from_store
+            self.bytes_from_peers += from_peers
+            self.bytes_to_peers += to_peers
+
+    def line(self) -> str:
+        """The progress line for now."""
+        with self._lock:
+            done = self.bytes_written
+        elapsed = max(self.clock() - self.started, 1e-9)
+        rate = done / elapsed
+        share = 100.0 * done / self.total_bytes if self.total_bytes else 100.0
+        if rate > 0:
+            eta = f"{(self.total_bytes - done) / rate:.0f} s"
+        else:
+            eta = "unknown"
+        return (f"{self.prefix} {human_bytes(done)} of {human_bytes(self.total_bytes)} "
+                f"({share:.0f}%), {human_bytes(rate)}/s, ETA {eta}")
+
+    def start(self) -> None:
+        if self.emit is None or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="dlo-progress", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the periodic lines with a last one, so the log shows where the fill ended."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            assert self.emit is not None
+            self.emit(self.line())
+
+    def _run(self) -> None:
+        assert self.emit is not None
+        while not self._stop.wait(self.interval_s):
+            self.emit(self.line())
+
+
+class RankPrefixFilter(logging.Filter):
+    """Prepends `[rank r/w]` to every record the loader's modules log (install on handlers)."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__()
+        self.prefix = rank_prefix(rank, world_size)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name.startswith("dlo_") and not getattr(record, "_dlo_prefixed", False):
+            record.msg = f"{self.prefix} {record.msg}"
+            record._dlo_prefixed = True
+        return True

@@ -1,0 +1,193 @@
+"""The object store: listing a checkpoint prefix and reading byte ranges of its objects.
+
+Owns every call to S3 (this is the only module that imports boto3): the client (endpoint, region,
+path-style addressing, credentials from the standard chain: environment, web identity, instance
+role), listing with include globs, and ranged GETs that retry with exponential backoff and full
+jitter on throttling (503 SlowDown), other 5xx, connection resets, short bodies and bodies that
+fail the store's checksum. Every read names the listed ETag (`If-Match`) and checks the length it
+got, so an object replaced mid-fill is an error, never a mixed file. Called by `fill`. Must not
+log or raise anything that carries a credential, and must not write files.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import http.client
+import logging
+import random
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import boto3
+import botocore.exceptions as bexc
+import urllib3.exceptions
+from botocore.config import Config
+
+from dlo_loader.errors import SourceError, SourceUnavailable
+from dlo_runtime.cache import ObjectIdentity
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+_BACKOFF_BASE_S = 0.1
+_BACKOFF_CAP_S = 5.0
+_THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
+                             "InternalError", "ServiceUnavailable", "RequestLimitExceeded"})
+_RETRYABLE = (bexc.ConnectionError, bexc.IncompleteReadError, bexc.ResponseStreamingError,
+              bexc.FlexibleChecksumError,
+              urllib3.exceptions.HTTPError, http.client.HTTPException, ConnectionError,
+              TimeoutError)
+
+
+class _ShortBody(Exception):
+    """The server sent fewer (or more) bytes than the range asked for."""
+
+
+@dataclass(frozen=True)
+class SourceURI:
+    """`s3://bucket/prefix/`; `prefix` is empty or ends with `/`."""
+
+    bucket: str
+    prefix: str
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+
+def parse_source(uri: str) -> SourceURI:
+    """Split an `s3://bucket/prefix` URI; anything else is a configuration error."""
+    scheme, sep, rest = uri.partition("://")
+    bucket, _, prefix = rest.partition("/")
+    if scheme != "s3" or not sep or not bucket:
+        raise SourceError(
+            f"loader.source={uri!r} is not an s3://bucket/prefix URI",
+            hint="set loader.source (or --source) to e.g. s3://models/flux-dev/",
+        )
+    prefix = prefix.strip("/")
+    return SourceURI(bucket, prefix + "/" if prefix else "")
+
+
+class ObjectStore:
+    """One S3 client shared by the reader threads (botocore clients are thread-safe)."""
+
+    def __init__(
+        self, uri: SourceURI, *, endpoint_url: str | None, region: str | None, path_style: bool,
+        readers: int, attempts: int, stop: threading.Event | None = None,
+    ) -> None:
+        self.uri = uri
+        self.attempts = attempts
+        self.stop = stop or threading.Event()
+        config = Config(
+            s3={"addressing_style": "path" if path_style else "auto"},
+            # Our own retry loop knows about short bodies and the fill deadline: one attempt here.
+            retries={"total_max_attempts": 1},
+            max_pool_connections=readers,
+            connect_timeout=10,
+            read_timeout=60,
+        )
+        session = boto3.session.Session()
+        self._client = session.client(
+            "s3", endpoint_url=endpoint_url, region_name=region, config=config
+        )
+
+    def list(self, include: Iterable[str]) -> list[ObjectIdentity]:
+        """Objects under the prefix whose relative key matches a glob (`*` also matches `/`)."""
+        patterns = tuple(include)
+        found = []
+        for page in self._retrying("listing", lambda: self._pages()):
+            for item in page:
+                rel = item["Key"][len(self.uri.prefix):]
+                wanted = any(fnmatch.fnmatchcase(rel, p) for p in patterns)
+                if rel and not rel.endswith("/") and wanted:
+                    found.append(ObjectIdentity(rel, int(item["Size"]), item["ETag"].strip('"')))
+        if not found:
+            raise SourceError(
+                f"no object under {self.uri} matches loader.include={list(patterns)}",
+                hint="check loader.source and loader.include",
+            )
+        return sorted(found, key=lambda o: o.key)
+
+    def _pages(self) -> list[list[dict]]:
+        paginator = self._client.get_paginator("list_objects_v2")
+        pages = paginator.paginate(Bucket=self.uri.bucket, Prefix=self.uri.prefix)
+        return [page.get("Contents", []) for page in pages]
+
+    def read(self, obj: ObjectIdentity, start: int, into: memoryview) -> None:
+        """Fill `into` with bytes `[start, start+len(into))` of `obj`, exactly, or raise after
+        the retries."""
+        what = f"{self.uri}{obj.key} bytes {start}-{start + len(into) - 1}"
+        self._retrying(what, lambda: self._get(obj, start, into))
+
+    def _get(self, obj: ObjectIdentity, start: int, into: memoryview) -> None:
+        length = len(into)
+        response = self._client.get_object(
+            Bucket=self.uri.bucket, Key=self.uri.prefix + obj.key,
+            Range=f"bytes={start}-{start + length - 1}", IfMatch=f'"{obj.etag}"',
+        )
+        body = response["Body"]
+        got = 0
+        try:
+            while got < length:
+                count = body.readinto(into[got:])  # straight into the chunk buffer: no copy
+                if not count:
+                    break
+                got += count
+            extra = body.read(1) if got == length else b""
+        finally:
+            body.close()
+        if got != length or extra:
+            raise _ShortBody(f"got {got}{'+' if extra else ''} of {length} bytes")
+
+    def _retrying(self, what: str, call: Callable[[], _T]) -> _T:
+        """Run `call`, retrying transient failures with exponential backoff and full jitter."""
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return call()
+            except bexc.ClientError as exc:
+                reason = _client_error_reason(exc, what)
+            except bexc.NoCredentialsError as exc:
+                raise SourceError(
+                    f"no S3 credentials for {self.uri}",
+                    hint="set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or a web identity "
+                         "(service account) for the loader",
+                ) from exc
+            except _ShortBody as exc:
+                reason = f"short body: {exc}"
+            except _RETRYABLE as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+            if attempt == self.attempts or self.stop.is_set():
+                break
+            delay = random.uniform(0, min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2 ** attempt))
+            log.warning("%s: %s; retry %d/%d in %.2f s",
+                        what, reason, attempt, self.attempts - 1, delay)
+            if self.stop.wait(delay):
+                break
+        raise SourceUnavailable(
+            f"{what}: gave up after {attempt} attempt(s); last error: {reason}",
+            hint="the object store is throttling or failing; raise loader.max_retries or "
+                 "retry later",
+        )
+
+
+def _client_error_reason(exc: bexc.ClientError, what: str) -> str:
+    """The reason to retry a `ClientError`, or a permanent `SourceError` for the rest."""
+    error = exc.response.get("Error", {})
+    code = str(error.get("Code", ""))
+    status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+    if status >= 500 or status == 429 or code in _THROTTLE_CODES:
+        return f"{code or 'HTTP'} ({status})"
+    if status == 412 or code == "PreconditionFailed":
+        raise SourceError(
+            f"{what}: the object changed since it was listed (ETag no longer matches)",
+            hint="do not overwrite a checkpoint while it is being loaded; rerun the fill",
+        ) from exc
+    if status == 404 or code in ("NoSuchKey", "NoSuchBucket"):
+        raise SourceError(f"{what}: not found ({code or status})",
+                          hint="check loader.source") from exc
+    if status == 403 or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+        raise SourceError(f"{what}: access denied ({code or status})",
+                          hint="check the loader's credentials and the bucket policy") from exc
+    raise SourceError(f"{what}: {code or 'HTTP error'} ({status})") from exc
+

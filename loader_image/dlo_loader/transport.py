@@ -1,0 +1,133 @@
+"""The loader group: rendezvous and collectives over torch.distributed.
+
+Owns every call to torch.distributed. `rendezvous` joins the N loaders at the master's TCP store
+with a deadline (the store barrier waits for all N, so a late loader is found out before any
+collective starts); past it, `RendezvousTimeout`, and the caller applies its fallback policy.
+`Group` offers the three collectives the exchange needs: a per-round status exchange (who failed,
+who is ready), a broadcast of one chunk, and an all-gather of small objects (plan fingerprints,
+chunk digest lists). Collectives use a short timeout; a peer that dies closes its sockets, which
+fails the others' next collective at once. Backend `gloo` works on CPU buffers; `nccl` stages
+each chunk through the current CUDA device. Called by `fill` and `exchange`. Must not read the
+object store or write the cache.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dlo_loader.errors import GroupError, RendezvousTimeout
+
+log = logging.getLogger(__name__)
+
+_JOINED_KEY = "dlo/joined"
+_ALL_JOINED_KEY = "dlo/all-joined"
+
+
+@dataclass(frozen=True)
+class RoundStatus:
+    failed: tuple[int, ...]
+    """Ranks that reported a failure in this round."""
+    all_ready: bool
+    """Every rank has its chunk for this round in memory."""
+
+
+class Group:
+    """An initialized process group of `world_size` loaders; `close()` tears it down."""
+
+    def __init__(self, *, rank: int, world_size: int, backend: str, store: Any) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self._store = store  # rank 0 hosts the store: keep it alive as long as the group
+        if backend == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+
+    def status(self, *, failed: bool, ready: bool) -> RoundStatus:
+        """Tell every rank whether this one failed and whether it is ready; learn theirs."""
+        flags = torch.zeros(2 * self.world_size, dtype=torch.int64, device=self.device)
+        flags[self.rank] = int(failed)
+        flags[self.world_size + self.rank] = int(ready)
+        self._call("a status exchange", dist.all_reduce, flags)
+        values = flags.tolist()
+        failed_ranks = tuple(r for r in range(self.world_size) if values[r])
+        all_ready = sum(values[self.world_size:]) == self.world_size
+        return RoundStatus(failed=failed_ranks, all_ready=all_ready)
+
+    def broadcast(self, buffer: memoryview, src: int) -> None:
+        """Send `buffer` (writable bytes) from `src` to every rank; receivers' buffers are
+        filled in place."""
+        what = f"a chunk broadcast from rank {src}"
+        tensor = torch.frombuffer(buffer, dtype=torch.uint8)
+        if self.device.type == "cpu":
+            self._call(what, dist.broadcast, tensor, src=src)
+            return
+        if self.rank == src:
+            staged = tensor.to(self.device)
+        else:
+            staged = torch.empty_like(tensor, device=self.device)
+        self._call(what, dist.broadcast, staged, src=src)
+        if self.rank != src:
+            tensor.copy_(staged)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.world_size
+        self._call("an all-gather", dist.all_gather_object, gathered, obj)
+        return gathered
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._store = None
+
+    def _call(self, what: str, function: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            function(*args, **kwargs)
+        except (RuntimeError, dist.DistError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise GroupError(
+                f"lost contact with the loader group during {what}: {first}",
+                hint="another loader died or hung; see its log, then rerun every loader",
+            ) from exc
+
+
+def rendezvous(
+    *, backend: str, master_addr: str, master_port: int, rank: int, world_size: int,
+    timeout_s: float, collective_timeout_s: float,
+) -> Group:
+    """Join the group, or raise `RendezvousTimeout` when not all `world_size` loaders join in
+    `timeout_s` seconds (or the master cannot be reached)."""
+    deadline = time.monotonic() + timeout_s
+    where = f"{master_addr}:{master_port}"
+    try:
+        store = dist.TCPStore(
+            master_addr, master_port, world_size, is_master=rank == 0,
+            timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+        )
+        if store.add(_JOINED_KEY, 1) == world_size:
+            store.set(_ALL_JOINED_KEY, "1")
+        # Every rank waits here until all have joined, so no collective starts with a late peer.
+        remaining = max(deadline - time.monotonic(), 0.001)
+        store.wait([_ALL_JOINED_KEY], datetime.timedelta(seconds=remaining))
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout_s),
+        )
+    except (RuntimeError, dist.DistError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RendezvousTimeout(
+            f"rendezvous of {world_size} loaders at {where} did not complete within "
+            f"{timeout_s:g} s: {first}",
+            hint="start every loader (one per node) with the same master address and world "
+                 "size, or set loader.on_rendezvous_timeout=independent",
+        ) from exc
+    log.info("joined the loader group of %d at %s (%s)", world_size, where, backend)
+    return Group(rank=rank, world_size=world_size, backend=backend, store=store)

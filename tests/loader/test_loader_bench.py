@@ -1,0 +1,40 @@
+"""`dlo bench loader` end to end on a small checkpoint (moto here; the benchmark uses ministack)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+from dlo_bench import loader as bench
+from dlo_bench.s3server import S3Server
+from dlo_loader.safetensors_header import read_header
+
+pytestmark = pytest.mark.usefixtures("aws_env")
+
+
+def test_synthetic_checkpoint_is_valid_safetensors(tmp_path: Path) -> None:
+    digests = bench._write_checkpoint(tmp_path, 3 << 20, 3)
+    assert sorted(digests) == [f"model-0000{i}-of-00003.safetensors" for i in range(3)]
+    for name in digests:
+        header = read_header(tmp_path / name, name)
+        end = header.data_start + header.tensors[0].end
+        assert end == (tmp_path / name).stat().st_size == 1 << 20
+        assert header.data_start % 8 == 0
+
+
+def test_report_checks_correctness_and_names_the_ratio(s3: S3Server, tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--size-mib", "2", "--files", "2", "--chunk-bytes", "262144",
+                              "--readers", "4", "--repeats", "1"])
+    report = bench.measure(args, s3, tmp_path)
+    assert report["correct"] is True
+    assert report["parameters"] == {"bytes": 2 << 20, "files": 2, "chunk_bytes": 262144,
+                                    "readers": 4, "repeats": 1, "server": "moto",
+                                    "world_size": 1}
+    assert report["fill_to_ceiling_ratio"] == pytest.approx(
+        report["fill_bytes_per_s"] / report["ceiling_bytes_per_s"], rel=1e-3)
+    assert len(report["fill_seconds"]) == len(report["ceiling_seconds"]) == 1
+    assert report["fill_to_bound_ratio"] >= report["fill_to_ceiling_ratio"]
+    assert {"commit", "machine", "disk_write_bytes_per_s"} <= set(report)

@@ -1,0 +1,105 @@
+"""One loader in this process against moto: publication, the cached fast path, bad objects."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from pathlib import Path
+
+import pytest
+from conftest import Checkpoint
+from dlo_bench.faultproxy import FaultProxy
+from dlo_bench.s3server import S3Server
+from dlo_loader.errors import HeaderError
+from dlo_loader.fill import FillRequest, fill
+from dlo_runtime.cache import open_entry, verify_entry
+from dlo_runtime.settings import CacheConfig, LoaderConfig, Settings
+from loader_fleet import LOADER_SETTINGS, entry_files, included, no_entry, upload_files
+
+pytestmark = pytest.mark.usefixtures("aws_env")
+
+
+def settings_for(source: str, endpoint: str, root: Path, **loader: object) -> Settings:
+    fields = {**LOADER_SETTINGS, "source": source, "endpoint_url": endpoint, **loader}
+    return Settings(loader=LoaderConfig(**fields), cache=CacheConfig(root=str(root)))
+
+
+def test_single_loader_publishes_a_verified_copy(
+    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    lines: list[str] = []
+    settings = settings_for(checkpoint.source, s3.endpoint_url, tmp_path / "cache")
+    result = fill(FillRequest(settings=settings, emit=lines.append))
+    assert entry_files(tmp_path / "cache") == included(checkpoint.files)
+    assert verify_entry(tmp_path / "cache", result.entry_id, full=True) == []
+    with open_entry(tmp_path / "cache", result.entry_id) as handle:
+        assert handle.manifest.tensor_count == 11
+        assert handle.manifest.producer == "dlo-loader"
+    summary = result.summary()
+    assert summary["bytes_from_store"] == sum(map(len, included(checkpoint.files).values()))
+    assert (summary["cached"], summary["bytes_from_peers"], summary["mode"]) == (
+        False, 0, "multi-reader")
+    assert result.entry_document() == {
+        "entry_id": result.entry_id, "kind": "checkpoint", "root": str(tmp_path / "cache"),
+        "path": str(tmp_path / "cache" / "v1" / "entries" / result.entry_id),
+        "source": "s3://models/tiny/",
+    }
+
+
+def test_cached_entry_means_no_object_reads_and_no_rendezvous(
+    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    root = tmp_path / "cache"
+    first = fill(FillRequest(settings=settings_for(checkpoint.source, s3.endpoint_url, root)))
+    with socket.socket() as master, FaultProxy(s3.endpoint_url) as proxy:
+        master.bind(("127.0.0.1", 0))
+        master.listen()
+        master.setblocking(False)
+        settings = settings_for(checkpoint.source, proxy.url, root)
+        again = fill(FillRequest(settings=settings, rank=1, world_size=3,
+                                 master_addr="127.0.0.1", master_port=master.getsockname()[1]))
+        with pytest.raises(BlockingIOError):
+            master.accept()  # nobody tried to join a group
+    assert proxy.object_requests == 0
+    assert (again.cached, again.entry_id, again.path) == (True, first.entry_id, first.path)
+    assert again.summary()["bytes_from_store"] == 0
+
+
+def _header(tensors: dict) -> bytes:
+    raw = json.dumps(tensors).encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+GOOD = {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}
+OVERLAP = {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+           "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}
+BAD_OBJECTS = {
+    "huge-header": (struct.pack("<Q", 1 << 50) + b"{}" * 100_000,
+                    "header length field is 1125899906842624; expected 2 to 100000000"),
+    "not-json": (struct.pack("<Q", 9) + b'{"w": 1,]' + b"x" * 300_000,
+                 "header is not valid JSON: Expecting property name enclosed in double quotes at "
+                 "byte 8"),
+    "overlap": (_header(OVERLAP) + b"x" * 24, "tensors 'a' and 'b' overlap at data bytes 8-15"),
+    "truncated": (_header(GOOD) + b"x" * 10,
+                  "tensor 'w' ends at data byte 16 but the data area holds 10 bytes"),
+    "trailing": (_header(GOOD) + b"x" * 300_000,
+                 "tensors end at data byte 16 but the data area holds 300000 bytes (file size "
+                 "disagrees with the header)"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_OBJECTS))
+def test_malformed_safetensors_object_fails_with_its_name(
+    kind: str, s3: S3Server, tmp_path: Path
+) -> None:
+    data, problem = BAD_OBJECTS[kind]
+    files = {"transformer/config.json": b"{}", "transformer/model.safetensors": data}
+    source = upload_files(s3, f"bad-{kind}", files, tmp_path / "src")
+    root = tmp_path / "cache"
+    with pytest.raises(HeaderError) as caught:
+        fill(FillRequest(settings=settings_for(source, s3.endpoint_url, root)))
+    assert str(caught.value) == (
+        f"s3://models/bad-{kind}/transformer/model.safetensors: invalid safetensors header: "
+        f"{problem}")
+    assert no_entry(root)

@@ -1,0 +1,177 @@
+"""Groups of real `dlo cache fill` processes against moto, each rank behind its own counting,
+fault-injecting proxy: byte-identical entries, balanced reads, failing together, fallback."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import Checkpoint
+from dlo_bench.faultproxy import FAULT_KINDS, FaultPlan, FaultProxy
+from dlo_bench.s3server import S3Server
+from dlo_runtime.cache import (
+    FileRecord,
+    ObjectIdentity,
+    Publication,
+    begin_publication,
+    checkpoint_identity,
+    entry_id,
+)
+from loader_fleet import OpenWatch, Fleet, entry_files, finish, included, no_entry, wait_until
+
+pytestmark = pytest.mark.slow
+MODES = ("multi-reader", "single-reader", "independent")
+
+
+@contextlib.contextmanager
+def proxies(s3: S3Server, *plans: FaultPlan) -> Iterator[list[FaultProxy]]:
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(FaultProxy(s3.endpoint_url, plan)) for plan in plans]
+
+
+def total_bytes(checkpoint: Checkpoint) -> int:
+    return sum(map(len, included(checkpoint.files).values()))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("mode", MODES)
+def test_fill_gives_every_node_the_same_bytes(
+    mode: str, world: int, s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    with proxies(s3, *[FaultPlan()] * world) as counting:
+        fleet = Fleet(tmp_path, checkpoint.source, world, [p.url for p in counting], mode=mode)
+        outcomes = fleet.run()
+    total = total_bytes(checkpoint)
+    for outcome in outcomes:
+        assert outcome.returncode == 0, outcome.stderr
+        rank, summary = outcome.rank, outcome.summary
+        assert entry_files(fleet.root(rank)) == included(checkpoint.files)
+        assert (summary["status"], summary["mode"], summary["rank"], summary["world_size"],
+                summary["cached"]) == ("ok", mode, rank, world, False)
+        assert summary["bytes_from_store"] == counting[rank].object_bytes
+        assert summary["bytes_from_peers"] == total - summary["bytes_from_store"]
+        node = fleet.tmp / f"node{rank}"
+        assert json.loads((node / "termination-log").read_text()) == summary
+        assert json.loads((node / "entry.json").read_text())["entry_id"] == summary["entry_id"]
+    counted = [p.object_bytes for p in counting]
+    if mode == "multi-reader":
+        assert all(abs(c - total / world) <= 0.1 * total / world for c in counted), counted
+    elif mode == "single-reader":
+        assert counted == [total] + [0] * (world - 1)
+    else:
+        assert counted == [total] * world
+
+
+def test_injected_faults_still_give_identical_bytes(
+    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    plan = FaultPlan(kinds=FAULT_KINDS, every=2, limit=8)
+    with proxies(s3, plan, plan) as faulty:
+        # More attempts than faults: even if every fault hits the same range, it recovers.
+        fleet = Fleet(tmp_path, checkpoint.source, 2, [p.url for p in faulty],
+                      settings={"max_retries": 9})
+        outcomes = fleet.run()
+    for outcome in outcomes:
+        assert outcome.returncode == 0, outcome.stderr
+        assert entry_files(fleet.root(outcome.rank)) == included(checkpoint.files)
+    assert [set(p.faults) for p in faulty] == [set(FAULT_KINDS)] * 2
+
+
+def test_persistent_fault_fails_every_rank_and_publishes_nothing(
+    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    with proxies(s3, FaultPlan(), FaultPlan(kinds=("slowdown",))) as pair:
+        fleet = Fleet(tmp_path, checkpoint.source, 2, [p.url for p in pair],
+                      settings={"max_retries": 3})
+        first, second = fleet.run()
+    assert (first.returncode, second.returncode) == (1, 1)
+    assert first.summary == {
+        "status": "error", "rank": 0,
+        "error": "loader rank 1 of 2 failed; this loader stops too and publishes nothing "
+                 "(hint: see the log of rank 1 for the cause, then rerun)",
+    }
+    assert second.summary["error"].startswith("s3://models/tiny/transformer/")
+    assert "gave up after 3 attempt(s); last error: SlowDown (503)" in second.summary["error"]
+    assert no_entry(fleet.root(0)) and no_entry(fleet.root(1))
+
+
+def test_killed_rank_fails_the_others_and_a_rerun_succeeds(
+    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    with proxies(s3, FaultPlan(), FaultPlan(), FaultPlan(delay_s=0.5)) as slow:
+        fleet = Fleet(tmp_path, checkpoint.source, 3, [p.url for p in slow])
+        processes = {rank: fleet.start(rank) for rank in range(3)}
+        wait_until(lambda: slow[2].object_requests >= 1)  # rank 2 is mid-fill
+        os.kill(processes[2].pid, signal.SIGKILL)
+        outcomes = [finish(rank, processes[rank]) for rank in (0, 1)]
+        finish(2, processes[2])
+    for outcome in outcomes:
+        assert outcome.returncode == 1
+        assert outcome.summary["status"] == "error"
+        assert outcome.summary["error"].startswith(("lost contact with the loader group",
+                                                    "loader rank 2 of 3 failed")), outcome.summary
+    assert no_entry(fleet.root(0)) and no_entry(fleet.root(1))
+    assert not any((fleet.root(2) / "v1" / "entries").iterdir())
+    with proxies(s3, *[FaultPlan()] * 3) as counting:
+        rerun = Fleet(tmp_path, checkpoint.source, 3, [p.url for p in counting])
+        for outcome in rerun.run():
+            assert outcome.returncode == 0, outcome.stderr
+            assert entry_files(rerun.root(outcome.rank)) == included(checkpoint.files)
+    assert not any((rerun.root(2) / "v1" / "tmp").iterdir())  # the dead rank's tmp dir is gone
+
+
+def test_late_loader_falls_back_to_filling_alone(
+    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    with proxies(s3, FaultPlan(), FaultPlan()) as counting:
+        late = Fleet(tmp_path / "late", checkpoint.source, 2, [p.url for p in counting])
+        strict = Fleet(tmp_path / "strict", checkpoint.source, 2, [p.url for p in counting])
+        started = [late.start(1, "--rendezvous-timeout", "3"),
+                   strict.start(0, "--rendezvous-timeout", "2", "--on-rendezvous-timeout", "fail")]
+        alone, refused = finish(1, started[0]), finish(0, started[1])
+    assert alone.returncode == 0, alone.stderr
+    assert (alone.summary["mode"], alone.summary["bytes_from_store"]) == (
+        "independent", total_bytes(checkpoint))
+    assert entry_files(late.root(1)) == included(checkpoint.files)
+    assert refused.returncode == 1
+    assert refused.summary["error"].startswith(
+        f"rendezvous of 2 loaders at 127.0.0.1:{strict.master_port} did not complete within 2 s")
+    assert no_entry(strict.root(0))
+
+
+def test_node_that_holds_the_entry_serves_its_share_from_disk(
+    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    files = included(checkpoint.files)
+    objects = [ObjectIdentity(k, len(v), hashlib.md5(v).hexdigest()) for k, v in files.items()]
+    eid = entry_id(checkpoint_identity("s3://models/tiny/", objects))
+    with proxies(s3, FaultPlan(), FaultPlan()) as counting:
+        fleet = Fleet(tmp_path, checkpoint.source, 2, [p.url for p in counting])
+        with begin_publication(fleet.root(0), eid, expected_bytes=0, lock_timeout_s=60) as pub:
+            watch = OpenWatch(fleet.root(0) / "v1" / "locks" / f"{eid}.publish")
+            processes = {rank: fleet.start(rank) for rank in range(2)}
+            watch.wait()  # rank 0 found no entry and now waits for this publication's lock
+            watch.close()
+            _publish_copy(pub, files, objects)
+        outcomes = [finish(rank, process) for rank, process in processes.items()]
+    holder, reader = outcomes
+    assert holder.returncode == 0 and reader.returncode == 0, holder.stderr + reader.stderr
+    assert (holder.summary["cached"], counting[0].object_bytes) == (True, 0)
+    assert reader.summary["bytes_from_peers"] == holder.summary["bytes_to_peers"] > 0
+    assert counting[1].object_bytes == reader.summary["bytes_from_store"] < total_bytes(checkpoint)
+    assert entry_files(fleet.root(1)) == files
+
+
+def _publish_copy(pub: Publication, files: dict[str, bytes], objects: list[ObjectIdentity]) -> None:
+    assert pub.tmp_dir is not None
+    for name, data in files.items():
+        (pub.tmp_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (pub.tmp_dir / name).write_bytes(data)
+    pub.commit("checkpoint", checkpoint_identity("s3://models/tiny/", objects),
+               [FileRecord(name, len(data)) for name, data in files.items()])
