@@ -13,53 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-from dlo_bench.s3server import S3Server, S3ServerError, upload_tree
-
-_START_TIMEOUT_S = 30.0
-
-
-def _start(binary: str, host: str, port: int) -> S3Server:
-    """ministack on host:port serving S3 only, state in memory, scratch in a private TMPDIR."""
-    scratch = Path(tempfile.mkdtemp(prefix="dlo-cluster-store-"))
-    log_path = scratch / "server.log"
-    env = {**os.environ, "GATEWAY_PORT": str(port), "BIND_HOST": host, "SERVICES": "s3",
-           "LOG_LEVEL": "WARNING", "S3_PERSIST": "0", "TMPDIR": str(scratch)}
-    try:
-        with log_path.open("wb") as log:
-            process = subprocess.Popen([binary], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                       cwd=scratch)
-    except OSError as exc:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise S3ServerError(f"cannot start ministack {binary}: {exc}") from exc
-    return S3Server(endpoint_url=f"http://{host}:{port}", name="ministack", process=process,
-                    log_path=log_path, _scratch=scratch)
-
-
-def _wait_ready(server: S3Server) -> None:
-    deadline = time.monotonic() + _START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            tail = server.log_path.read_text(errors="replace")[-2000:]
-            raise S3ServerError(f"ministack exited with {server.process.returncode}: {tail}")
-        try:
-            with urllib.request.urlopen(server.endpoint_url + "/_ministack/health", timeout=2):
-                return
-        except urllib.error.HTTPError:
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise S3ServerError(f"ministack did not answer on {server.endpoint_url} within "
-                        f"{_START_TIMEOUT_S:.0f} s")
+from dlo_bench.s3server import start_ministack, upload_tree
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,10 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix", required=True)
     parser.add_argument("directory", type=Path)
     args = parser.parse_args(argv)
-    binary = shutil.which(args.ministack) or args.ministack
-    server = _start(binary, args.host, args.port)
+    server = start_ministack(args.ministack, args.port, host=args.host)
     try:
-        _wait_ready(server)
         keys = upload_tree(server, args.bucket, args.prefix, args.directory)
         size = sum(p.stat().st_size for p in args.directory.rglob("*") if p.is_file())
         print(json.dumps({"endpoint_url": server.endpoint_url, "keys": keys, "bytes": size}),

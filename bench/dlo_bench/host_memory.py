@@ -20,13 +20,14 @@ import gc
 import hashlib
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from dlo_bench import provenance
 
 MODES = ("shared", "private")
 
@@ -60,9 +61,8 @@ def run(args: argparse.Namespace) -> int:
         staging = _staging_throughput(work, FluxTransformer2DModel, args.repeats, env)
     report = {
         "bench": "runtime-host-memory",
-        "commit": _commit(),
-        "machine": {"node": platform.node(), "cpus": os.cpu_count(),
-                    "python": platform.python_version()},
+        "commit": provenance.commit(),
+        "machine": provenance.machine(),
         "params": {"processes": args.processes, "layers": args.layers,
                    "head_dim": args.head_dim, "repeats": args.repeats},
         "model_bytes": model_bytes,
@@ -224,12 +224,6 @@ def _pack(blocks: list[list[str]], sources: dict[str, Any], staging: Any) -> Non
             offset += flat.numel()
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _print(report: dict[str, Any], as_json: bool) -> None:

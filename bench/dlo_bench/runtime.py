@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
+
+from dlo_bench import provenance
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,10 +52,10 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     report: dict[str, Any] = {
         "benchmark": "runtime",
-        "commit": _commit(),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "torch": torch.__version__,
-                    "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+        "commit": provenance.commit(),
+        "machine": provenance.machine() | {
+            "torch": torch.__version__,
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
         "parameters": {k: v for k, v in vars(args).items() if k not in ("json", "host_memory")},
     }
     figures = _cpu_hooks(args)
@@ -223,11 +221,3 @@ def _cuda_steps(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _commit() -> str | None:
-    """The checked-out commit, or None outside a git work tree."""
-    try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, timeout=10, check=False)
-    except OSError:
-        return None
-    return done.stdout.strip() or None
