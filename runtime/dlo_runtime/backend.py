@@ -3,8 +3,9 @@
 Owns `DistributedLayerwiseOffloadBackend`, the resource owner of DLO in one process: it validates
 the settings, discovers the blocks, consumes the host weight plan (or the module's own tensors),
 selects the existing DP/SP group, builds the host shards or sources, allocates the two device
-slots, moves the non-block parts to the device, installs one hook per streamed block and primes
-the first transfer. `disable` undoes all of it. Called by the inference server at startup and
+slots, moves the non-block parts to the device (except the on-demand modules, whose host copies
+`dlo_runtime.on_demand` keeps), installs one hook per streamed block and primes the first
+transfer. `disable` undoes all of it. Called by the inference server at startup and
 shutdown (before it destroys its process groups); it never creates a process group and never
 re-runs the loader's checks. Tensor bookkeeping lives in `dlo_runtime.tensors`.
 
@@ -27,14 +28,8 @@ import torch.distributed as dist
 
 from dlo_runtime.discovery import DiscoveredModel, ModuleDiscovery
 from dlo_runtime.hooks import BlockScheduler, DistributedLayerwiseOffloadHook
-from dlo_runtime.layout import (
-    ALIGN_BYTES,
-    CUDA_ALIGN_BYTES,
-    BlockLayout,
-    build_layout,
-    slot_sizes,
-    views,
-)
+from dlo_runtime.layout import BlockLayout, slot_sizes, views
+from dlo_runtime.on_demand import OnDemandModules
 from dlo_runtime.settings import Settings, SettingsError
 from dlo_runtime.slots import DeviceSlots
 from dlo_runtime.streams import StreamSet
@@ -90,6 +85,7 @@ class DistributedLayerwiseOffloadBackend:
         self._scheduler: BlockScheduler | None = None
         self._hooks: list[DistributedLayerwiseOffloadHook] = []
         self._tensors: ModelTensors | None = None
+        self._on_demand: OnDemandModules | None = None
         self._mapped_plan: HostPlan | None = None
         self._streams = StreamSet(self.device)
 
@@ -136,36 +132,43 @@ class DistributedLayerwiseOffloadBackend:
         tensors = ModelTensors(model)
         plan, self.host_plan = self.host_plan, None
         sources = tensors.sources(plan.take_tensors() if plan is not None else None)
-        align = CUDA_ALIGN_BYTES if self._streams.is_cuda else ALIGN_BYTES
-        self.layouts = [
-            build_layout(block.path, tensors.metas(index, sources), self.shard_count, align)
-            for index, block in enumerate(model.streamed)
-        ]
+        align = self._streams.align_bytes
+        self.layouts = tensors.layouts(
+            [block.path for block in model.streamed], tensors.streamed_names, sources,
+            self.shard_count, align,
+        )
         self.slots = DeviceSlots(slot_sizes(self.layouts), self._streams)
         slot_views = [
             [views(layout, slot.flats) for layout in self.layouts] for slot in self.slots.slots
         ]
         self._source = self._build_source(sources, plan, slot_views)
         tensors.replace_meta()
-        tensors.place_resident(sources, self.device, copy=plan is not None)
+        tensors.place_resident(sources, self.device)
+        on_demand_layouts = tensors.layouts(
+            [e.path for e in model.on_demand], tensors.on_demand_names, sources, 1, align
+        )
+        on_demand = OnDemandModules(
+            on_demand_layouts, tensors.on_demand_tensors, sources, self._streams
+        )
         del sources
         self._mapped_plan = None if plan is None or self.group is not None else plan
         if plan is not None and self.group is not None:
-            # Shards and resident copies are made: the loader's mappings are no longer read.
+            # Shards, resident and on-demand copies are made: the mappings are no longer read.
             plan.release_sources()
         tensors.place_streamed_placeholders(
             self.device, [[e.meta.dtype for e in layout.entries] for layout in self.layouts]
         )
         self._install_hooks(model, tensors, slot_views)
-        self._tensors = tensors
+        on_demand.attach([entry.module for entry in model.on_demand])
+        self._tensors, self._on_demand = tensors, on_demand
         self.enabled = True
         self._scheduler.prime()
         gc.collect()
         logger.info(
-            "dlo: enabled on %s (%s plan): %d streamed, %d resident blocks, mode %s over %d "
-            "rank(s), device slots %d bytes",
-            type(self.dit).__name__, model.plan.source, len(model.streamed),
-            len(model.resident), self.mode, self.shard_count, self.slot_bytes,
+            "dlo: enabled on %s (%s plan): %d streamed, %d resident blocks, %d on-demand "
+            "modules, mode %s over %d rank(s), device slots %d bytes",
+            type(self.dit).__name__, model.plan.source, len(model.streamed), len(model.resident),
+            len(model.on_demand), self.mode, self.shard_count, self.slot_bytes,
         )
         return self
 
@@ -217,13 +220,17 @@ class DistributedLayerwiseOffloadBackend:
         if not self.enabled:
             return
         assert self._tensors is not None and self._scheduler is not None and self.slots
+        assert self._on_demand is not None
         # Outstanding transfers and kernels still read the slots and host sources.
         self._streams.synchronize()
         for hook in self._hooks:
             hook.detach()
+        self._on_demand.detach()
         if restore:
             self._restore()
+            self._on_demand.restore()
         self._hooks = []
+        self._on_demand = None
         self._scheduler = None
         self._source = None
         self.slots = None
@@ -266,9 +273,17 @@ class DistributedLayerwiseOffloadBackend:
         """Bytes of the streamed blocks' tensors (without padding)."""
         return sum(layout.tensor_bytes for layout in self.layouts)
 
+    @property
+    def on_demand_bytes(self) -> int:
+        """Bytes of the on-demand modules' tensors, held whole in host memory on every rank."""
+        return self._on_demand.tensor_bytes if self._on_demand is not None else 0
+
     def host_tensors(self) -> list[torch.Tensor]:
-        """The host tensors this backend holds for the streamed blocks."""
-        return self._source.host_tensors() if self._source is not None else []
+        """The host tensors this backend holds: the streamed blocks' shards or sources, and the
+        on-demand modules' arena."""
+        if self._source is None or self._on_demand is None:
+            return []
+        return self._source.host_tensors() + self._on_demand.host_tensors()
 
 
 def _kind(plan: HostPlan) -> str:

@@ -1,9 +1,9 @@
 """Finds the DiT of a pipeline and resolves its offload plan to concrete block modules.
 
 Owns `ModuleDiscovery`: given a diffusers pipeline (anything with a `transformer` module) or the
-DiT itself, it returns the DiT, its `OffloadPlan` and the ordered blocks, split into resident
-leading blocks and streamed ones. Called by the DLO backend before it changes anything; it must
-not move, copy or repoint tensors.
+DiT itself, it returns the DiT, its `OffloadPlan`, the ordered blocks, split into resident leading
+blocks and streamed ones, and the plan's on-demand modules. Called by the DLO backend before it
+changes anything; it must not move, copy or repoint tensors.
 """
 
 from __future__ import annotations
@@ -29,6 +29,15 @@ class Block:
 
 
 @dataclass(frozen=True)
+class OnDemandModule:
+    """A module outside the block lists that is on the device only while it runs."""
+
+    path: str
+    """Dotted path relative to the DiT, as declared in the plan's `on_demand`."""
+    module: nn.Module
+
+
+@dataclass(frozen=True)
 class DiscoveredModel:
     """The DiT, its plan, and its blocks split by placement."""
 
@@ -38,6 +47,8 @@ class DiscoveredModel:
     """Leading blocks kept on the device (`offload.resident_layers`)."""
     streamed: tuple[Block, ...]
     """Blocks streamed through the two device slots, in execution order."""
+    on_demand: tuple[OnDemandModule, ...] = ()
+    """Modules brought to the device for each call, in the plan's order."""
 
 
 class ModuleDiscovery:
@@ -82,6 +93,7 @@ class ModuleDiscovery:
             plan=plan,
             resident=tuple(blocks[:resident_layers]),
             streamed=tuple(blocks[resident_layers:]),
+            on_demand=self._on_demand(plan),
         )
 
     def _blocks(self, plan: OffloadPlan) -> list[Block]:
@@ -105,3 +117,18 @@ class ModuleDiscovery:
                 seen.add(id(module))
                 blocks.append(Block(len(blocks), f"{list_path}.{position}", list_path, module))
         return blocks
+
+    def _on_demand(self, plan: OffloadPlan) -> tuple[OnDemandModule, ...]:
+        modules = dict(self.dit.named_modules())
+        found: list[OnDemandModule] = []
+        for path in plan.on_demand:
+            module = modules.get(path)
+            # A container's forward never runs, so its hooks would never bring the weights in.
+            if module is None or isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+                kind = "nothing" if module is None else type(module).__name__
+                raise OffloadPlanError(
+                    f"offload plan of {type(self.dit).__name__} names on_demand path {path!r}, "
+                    f"which is {kind}; expected a module that the forward calls"
+                )
+            found.append(OnDemandModule(path, module))
+        return tuple(found)

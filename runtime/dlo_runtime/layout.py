@@ -3,7 +3,8 @@
 Owns the arithmetic shared by the device slots, the host shards and the staging slots: every
 streamed block is one flat buffer per dtype, each tensor at an aligned element offset, the whole
 padded so that it splits into `shard_count` equal, aligned shards (one per rank of the AllGather
-group). Called by the backend when it builds its buffers; it allocates nothing.
+group); and the placement of many such parts in one host arena per dtype. Called by the backend
+and the host sources when they build their buffers; it allocates nothing.
 
 [Note: dtype order] `sizes` and `shard_sizes` are built in `dtype_order` (a sort by name), and
 every loop over a block's dtypes iterates them, so that all ranks issue their per-dtype
@@ -12,7 +13,7 @@ collectives in the same order.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -131,3 +132,21 @@ def views(layout: BlockLayout, flats: dict[torch.dtype, torch.Tensor]) -> list[t
         flats[e.meta.dtype].narrow(0, e.offset, e.meta.numel).view(e.meta.shape)
         for e in layout.entries
     ]
+
+
+def arena_offsets(
+    parts: Sequence[Mapping[torch.dtype, int]], align_bytes: int = ALIGN_BYTES
+) -> tuple[dict[torch.dtype, int], list[dict[torch.dtype, int]]]:
+    """Pack `parts` (elements per dtype each) one after another in one buffer per dtype.
+
+    Returns the elements each dtype's buffer needs (in `dtype_order`) and, per part, the
+    aligned element offset of each of its dtypes."""
+    cursor: dict[torch.dtype, int] = {}
+    offsets = []
+    for part in parts:
+        placed = {}
+        for dtype, size in part.items():
+            placed[dtype] = _round_up(cursor.get(dtype, 0), align_elements(dtype, align_bytes))
+            cursor[dtype] = placed[dtype] + size
+        offsets.append(placed)
+    return {dtype: cursor[dtype] for dtype in dtype_order(cursor)}, offsets

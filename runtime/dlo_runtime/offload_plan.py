@@ -1,4 +1,4 @@
-"""Which modules of a DiT are streamed block by block, and which may stay resident.
+"""Which modules of a DiT are streamed block by block, which come in on demand, and which stay.
 
 Owns `OffloadPlan`, the built-in plans for the diffusers transformers users run most (Flux, SD3,
 Wan), the way a model declares its own plan, and the heuristic used when neither applies.
@@ -11,7 +11,17 @@ needs no import of this one::
 
     class MyDiT(nn.Module):
         _dlo_offload_plan = {"blocks": ["double_blocks", "single_blocks"],
-                             "resident": ["double_blocks"]}
+                             "resident": ["double_blocks"],
+                             "on_demand": ["context_refiner"]}
+
+`blocks` are streamed through the device slots; `resident` narrows which block lists may keep
+their leading blocks on the device (`offload.resident_layers`); `on_demand` names modules outside
+the block lists (a large embedding, a refiner that runs once per request) whose weights stay in
+host memory and are copied to the device only while that module runs: a forward pre-hook copies
+them in on the compute stream, a forward hook puts placeholders back (see
+`dlo_runtime.on_demand`). Every other module of the DiT stays resident on the device. On-demand
+modules are rank-local in AllGather mode too: each rank keeps their whole tensors in host memory
+and copies them without a collective, so they cost their full size on every rank.
 
 Precedence: the model's declaration, then the built-in plan for its class name, then the
 heuristic (the largest `nn.ModuleList` whose children all share one class).
@@ -28,6 +38,8 @@ from torch import nn
 from dlo_runtime.errors import PermanentError
 
 PLAN_ATTRIBUTE = "_dlo_offload_plan"
+PLAN_KEYS = ("blocks", "resident", "on_demand")
+"""Keys of a declared plan mapping, as the fields of `OffloadPlan` they fill."""
 PlanSource = Literal["declared", "builtin", "heuristic"]
 
 
@@ -37,7 +49,7 @@ class OffloadPlanError(PermanentError):
 
 @dataclass(frozen=True, kw_only=True)
 class OffloadPlan:
-    """Block lists of a DiT, in the order its forward runs them."""
+    """Block lists of a DiT, in the order its forward runs them, and its on-demand modules."""
 
     blocks: tuple[str, ...]
     """Dotted paths (relative to the DiT) of `nn.ModuleList`s whose children are streamed one
@@ -45,6 +57,9 @@ class OffloadPlan:
     resident: tuple[str, ...] = ()
     """Block lists whose leading blocks may be kept on the device (`offload.resident_layers`).
     Empty means every list in `blocks` is eligible."""
+    on_demand: tuple[str, ...] = ()
+    """Dotted paths of modules outside the block lists whose weights stay in host memory and are
+    brought to the device only while the module runs. They must not overlap one another."""
     source: PlanSource = "declared"
     """Where the plan came from; reported in logs so that a surprising plan can be traced."""
 
@@ -59,10 +74,32 @@ class OffloadPlan:
                 f"offload plan: resident path(s) {', '.join(stray)} are not block lists; "
                 f"allowed: {', '.join(self.blocks)}"
             )
+        for path in self.on_demand:
+            for block_list in self.blocks:
+                if _overlaps(path, block_list):
+                    raise OffloadPlanError(
+                        f"offload plan: on_demand path {path!r} overlaps block list "
+                        f"{block_list!r}; name modules outside the block lists"
+                    )
+        for position, path in enumerate(self.on_demand):
+            for other in self.on_demand[position + 1 :]:
+                if _overlaps(path, other):
+                    raise OffloadPlanError(
+                        f"offload plan: on_demand paths {path!r} and {other!r} overlap; "
+                        "name each module once, and no module inside another"
+                    )
 
     @property
     def resident_lists(self) -> tuple[str, ...]:
         return self.resident or self.blocks
+
+
+def _overlaps(first: str, second: str) -> bool:
+    """Whether one dotted module path is the other or lies inside it ('' is the DiT itself)."""
+    return any(
+        inner == outer or outer == "" or inner.startswith(outer + ".")
+        for outer, inner in ((first, second), (second, first))
+    )
 
 
 BUILTIN_PLANS: dict[str, OffloadPlan] = {
@@ -93,17 +130,19 @@ def _coerce(value: Any, owner: str) -> OffloadPlan:
     if not isinstance(value, Mapping):
         raise OffloadPlanError(
             f"{owner}.{PLAN_ATTRIBUTE} is a {type(value).__name__}; "
-            "expected an OffloadPlan or a mapping with 'blocks' (and optionally 'resident')"
+            "expected an OffloadPlan or a mapping with 'blocks' (and optionally 'resident', "
+            "'on_demand')"
         )
-    unknown = sorted(set(value) - {"blocks", "resident"})
+    unknown = sorted(set(value) - set(PLAN_KEYS))
     if unknown:
         raise OffloadPlanError(
             f"{owner}.{PLAN_ATTRIBUTE}: unknown key(s) {', '.join(unknown)}; "
-            "allowed: blocks, resident"
+            f"allowed: {', '.join(PLAN_KEYS)}"
         )
     return OffloadPlan(
         blocks=_paths(value.get("blocks", ()), owner, "blocks"),
         resident=_paths(value.get("resident", ()), owner, "resident"),
+        on_demand=_paths(value.get("on_demand", ()), owner, "on_demand"),
         source="declared",
     )
 

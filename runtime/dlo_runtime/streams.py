@@ -15,6 +15,8 @@ from typing import Protocol
 
 import torch
 
+from dlo_runtime.layout import ALIGN_BYTES, CUDA_ALIGN_BYTES
+
 
 class Event(Protocol):
     def record(self, stream: object = None) -> None: ...
@@ -52,6 +54,8 @@ class StreamSet:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
+        self.align_bytes = CUDA_ALIGN_BYTES if self.is_cuda else ALIGN_BYTES
+        """Alignment of every tensor, shard and part in the flat buffers (see `layout`)."""
         if self.is_cuda:
             self.copy: Stream = torch.cuda.Stream(device)
             self.comm: Stream = torch.cuda.Stream(device)

@@ -11,6 +11,15 @@ Owns the host side of the hot path, in three forms chosen by the backend:
   to its offset in the slot.
 Called by the hook scheduler; it must not repoint parameters or decide which block comes next.
 Every event record and wait follows [Note: slot events] in `dlo_runtime.slots`.
+
+[Note: host arena] Host buffers are allocated as one arena per dtype (`host_arena`) holding every
+block's part at an aligned offset, with per-block views into it, never one buffer per block. On
+CUDA the arena is page-locked through PyTorch's caching host allocator, which rounds each
+allocation up to a power of two: one buffer per block would pay that rounding (up to 2x) for
+every block, an arena pays it once per dtype. The rounding of the arena itself is lifted by
+setting `pinned_max_round_threshold_mb` in `PYTORCH_ALLOC_CONF` (in the PyTorch releases the
+lock pins) below the arena's size. Storage sizes, which `host_bytes` sums, report the bytes
+requested, not the rounding.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from dlo_runtime.layout import BlockLayout, dtype_order, slot_sizes, views
+from dlo_runtime.layout import BlockLayout, arena_offsets, slot_sizes, views
 from dlo_runtime.slots import DeviceSlot
 from dlo_runtime.streams import StreamSet
 
@@ -32,6 +41,20 @@ def _wait_reusable(streams: StreamSet, slot: DeviceSlot) -> None:
     # ready: a previous transfer into this slot (a prefetch that was never used) must finish
     # before this one writes, or the two would interleave.
     streams.copy.wait_event(slot.ready)
+
+
+def host_arena(
+    streams: StreamSet, parts: Sequence[Mapping[torch.dtype, int]]
+) -> tuple[list[torch.Tensor], list[dict[torch.dtype, torch.Tensor]]]:
+    """One zeroed host buffer per dtype holding every part (elements per dtype), and each part's
+    views into it; see [Note: host arena]."""
+    totals, offsets = arena_offsets(parts, streams.align_bytes)
+    # zeroed: padding is gathered into the slots too, so it must not carry stale host bytes.
+    flats = {dtype: streams.host_empty(size, dtype).zero_() for dtype, size in totals.items()}
+    return list(flats.values()), [
+        {dtype: flats[dtype].narrow(0, start, part[dtype]) for dtype, start in placed.items()}
+        for part, placed in zip(parts, offsets)
+    ]
 
 
 class ShardStore:
@@ -50,19 +73,9 @@ class ShardStore:
         self.streams = streams
         self.group = group
         self.rank = rank
-        self.flats: dict[torch.dtype, torch.Tensor] = {}
-        self.shards: list[dict[torch.dtype, torch.Tensor]] = [{} for _ in layouts]
-        totals: dict[torch.dtype, int] = {}
-        for layout in layouts:
-            for dtype, size in layout.shard_sizes.items():
-                totals[dtype] = totals.get(dtype, 0) + size
-        for dtype in dtype_order(totals):
-            self.flats[dtype] = streams.host_empty(totals[dtype], dtype).zero_()
-        cursor = dict.fromkeys(totals, 0)
-        for index, layout in enumerate(layouts):
-            for dtype, size in layout.shard_sizes.items():
-                self.shards[index][dtype] = self.flats[dtype].narrow(0, cursor[dtype], size)
-                cursor[dtype] += size
+        self.arena, self.shards = host_arena(streams, [layout.shard_sizes for layout in layouts])
+        """`shards[block][dtype]`: this rank's part of the block, a view into `arena`."""
+        for index in range(len(layouts)):
             self._fill(index, sources)
 
     def _fill(self, index: int, sources: Mapping[str, torch.Tensor]) -> None:
@@ -81,7 +94,7 @@ class ShardStore:
             )
 
     def host_tensors(self) -> list[torch.Tensor]:
-        return list(self.flats.values())
+        return list(self.arena)
 
     def load(self, index: int, slot: DeviceSlot) -> None:
         """Issue the transfer of block `index` into `slot`; `slot.ready` marks its end."""
@@ -123,16 +136,13 @@ class StagedSource:
         self.streams = streams
         self.sources = [[sources[e.meta.name] for e in layout.entries] for layout in layouts]
         sizes = slot_sizes(layouts)
-        self.staging = [
-            {dtype: streams.host_empty(size, dtype) for dtype, size in sizes.items()}
-            for _ in range(2)
-        ]
+        self.arena, self.staging = host_arena(streams, [sizes, sizes])
+        """Two staging slots (`staging[which][dtype]`), views into one `arena` per dtype."""
         self.consumed = [streams.event(), streams.event()]
         self.next = 0
 
     def host_tensors(self) -> list[torch.Tensor]:
-        staging = [flat for flats in self.staging for flat in flats.values()]
-        return staging + [t for block in self.sources for t in block]
+        return self.arena + [t for block in self.sources for t in block]
 
     def load(self, index: int, slot: DeviceSlot) -> None:
         """Pack block `index` into a staging slot, then copy it to `slot`."""

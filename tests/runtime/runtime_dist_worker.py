@@ -13,10 +13,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from runtime_helpers import Outcome, mapped_plan, offload_settings, run_case
+from runtime_helpers import (
+    Outcome,
+    forward,
+    mapped_plan,
+    offload_settings,
+    run_case,
+    strip_parameters,
+)
+from runtime_models import OnDemandDiT, on_demand_inputs, seeded
 
 from dlo_bench.models import tiny_model
-from dlo_runtime.backend import DistributedLayerwiseOffloadBackend
+from dlo_runtime.backend import DistributedLayerwiseOffloadBackend, host_bytes
 from dlo_runtime.host_weight_plan import HostWeightPlan, runtime_tensors
 from dlo_runtime.tensors import OffloadError
 
@@ -43,6 +51,32 @@ def _cases(world: int, group: dist.ProcessGroup) -> tuple[dict[str, Outcome], bo
     return outcomes, mapping.closed
 
 
+def _on_demand_case(world: int, group: dist.ProcessGroup) -> dict[str, object]:
+    """A model with on-demand modules over a mapped plan: the mapping is released once the
+    shards are made, so on-demand weights must come from this rank's own whole copies."""
+    reference = seeded(OnDemandDiT)
+    inputs = on_demand_inputs()
+    expected = forward(reference, inputs)
+    plan, mapping = mapped_plan(reference)
+    model = seeded(OnDemandDiT, seed=9)
+    strip_parameters(model)
+    backend = DistributedLayerwiseOffloadBackend(
+        model, settings=offload_settings(dp=world), device="cpu", group=group, host_plan=plan
+    )
+    with backend:
+        assert backend._on_demand is not None
+        outcome: dict[str, object] = {
+            "equal": torch.equal(forward(model, inputs), expected),
+            "equal_second_step": torch.equal(forward(model, inputs), expected),
+            "released_while_enabled": mapping.closed,
+            "on_demand_host_bytes": host_bytes(backend._on_demand.host_tensors()),
+            "on_demand_bytes": backend.on_demand_bytes,
+            "mode": backend.mode,
+        }
+    outcome["equal_after_disable"] = torch.equal(forward(model, inputs), expected)
+    return outcome
+
+
 def _group_size_error(world: int, group: dist.ProcessGroup) -> str:
     try:
         DistributedLayerwiseOffloadBackend(
@@ -67,6 +101,7 @@ def main(rank: int, world: int, port: int, out_dir: str) -> None:
         }
         plain["group-size-error"] = _group_size_error(world, group)
         plain["mapped-plan-released"] = released
+        plain["on-demand-dp"] = _on_demand_case(world, group)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(plain))
     finally:
         dist.destroy_process_group()

@@ -18,6 +18,7 @@ from dlo_runtime.host_weight_plan import (
     runtime_tensors,
 )
 from dlo_runtime.settings import OffloadConfig, ParallelConfig, Settings
+from dlo_runtime.transfer import ShardStore
 
 
 def offload_settings(
@@ -76,6 +77,17 @@ def strip_parameters(model: torch.nn.Module) -> None:
                 )
 
 
+def shard_storages(backend: DistributedLayerwiseOffloadBackend) -> dict[str, int]:
+    """Distinct storages behind all blocks' shards, and the dtypes among them."""
+    source = backend._source
+    assert isinstance(source, ShardStore)
+    shards = [shard for block in source.shards for shard in block.values()]
+    return {
+        "shard_storages": len({shard.untyped_storage().data_ptr() for shard in shards}),
+        "shard_dtypes": len({shard.dtype for shard in shards}),
+    }
+
+
 @dataclass
 class Outcome:
     """What one offloaded run showed, in plain values so that worker processes can send it."""
@@ -90,6 +102,9 @@ class Outcome:
     largest_block_tensor_bytes: int
     shard_count: int
     mode: str
+    shard_storages: int
+    """Distinct host storages behind every block's shards: one arena per dtype."""
+    shard_dtypes: int
 
 
 def run_case(
@@ -124,6 +139,7 @@ def run_case(
             largest_block_tensor_bytes=max(layout.tensor_bytes for layout in backend.layouts),
             shard_count=backend.shard_count,
             mode=backend.mode,
+            **shard_storages(backend),
         )
     after = forward(model, inputs)
     return Outcome(

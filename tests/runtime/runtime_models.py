@@ -1,6 +1,6 @@
 """Small hand-written DiTs for the runtime tests: one that declares its own offload plan (two
 block lists of different classes and sizes, a float64 persistent buffer, a non-persistent one),
-and one that relies on the heuristic."""
+one that declares on-demand modules, and one that relies on the heuristic."""
 
 from __future__ import annotations
 
@@ -51,6 +51,26 @@ class DeclaredDiT(nn.Module):
         return self.out(x)
 
 
+class OnDemandDiT(nn.Module):
+    """Declares a large token embedding and a refiner (with a float64 persistent buffer and a
+    non-persistent one) as on-demand: on the device only while they run."""
+
+    _dlo_offload_plan = {"blocks": ["layers"], "on_demand": ["embed", "refiner"]}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, 16)
+        self.refiner = MlpBlock(16, 64)
+        self.layers = nn.ModuleList([MlpBlock(16, 32) for _ in range(3)])
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.refiner(self.embed(tokens))
+        for block in self.layers:
+            x = block(x)
+        return self.out(x)
+
+
 class UndeclaredDiT(nn.Module):
     """No plan: the heuristic must pick `layers` (the largest list of same-class blocks), not
     `adapters` (smaller) nor `mixed` (two classes)."""
@@ -70,3 +90,8 @@ class UndeclaredDiT(nn.Module):
 def seeded(cls: type[nn.Module], seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return cls().eval()
+
+
+def on_demand_inputs() -> dict[str, torch.Tensor]:
+    """Forward kwargs of `OnDemandDiT`: a fixed batch of token ids."""
+    return {"tokens": torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(3))}

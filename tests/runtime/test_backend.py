@@ -15,6 +15,7 @@ from dlo_runtime.backend import DistributedLayerwiseOffloadBackend, host_bytes
 from dlo_runtime.offload_plan import OffloadPlanError
 from dlo_runtime.settings import Settings, SettingsError
 from dlo_runtime.tensors import OffloadError
+from dlo_runtime.transfer import ShardStore
 
 RANK_LOCAL = offload_settings(use_allgather=False)
 
@@ -29,6 +30,30 @@ def test_rank_local_forward_equals_resident_forward(kind: str) -> None:
     assert outcome.slot_bytes == 2 * outcome.largest_block_bytes
     assert outcome.largest_block_bytes <= outcome.largest_block_tensor_bytes * 1.02
     assert outcome.streamed_bytes <= outcome.host_bytes <= outcome.streamed_bytes * 1.02
+    assert outcome.shard_storages == outcome.shard_dtypes == 1
+
+
+def test_every_block_of_a_dtype_is_packed_in_one_host_arena() -> None:
+    """Mixed dtypes: one storage per dtype holds every block, at aligned offsets, counted once."""
+    model = tiny_model("wan", dtype=torch.bfloat16)
+    with DistributedLayerwiseOffloadBackend(model, settings=RANK_LOCAL, device="cpu") as backend:
+        source = backend._source
+        assert isinstance(source, ShardStore)
+        arena = {flat.dtype: flat for flat in source.host_tensors()}
+        assert list(arena) == [torch.bfloat16, torch.float32]
+        for dtype, flat in arena.items():
+            shards = [block[dtype] for block in source.shards]
+            assert len(shards) == 3
+            assert {s.untyped_storage().data_ptr() for s in shards} == {
+                flat.untyped_storage().data_ptr()
+            }
+            assert all(s.data_ptr() % 64 == 0 for s in shards)
+            assert sum(s.numel() for s in shards) == flat.numel()
+        assert host_bytes(backend.host_tensors()) == sum(
+            flat.numel() * flat.element_size() for flat in arena.values()
+        )
+    outcome = run_case("wan", RANK_LOCAL, dtype=torch.bfloat16)
+    assert outcome.shard_storages == outcome.shard_dtypes == 2
 
 
 def test_blocks_of_mixed_dtypes_stream_exactly() -> None:

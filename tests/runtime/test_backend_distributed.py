@@ -1,5 +1,6 @@
 """AllGather mode across real gloo processes: offloaded forwards equal the resident model bit for
-bit over a DP group and over an SP group (dp=1), and each rank holds 1/G of the streamed bytes.
+bit over a DP group and over an SP group (dp=1), each rank holds 1/G of the streamed bytes in one
+host arena per dtype, and on-demand modules stay whole and rank-local.
 
 Processes start once per world size and run every case (see `runtime_dist_worker.py`)."""
 
@@ -39,13 +40,28 @@ def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 def test_every_case_ran_on_every_rank(ranks: list[dict[str, Any]]) -> None:
     for outcomes in ranks:
-        assert sorted(outcomes) == sorted([*CASES, "group-size-error", "mapped-plan-released"])
+        assert sorted(outcomes) == sorted(
+            [*CASES, "group-size-error", "mapped-plan-released", "on-demand-dp"]
+        )
         assert {outcomes[case]["mode"] for case in CASES} == {"allgather"}
         assert {outcomes[case]["shard_count"] for case in CASES} == {len(ranks)}
 
 
 def test_mapped_sources_are_released_once_sharded(ranks: list[dict[str, Any]]) -> None:
     assert [outcomes["mapped-plan-released"] for outcomes in ranks] == [True] * len(ranks)
+
+
+def test_on_demand_modules_are_whole_and_rank_local_in_allgather_mode(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for outcomes in ranks:
+        outcome = outcomes["on-demand-dp"]
+        assert outcome["mode"] == "allgather"
+        assert outcome["released_while_enabled"]
+        assert (outcome["equal"], outcome["equal_second_step"], outcome["equal_after_disable"]) == (
+            True, True, True,
+        )
+        assert outcome["on_demand_host_bytes"] == outcome["on_demand_bytes"] == 25152
 
 
 def test_a_group_of_the_wrong_size_is_refused(ranks: list[dict[str, Any]]) -> None:
@@ -73,6 +89,14 @@ def test_each_rank_holds_its_share_of_the_streamed_bytes(
         outcome = outcomes[case]
         share = outcome["streamed_bytes"] / len(ranks)
         assert share <= outcome["host_bytes"] <= share * 1.02
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_all_shards_of_a_dtype_share_one_host_arena(
+    ranks: list[dict[str, Any]], case: str
+) -> None:
+    for outcomes in ranks:
+        assert outcomes[case]["shard_storages"] == outcomes[case]["shard_dtypes"]
 
 
 @pytest.mark.parametrize("case", CASES)

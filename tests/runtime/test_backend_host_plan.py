@@ -1,6 +1,6 @@
-"""The backend consumes a host weight plan exactly once (contract C4): mapped sources stream
-through the two staging slots in rank-local mode and are released at disable; ordinary tensors
-are packed once; a plan that does not cover the DiT is refused before the model changes."""
+"""The backend consumes a host weight plan exactly once (contract C4): mapped sources stream through
+the two staging slots (one host arena) in rank-local mode and are released at disable; ordinary
+tensors are packed once; a plan that does not cover the DiT is refused before the model changes."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from dlo_bench.models import example_inputs, tiny_model
 from dlo_runtime.backend import DistributedLayerwiseOffloadBackend, host_bytes
 from dlo_runtime.host_weight_plan import HostPlanError, HostWeightPlan, runtime_tensors
 from dlo_runtime.tensors import OffloadError
+from dlo_runtime.transfer import StagedSource
 
 RANK_LOCAL = offload_settings(use_allgather=False)
 
@@ -39,6 +40,10 @@ def test_mapped_plan_streams_through_staging_and_is_released_at_disable() -> Non
         assert not mapping.closed
         staging = 2 * max(layout.nbytes for layout in backend.layouts)
         assert host_bytes(backend.host_tensors()) == backend.streamed_bytes + staging
+        source = backend._source
+        assert isinstance(source, StagedSource)
+        assert len({slot[torch.float32].untyped_storage().data_ptr()
+                    for slot in source.staging}) == 1
     assert mapping.closed
     with pytest.raises(HostPlanError, match="sources were released"):
         plan.source_views()

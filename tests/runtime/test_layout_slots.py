@@ -1,13 +1,16 @@
-"""Flat per-dtype layouts (aligned offsets, equal aligned shards) and the slot lifecycle."""
+"""Flat per-dtype layouts (aligned offsets, equal aligned shards), host arenas (one storage per
+dtype, counted once) and the slot lifecycle."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from dlo_runtime.backend import host_bytes
 from dlo_runtime.layout import (
     ALIGN_BYTES,
     TensorMeta,
+    arena_offsets,
     build_layout,
     dtype_order,
     slot_sizes,
@@ -15,6 +18,7 @@ from dlo_runtime.layout import (
 )
 from dlo_runtime.slots import DeviceSlots, SlotState, SlotStateError
 from dlo_runtime.streams import StreamSet
+from dlo_runtime.transfer import host_arena
 
 METAS = [
     TensorMeta("b.w", (3, 5), torch.float32),
@@ -61,6 +65,30 @@ def test_views_share_the_flat_buffers() -> None:
     assert made[2][0].item() == 16
     assert all(v.untyped_storage().data_ptr() == flats[v.dtype].untyped_storage().data_ptr()
                for v in made)
+
+
+def test_arena_parts_sit_at_aligned_offsets_in_one_buffer_per_dtype() -> None:
+    parts = [{torch.float32: 10, torch.bfloat16: 7}, {torch.float32: 16}, {torch.bfloat16: 3}]
+    totals, offsets = arena_offsets(parts)
+    assert offsets == [{torch.float32: 0, torch.bfloat16: 0}, {torch.float32: 16},
+                       {torch.bfloat16: 32}]
+    assert totals == {torch.bfloat16: 35, torch.float32: 32}
+    assert list(totals) == dtype_order(totals)
+
+
+def test_a_host_arena_is_one_storage_per_dtype_and_is_counted_once() -> None:
+    parts = [{torch.float32: 10, torch.bfloat16: 7}, {torch.float32: 16}, {torch.bfloat16: 3}]
+    arena, made = host_arena(StreamSet(torch.device("cpu")), parts)
+    assert [flat.dtype for flat in arena] == [torch.bfloat16, torch.float32]
+    assert [{dtype: v.numel() for dtype, v in part.items()} for part in made] == parts
+    for flat in arena:
+        storage = flat.untyped_storage().data_ptr()
+        assert {v.untyped_storage().data_ptr() for part in made
+                for v in part.values() if v.dtype == flat.dtype} == {storage}
+    every_view = [v for part in made for v in part.values()]
+    assert host_bytes(every_view + arena) == host_bytes(arena) == 35 * 2 + 32 * 4
+    made[1][torch.float32].fill_(1.0)
+    assert arena[1][16:].tolist() == [1.0] * 16 and arena[1][:16].count_nonzero() == 0
 
 
 def test_slot_lifecycle() -> None:

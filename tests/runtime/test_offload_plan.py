@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from runtime_models import DeclaredDiT, MlpBlock, UndeclaredDiT, seeded
+from runtime_models import DeclaredDiT, MlpBlock, OnDemandDiT, UndeclaredDiT, seeded
 from torch import nn
 
 from dlo_bench.models import tiny_model
@@ -97,9 +97,9 @@ def test_a_plan_listing_a_block_twice() -> None:
     ("declared", "message"),
     [
         (["layers"], "Bad._dlo_offload_plan is a list; expected an OffloadPlan or a mapping "
-                     "with 'blocks' (and optionally 'resident')"),
+                     "with 'blocks' (and optionally 'resident', 'on_demand')"),
         ({"blocks": ["layers"], "skip": []},
-         "Bad._dlo_offload_plan: unknown key(s) skip; allowed: blocks, resident"),
+         "Bad._dlo_offload_plan: unknown key(s) skip; allowed: blocks, resident, on_demand"),
         ({"blocks": "layers"},
          "Bad._dlo_offload_plan['blocks'] must be a list of dotted module paths, "
          "found 'layers'"),
@@ -107,12 +107,59 @@ def test_a_plan_listing_a_block_twice() -> None:
          "offload plan: blocks is empty; name at least one nn.ModuleList of DiT blocks"),
         ({"blocks": ["layers"], "resident": ["adapters"]},
          "offload plan: resident path(s) adapters are not block lists; allowed: layers"),
+        ({"blocks": ["layers"], "on_demand": "mixed"},
+         "Bad._dlo_offload_plan['on_demand'] must be a list of dotted module paths, "
+         "found 'mixed'"),
+        ({"blocks": ["layers"], "on_demand": ["layers.1"]},
+         "offload plan: on_demand path 'layers.1' overlaps block list 'layers'; name modules "
+         "outside the block lists"),
+        ({"blocks": ["layers.0.up", "adapters"], "on_demand": ["layers"]},
+         "offload plan: on_demand path 'layers' overlaps block list 'layers.0.up'; name "
+         "modules outside the block lists"),
+        ({"blocks": ["layers"], "on_demand": [""]},
+         "offload plan: on_demand path '' overlaps block list 'layers'; name modules outside "
+         "the block lists"),
+        ({"blocks": ["layers"], "on_demand": ["mixed", "adapters", "mixed.1.gate"]},
+         "offload plan: on_demand paths 'mixed' and 'mixed.1.gate' overlap; name each module "
+         "once, and no module inside another"),
+        ({"blocks": ["layers"], "on_demand": ["adapters.0", "adapters.0"]},
+         "offload plan: on_demand paths 'adapters.0' and 'adapters.0' overlap; name each "
+         "module once, and no module inside another"),
     ],
 )
 def test_malformed_declarations(declared: object, message: str) -> None:
     bad = type("Bad", (UndeclaredDiT,), {"_dlo_offload_plan": declared})
     with pytest.raises(OffloadPlanError) as caught:
         plan_for(bad())
+    assert str(caught.value) == message
+
+
+def test_a_declared_mapping_with_on_demand_modules() -> None:
+    discovered = ModuleDiscovery(seeded(OnDemandDiT)).discover()
+    assert discovered.plan == OffloadPlan(
+        blocks=("layers",), on_demand=("embed", "refiner"), source="declared"
+    )
+    assert [(m.path, m.module) for m in discovered.on_demand] == [
+        ("embed", discovered.dit.embed), ("refiner", discovered.dit.refiner),
+    ]
+    assert [b.path for b in discovered.streamed] == ["layers.0", "layers.1", "layers.2"]
+
+
+@pytest.mark.parametrize(
+    ("on_demand", "message"),
+    [
+        ("decoder", "offload plan of Bad names on_demand path 'decoder', which is nothing; "
+                    "expected a module that the forward calls"),
+        ("adapters", "offload plan of Bad names on_demand path 'adapters', which is ModuleList; "
+                     "expected a module that the forward calls"),
+    ],
+)
+def test_on_demand_paths_must_name_modules_the_forward_calls(on_demand: str, message: str) -> None:
+    bad = type("Bad", (UndeclaredDiT,), {
+        "_dlo_offload_plan": {"blocks": ["layers"], "on_demand": ["mixed.1", on_demand]},
+    })
+    with pytest.raises(OffloadPlanError) as caught:
+        ModuleDiscovery(bad()).discover()
     assert str(caught.value) == message
 
 
