@@ -45,11 +45,17 @@ def test_every_command_module_provides_the_protocol(command: cli.Command) -> Non
 
 
 def test_known_error_is_one_line_with_hint(tmp_path, capsys) -> None:
-    missing = tmp_path / "absent.json"
-    code = cli.main(["cache", "fill", "--config", str(missing)])
+    code = cli.main(["cache", "verify", "0123abcd", "--root", str(tmp_path)])
     assert code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
-        f"dlo: error: cannot read settings document {missing}: No such file or directory "
-        "(hint: pass --config FILE or set DLO_CONFIG)"
+        f"dlo: error: cache entry 0123abcd not found in {tmp_path} "
+        f"(hint: list entries with: dlo cache ls --root {tmp_path})"
     ]
+
+
+def test_debug_shows_the_traceback(tmp_path) -> None:
+    from dlo_runtime.cache import CacheError
+
+    with pytest.raises(CacheError):
+        cli.main(["cache", "verify", "0123abcd", "--root", str(tmp_path), "--debug"])
