@@ -4,6 +4,9 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 MINISTACK_VENV := .venv-ministack
 PYTEST_ARGS ?=
+SHELL := /bin/bash
+# Benchmarks print a report and end with one JSON line, which is kept in bench/results/.
+LAST_LINE_TO = | tee /dev/stderr | tail -n 1 | python3 -m json.tool >
 
 .PHONY: demo test test-fast bench-loader bench-runtime bench-cluster lock clean
 
@@ -29,10 +32,11 @@ test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench-runtime: $(STAMP)
-	$(VENV)/bin/dlo bench runtime --json
+	set -o pipefail; $(VENV)/bin/dlo bench runtime --json $(LAST_LINE_TO) bench/results/runtime.json
+	set -o pipefail; $(VENV)/bin/dlo bench runtime --host-memory --json $(LAST_LINE_TO) bench/results/host_memory.json
 
 bench-loader: $(STAMP) $(MINISTACK_VENV)/.installed
-	$(VENV)/bin/dlo bench loader --json --ministack $(MINISTACK_VENV)/bin/ministack
+	set -o pipefail; $(VENV)/bin/dlo bench loader --json --ministack $(MINISTACK_VENV)/bin/ministack $(LAST_LINE_TO) bench/results/loader.json
 
 bench-cluster: $(STAMP) $(MINISTACK_VENV)/.installed
 	$(VENV)/bin/dlo bench cluster --json --ministack $(MINISTACK_VENV)/bin/ministack --out bench/results
