@@ -5,7 +5,8 @@ checkpoint of valid safetensors files. The ceiling is what this machine can pull
 with the same number of concurrent ranged GETs of the same chunk size, discarding the bytes; the
 fill is `dlo cache fill`'s code path (one rank) into a fresh cache root, including hashing,
 positioned writes, header validation, fsync and publication. A node's other limit is its disk, so
-the same run also measures writing and fsyncing the same bytes where the cache goes. Correctness
+the same run also measures writing and fsyncing the same bytes where the cache goes, through the
+loader's own sink (so with the direct writes the loader uses). Correctness
 first (the published files equal the source, digests verified), one warm-up, then ceiling, disk
 and fill runs interleaved so drift hits all alike. The figure asked for is `fill_to_ceiling_ratio`
 (median fill throughput / median GET ceiling); `fill_to_bound_ratio` divides by the slower of the
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import mmap
 import os
 import platform
 import shutil
@@ -32,7 +34,9 @@ from typing import Any
 
 from dlo_bench.s3server import DUMMY_CREDENTIALS, S3Server, start_ministack, upload_tree
 from dlo_loader.fill import FillRequest, fill
-from dlo_runtime.cache import sha256_file, verify_entry
+from dlo_loader.plan import Chunk
+from dlo_loader.sink import FileSink
+from dlo_runtime.cache import ObjectIdentity, sha256_file, verify_entry
 from dlo_runtime.settings import CacheConfig, LoaderConfig, Settings
 
 MIB = 1 << 20
@@ -174,20 +178,28 @@ def _ceiling(server: S3Server, ranges: list[tuple[str, int, int]], readers: int)
 
 
 def _disk(directory: Path, total: int, chunk_bytes: int) -> float:
-    """Seconds to write and fsync `total` bytes where the cache goes: the node's other limit."""
+    """Seconds to write and fsync `total` bytes where the cache goes, chunk by chunk through the
+    loader's own sink (direct writes where the filesystem allows): the node's other limit."""
     directory.mkdir(exist_ok=True)
-    block = os.urandom(chunk_bytes)
-    path = directory / "probe"
+    block = mmap.mmap(-1, chunk_bytes)  # page-aligned, as the loader's chunk buffers are
+    block.write(os.urandom(chunk_bytes))
     started = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sink = FileSink(directory, [ObjectIdentity("probe", total, "")])
     try:
-        for offset in range(0, total, chunk_bytes):
-            os.pwrite(fd, block[:total - offset], offset)
+        for number, offset in enumerate(range(0, total, chunk_bytes)):
+            length = min(chunk_bytes, total - offset)
+            chunk = Chunk(index=number, file=0, number=number, offset=offset, length=length,
+                          owner=0)
+            sink.write(chunk, memoryview(block)[:length])
+    finally:
+        sink.close()
+    fd = os.open(directory / "probe", os.O_RDONLY)
+    try:
         os.fsync(fd)
     finally:
         os.close(fd)
     elapsed = time.perf_counter() - started
-    path.unlink()
+    (directory / "probe").unlink()
     return elapsed
 
 

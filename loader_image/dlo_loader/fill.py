@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from dlo_loader.errors import GroupError, LoaderError, RendezvousTimeout
 from dlo_loader.exchange import Exchange, Reader
-from dlo_loader.plan import Chunk, Plan, build_plan
-from dlo_loader.progress import Progress, human_bytes, rank_prefix
+from dlo_loader.plan import Plan, build_plan
+from dlo_loader.progress import Progress, human_bytes, rank_prefix, repeating
 from dlo_loader.safetensors_header import read_header
 from dlo_loader.sink import EntryChunks, FileSink
 from dlo_loader.source import ObjectStore, parse_source
@@ -117,6 +117,12 @@ class _Fill:
                                  prefix=rank_prefix(request.rank, request.world_size))
 
     def run(self) -> FillResult:
+        try:
+            return self._run()
+        finally:
+            self.store.close()
+
+    def _run(self) -> FillResult:
         files = self.store.list(self.loader.include)
         identity = checkpoint_identity(str(self.uri), files)
         eid = entry_id(identity)
@@ -166,18 +172,32 @@ class _Fill:
         from dlo_loader import transport
 
         try:
-            group = transport.rendezvous(
-                backend=loader.backend, master_addr=request.master_addr,
-                master_port=request.master_port, rank=request.rank,
-                world_size=request.world_size, timeout_s=loader.rendezvous_timeout_s,
-                collective_timeout_s=min(_COLLECTIVE_TIMEOUT_S, loader.timeout_s),
-            )
+            with repeating(request.emit or log.info, self._waiting_line):
+                group = transport.rendezvous(
+                    backend=loader.backend, master_addr=request.master_addr,
+                    master_port=request.master_port, rank=request.rank,
+                    world_size=request.world_size, timeout_s=loader.rendezvous_timeout_s,
+                    collective_timeout_s=min(_COLLECTIVE_TIMEOUT_S, loader.timeout_s),
+                )
         except RendezvousTimeout as exc:
             if loader.on_rendezvous_timeout == "fail":
                 raise
             log.warning("%s; falling back to independent mode: this loader reads every byte", exc)
             return None, "independent"
         return group, loader.mode
+
+    def _waiting_line(self, waited_s: float) -> str:
+        """What an operator reading the pod log needs while the rendezvous blocks: a loader whose
+        node holds the entry already never joins (it needs nothing), so on a partial rollout the
+        others wait out the timeout, then apply the policy."""
+        request, loader = self.request, self.loader
+        left = max(loader.rendezvous_timeout_s - waited_s, 0.0)
+        then = ("this loader reads everything itself"
+                if loader.on_rendezvous_timeout == "independent" else "this loader fails")
+        return (f"{self.progress.prefix} waiting for {request.world_size} loaders at "
+                f"{request.master_addr}:{request.master_port}; after {left:.0f} s {then} "
+                f"(on_rendezvous_timeout={loader.on_rendezvous_timeout}); a loader whose node "
+                "already holds the entry does not join")
 
     def _transfer(self, pub: Publication, plan: Plan, group: Group | None,
                   identity: dict[str, Any]) -> None:
@@ -208,8 +228,8 @@ class _Fill:
         pub.commit("checkpoint", identity, records, tensor_count=tensors, producer=PRODUCER)
 
     def _reader(self, plan: Plan) -> Reader:
-        def read(chunk: Chunk, into: memoryview) -> None:
-            self.store.read(plan.files[chunk.file], chunk.offset, into)
+        def read(file: int, offset: int, into: memoryview) -> None:
+            self.store.read(plan.files[file], offset, into)
             self.progress.add(from_store=len(into))
 
         return read

@@ -3,16 +3,18 @@
 Owns the loader's counters (bytes from the object store, from peers, to peers, written) and the
 line a person watching `kubectl logs` reads: `[rank r/w] 1.2 GiB of 4.0 GiB (30%), 410.5 MiB/s,
 ETA 7 s`. A daemon thread emits the line through a callable the CLI provides (stdout), so a
-stalled fill keeps reporting. Also owns the `[rank r/w]` prefix for the loader's log records.
-Called by `fill`, `exchange` and `cli`. Must not decide anything about the fill.
+stalled fill keeps reporting; `repeating` does the same for a wait (the rendezvous). Also owns
+the `[rank r/w]` prefix for the loader's log records. Called by `fill`, `exchange` and `cli`.
+Must not decide anything about the fill.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 DEFAULT_INTERVAL_S = 5.0
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
@@ -94,6 +96,29 @@ class Progress:
         assert self.emit is not None
         while not self._stop.wait(self.interval_s):
             self.emit(self.line())
+
+
+@contextlib.contextmanager
+def repeating(emit: Callable[[str], None], line: Callable[[float], str], *,
+              interval_s: float = DEFAULT_INTERVAL_S,
+              clock: Callable[[], float] = time.monotonic) -> Iterator[None]:
+    """Emit `line(seconds waited)` now and every `interval_s` until the block ends, so a wait
+    that blocks its thread (the rendezvous) still says what it waits for."""
+    started = clock()
+    done = threading.Event()
+    emit(line(0.0))
+
+    def run() -> None:
+        while not done.wait(interval_s):
+            emit(line(clock() - started))
+
+    thread = threading.Thread(target=run, name="dlo-waiting", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 class RankPrefixFilter(logging.Filter):

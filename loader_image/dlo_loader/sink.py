@@ -2,15 +2,24 @@
 
 Owns file descriptors and positioned I/O. `FileSink` creates every file of the checkpoint in the
 publication's tmp dir at its final size up front (so a full disk fails before any byte is
-fetched) and writes chunks at their offsets from any thread. `EntryChunks` reads chunks of an
-entry this node already holds, so a rank that has the checkpoint serves its share from disk.
+fetched) and writes chunks at their offsets from any thread. `EntryChunks` reads byte ranges of
+an entry this node already holds, so a rank that has the checkpoint serves its share from disk.
 Called by `fill` and `exchange`. Must not publish (that is `dlo_runtime.cache`), hash or talk to
 peers.
+
+[Note: direct writes] Chunks are written with `O_DIRECT` where the filesystem allows it: the
+device reads them straight from the (page-aligned) chunk buffer, so the CPU neither copies every
+byte into the page cache nor later waits for all of them at the commit's fsync; the writes
+overlap the fetch instead. Only aligned spans go that way (the last chunk of a file usually ends
+off the alignment: its tail is written through the page cache, a disjoint page). A filesystem
+that refuses `O_DIRECT` (at open, or with `EINVAL` at the first write) gets ordinary writes. The
+commit's fsync still makes every byte durable either way.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +28,13 @@ from dlo_loader.errors import LoaderError
 from dlo_loader.plan import Chunk
 from dlo_runtime.cache import ObjectIdentity, safe_relpath
 
+log = logging.getLogger(__name__)
+
+ALIGN = 4096
+"""Alignment of direct writes: offset, length and buffer address (page size; at least the
+logical block size of common devices)."""
 _NO_FALLOCATE = frozenset({errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS})
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 class FileSink:
@@ -27,28 +42,71 @@ class FileSink:
 
     def __init__(self, directory: Path, files: Sequence[ObjectIdentity]) -> None:
         self.paths = [directory / safe_relpath(obj.key) for obj in files]
-        self._fds: list[int] = []
+        self._fds: list[int] = []  # every descriptor opened, closed only by `close`
+        self._buffered: list[int] = []
+        self._direct: list[int | None] = []
         try:
             for path, obj in zip(self.paths, files):
                 path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
                 self._fds.append(fd)
+                self._buffered.append(fd)
                 _preallocate(fd, obj.size)
+                direct_fd = _open_direct(path) if obj.size >= ALIGN else None
+                if direct_fd is not None:
+                    self._fds.append(direct_fd)
+                self._direct.append(direct_fd)
         except BaseException:
             self.close()
             raise
 
     def write(self, chunk: Chunk, data: memoryview) -> None:
         """Write `data` (exactly `chunk.length` bytes) at the chunk's offset."""
-        fd, offset = self._fds[chunk.file], chunk.offset
-        while data:
-            written = os.pwrite(fd, data, offset)
-            data, offset = data[written:], offset + written
+        direct = self._direct[chunk.file]
+        aligned = len(data) - len(data) % ALIGN if chunk.offset % ALIGN == 0 else 0
+        if direct is not None and aligned:
+            try:
+                _pwrite_all(direct, data[:aligned], chunk.offset)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._refuse_direct(chunk.file, exc)  # then written below, through the cache
+                aligned = 0
+        else:
+            aligned = 0
+        _pwrite_all(self._buffered[chunk.file], data[aligned:], chunk.offset + aligned)
 
     def close(self) -> None:
         fds, self._fds = self._fds, []
         for fd in fds:
             os.close(fd)
+
+    def _refuse_direct(self, file: int, exc: OSError) -> None:
+        # The descriptor stays open until `close`: another writer thread may be using it, and a
+        # number closed under it could be reused by an unrelated file.
+        if self._direct[file] is not None:
+            self._direct[file] = None
+            log.info("%s: direct writes refused (%s); writing through the page cache",
+                     self.paths[file], exc.strerror)
+
+
+def _open_direct(path: Path) -> int | None:
+    """A second descriptor with O_DIRECT, or None where the platform or filesystem has none."""
+    if not _O_DIRECT:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CLOEXEC | _O_DIRECT)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        log.info("%s: no direct writes on this filesystem; writing through the page cache", path)
+        return None
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
 
 
 def _preallocate(fd: int, size: int) -> None:
@@ -64,19 +122,20 @@ def _preallocate(fd: int, size: int) -> None:
 
 
 class EntryChunks:
-    """Reads chunks of a published entry that holds the same files as the plan."""
+    """Reads byte ranges of a published entry that holds the same files as the plan."""
 
     def __init__(self, entry_dir: Path, files: Sequence[ObjectIdentity]) -> None:
         self.entry_dir = entry_dir
         self.files = tuple(files)
 
-    def read(self, chunk: Chunk, into: memoryview) -> None:
-        path = self.entry_dir / safe_relpath(self.files[chunk.file].key)
+    def read(self, file: int, offset: int, into: memoryview) -> None:
+        """Fill `into` with bytes `[offset, offset + len(into))` of the plan's file `file`."""
+        path = self.entry_dir / safe_relpath(self.files[file].key)
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             got = 0
             while got < len(into):
-                count = os.preadv(fd, [into[got:]], chunk.offset + got)
+                count = os.preadv(fd, [into[got:]], offset + got)
                 if not count:
                     break
                 got += count
@@ -85,6 +144,6 @@ class EntryChunks:
         if got != len(into):
             raise LoaderError(
                 f"cached file {path} is shorter than its manifest says (read {got} of "
-                f"{len(into)} bytes at offset {chunk.offset})",
+                f"{len(into)} bytes at offset {offset})",
                 hint="verify the entry with dlo cache verify --full",
             )

@@ -5,8 +5,9 @@ path-style addressing, credentials from the standard chain: environment, web ide
 role), listing with include globs, and ranged GETs that retry with exponential backoff and full
 jitter on throttling (503 SlowDown), other 5xx, connection resets, short bodies and bodies that
 fail the store's checksum. Every read names the listed ETag (`If-Match`) and checks the length it
-got, so an object replaced mid-fill is an error, never a mixed file. Called by `fill`. Must not
-log or raise anything that carries a credential, and must not write files.
+got, so an object replaced mid-fill is an error, never a mixed file; bodies go straight into the
+caller's buffer (see [Note: one copy]). Called by `fill`. Must not log or raise anything that
+carries a credential, and must not write files.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from typing import TypeVar
 
 import boto3
 import botocore.exceptions as bexc
+import urllib3
 import urllib3.exceptions
 from botocore.config import Config
+from botocore.response import StreamingBody
 
 from dlo_loader.errors import SourceError, SourceUnavailable
 from dlo_runtime.cache import ObjectIdentity
@@ -31,6 +34,8 @@ from dlo_runtime.cache import ObjectIdentity
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
+_PIECE_BYTES = 1 << 20
+"""Read size on the public path: a piece stays in the CPU cache between urllib3's two copies."""
 _BACKOFF_BASE_S = 0.1
 _BACKOFF_CAP_S = 5.0
 _THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
@@ -92,6 +97,10 @@ class ObjectStore:
             "s3", endpoint_url=endpoint_url, region_name=region, config=config
         )
 
+    def close(self) -> None:
+        """Close the client's pooled connections."""
+        self._client.close()
+
     def list(self, include: Iterable[str]) -> list[ObjectIdentity]:
         """Objects under the prefix whose relative key matches a glob (`*` also matches `/`)."""
         patterns = tuple(include)
@@ -127,16 +136,10 @@ class ObjectStore:
             Range=f"bytes={start}-{start + length - 1}", IfMatch=f'"{obj.etag}"',
         )
         body = response["Body"]
-        got = 0
         try:
-            while got < length:
-                count = body.readinto(into[got:])  # straight into the chunk buffer: no copy
-                if not count:
-                    break
-                got += count
-            extra = body.read(1) if got == length else b""
+            got, extra = _read_body(body, into)
         finally:
-            body.close()
+            body.close()  # returns nothing to the pool unless the body was read to its end
         if got != length or extra:
             raise _ShortBody(f"got {got}{'+' if extra else ''} of {length} bytes")
 
@@ -169,6 +172,45 @@ class ObjectStore:
             hint="the object store is throttling or failing; raise loader.max_retries or "
                  "retry later",
         )
+
+
+def _read_body(body: StreamingBody, into: memoryview) -> tuple[int, bool]:
+    """Read the response body into `into`: the bytes read, and whether more followed.
+
+    [Note: one copy] botocore's `readinto` goes through urllib3's, which reads into a new bytes
+    object and copies that: a fresh allocation and a second copy of every byte. When the body is
+    a plain `StreamingBody` over an undecoded urllib3 response (no checksum wrapper, no content
+    decoding), the bytes are read from the `http.client` response straight into the chunk
+    buffer instead, and the connection goes back to the pool as urllib3 would return it once
+    the body is read to its end. Anything else takes the public, copying path."""
+    raw = getattr(body, "_raw_stream", None)
+    response = getattr(raw, "_fp", None)
+    if (type(body) is not StreamingBody or not isinstance(raw, urllib3.HTTPResponse)
+            or not isinstance(response, http.client.HTTPResponse) or raw.decode_content):
+        return _read_public(body, into)
+    got = 0
+    while got < len(into):
+        count = response.readinto(into[got:])
+        if not count:
+            break
+        got += count
+    if got < len(into):
+        return got, False
+    extra = bool(response.length) or bool(response.length is None and response.read(1))
+    if not extra and response.isclosed():
+        raw.release_conn()
+    return got, extra
+
+
+def _read_public(body: StreamingBody, into: memoryview) -> tuple[int, bool]:
+    """botocore's own path, a piece at a time (urllib3 allocates a buffer per call)."""
+    got = 0
+    while got < len(into):
+        count = body.readinto(into[got:got + _PIECE_BYTES])
+        if not count:
+            break
+        got += count
+    return got, got == len(into) and bool(body.read(1))
 
 
 def _client_error_reason(exc: bexc.ClientError, what: str) -> str:

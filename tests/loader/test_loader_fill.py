@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import Checkpoint
 from dlo_bench.faultproxy import FaultProxy
-from dlo_bench.s3server import S3Server
-from dlo_loader.errors import HeaderError
+from dlo_bench.s3server import S3Server, free_port
+from dlo_loader.errors import HeaderError, RendezvousTimeout
 from dlo_loader.fill import FillRequest, fill
 from dlo_runtime.cache import open_entry, verify_entry
 from dlo_runtime.settings import CacheConfig, LoaderConfig, Settings
@@ -64,6 +64,30 @@ def test_cached_entry_means_no_object_reads_and_no_rendezvous(
     assert proxy.object_requests == 0
     assert (again.cached, again.entry_id, again.path) == (True, first.entry_id, first.path)
     assert again.summary()["bytes_from_store"] == 0
+
+
+@pytest.mark.parametrize(("policy", "then"), [
+    ("independent", "this loader reads everything itself"), ("fail", "this loader fails")])
+def test_waiting_for_the_group_says_what_happens_after_the_timeout(
+    policy: str, then: str, s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    lines: list[str] = []
+    settings = settings_for(checkpoint.source, s3.endpoint_url, tmp_path / "cache",
+                            rendezvous_timeout_s=1.0, on_rendezvous_timeout=policy)
+    port = free_port()  # nobody listens there: the group never forms
+    request = FillRequest(settings=settings, rank=1, world_size=3, master_addr="127.0.0.1",
+                          master_port=port, emit=lines.append)
+    if policy == "fail":
+        with pytest.raises(RendezvousTimeout):
+            fill(request)
+    else:
+        result = fill(request)
+        assert (result.mode, result.bytes_from_store) == (
+            "independent", sum(map(len, included(checkpoint.files).values())))
+    assert lines[0] == (
+        f"[rank 1/3] waiting for 3 loaders at 127.0.0.1:{port}; after 1 s {then} "
+        f"(on_rendezvous_timeout={policy}); a loader whose node already holds the entry does "
+        "not join")
 
 
 def _header(tensors: dict) -> bytes:

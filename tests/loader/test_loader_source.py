@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import logging
+import re
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -11,7 +17,9 @@ from conftest import Checkpoint
 from dlo_bench.faultproxy import FAULT_KINDS, FaultPlan, FaultProxy
 from dlo_bench.s3server import S3Server
 from dlo_loader.errors import SourceError, SourceUnavailable
-from dlo_loader.source import ObjectStore, parse_source
+from botocore.response import StreamingBody
+from dlo_loader.source import ObjectStore, _read_body, parse_source
+from dlo_runtime.cache import ObjectIdentity
 from loader_fleet import BUCKET, upload_files
 
 pytestmark = pytest.mark.usefixtures("aws_env")
@@ -116,3 +124,66 @@ def test_secrets_never_reach_logs_or_errors(
     assert len(caplog.records) == len(FAULT_KINDS) - 1
     assert secret not in caplog.text
     assert secret not in str(caught.value) and secret not in repr(caught.value.__cause__)
+
+
+@contextlib.contextmanager
+def keep_alive_server(data: bytes) -> Iterator[tuple[str, list[int]]]:
+    """An HTTP/1.1 server that keeps connections open and answers ranged GETs of `data` (any
+    key): its URL, and the number of requests on each connection it accepted."""
+    connections: list[int] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def setup(self) -> None:
+            super().setup()
+            self.number = len(connections)
+            connections.append(0)
+
+        def do_GET(self) -> None:  # noqa: N802 (stdlib naming)
+            connections[self.number] += 1
+            first, last = map(int, re.fullmatch(r"bytes=(\d+)-(\d+)",
+                                                self.headers["Range"]).groups())
+            body = data[first:last + 1]
+            self.send_response(206)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("ETag", '"e"')
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", connections
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_ranged_reads_reuse_their_connection() -> None:
+    data = bytes(range(256)) * 4000
+    with keep_alive_server(data) as (url, connections):
+        store = store_for("s3://models/any", url)
+        piece = bytearray(100_000)
+        for start in range(0, 500_000, 100_000):
+            store.read(ObjectIdentity("model.safetensors", len(data), "e"), start,
+                       memoryview(piece))
+            assert piece == data[start:start + 100_000]
+        store.close()
+    assert connections == [5]  # one connection, kept open from one read to the next
+
+
+@pytest.mark.parametrize(("sent", "expected"), [
+    (b"0123456789", (10, False)), (b"0123", (4, False)), (b"0123456789ab", (10, True))])
+def test_bodies_not_read_directly_take_botocore_path_with_the_same_checks(
+    sent: bytes, expected: tuple[int, bool]
+) -> None:
+    into = bytearray(10)
+    assert _read_body(StreamingBody(io.BytesIO(sent), len(sent)), memoryview(into)) == expected
+    assert into[:expected[0]] == sent[:expected[0]]

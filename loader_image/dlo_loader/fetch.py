@@ -1,0 +1,144 @@
+"""Fetching one rank's chunks: reader threads, the chunk buffers, and the SHA-256 of each chunk.
+
+Owns the threads that read (through a `Reader`, so the object store and a cached entry look the
+same), the pool of chunk buffers, and hashing each chunk once it is complete. Which part a free
+reader fetches next is `schedule.FetchOrder`'s decision. Called by `exchange`. Must not write
+files, talk to peers, or decide what a failure means (it hands the error to the caller).
+
+[Note: chunk buffers] A buffer is an anonymous page-aligned mapping of `chunk_bytes`, made on
+first need and reused after the chunk is written, so a fill touches fresh memory only for the
+buffers it holds at once, not for every chunk; the alignment lets the sink write it with direct
+I/O. A chunk opens (its first part is claimed) only with a free buffer, so at most `limit`
+chunks are in flight or waiting to be consumed: the memory bound.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import threading
+from collections.abc import Callable
+
+from dlo_loader.plan import Chunk
+from dlo_loader.schedule import FetchOrder, FetchShape, Part
+
+Reader = Callable[[int, int, memoryview], None]
+"""`read(file, offset, into)` fills `into` with bytes `[offset, offset + len(into))` of the plan's
+file `file`, exactly, or raises."""
+POLL_S = 0.2
+"""Longest a waiting thread sleeps before it looks at the stop flag again."""
+
+
+class BufferPool:
+    """At most `limit` page-aligned buffers of `size` bytes (see [Note: chunk buffers])."""
+
+    def __init__(self, limit: int, size: int) -> None:
+        self.limit, self.size = limit, size
+        self._free: list[mmap.mmap] = []
+        self._made = 0
+        self._cond = threading.Condition()
+
+    def available(self) -> bool:
+        with self._cond:
+            return bool(self._free) or self._made < self.limit
+
+    def take(self) -> mmap.mmap | None:
+        """A buffer at once, or None when all `limit` are in use."""
+        with self._cond:
+            if self._free:
+                return self._free.pop()
+            if self._made < self.limit:
+                self._made += 1
+                return mmap.mmap(-1, self.size)
+            return None
+
+    def wait(self, timeout: float) -> mmap.mmap | None:
+        """A buffer, waiting up to `timeout` seconds for one to come back."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._free or self._made < self.limit, timeout)
+        return self.take()
+
+    def give_back(self, buffer: mmap.mmap) -> None:
+        with self._cond:
+            self._free.append(buffer)
+            self._cond.notify_all()
+
+
+class Fetcher:
+    """Reads `chunks` on daemon threads in the shape `shape`; `take` hands out complete chunks
+    with their SHA-256 (in order with `position`, else whichever is ready)."""
+
+    def __init__(self, chunks: tuple[Chunk, ...], read: Reader, *, shape: FetchShape,
+                 pool: BufferPool, stop: threading.Event) -> None:
+        self._chunks, self._read, self._pool, self._stop = chunks, read, pool, stop
+        self._order = FetchOrder([c.length for c in chunks], part_bytes=shape.part_bytes,
+                                 open_limit=shape.open_chunks)
+        self._cond = threading.Condition()
+        self._open: dict[int, mmap.mmap] = {}
+        self._ready: dict[int, tuple[mmap.mmap, str]] = {}
+        self.error: BaseException | None = None
+        for number in range(min(shape.readers, len(chunks))):
+            threading.Thread(target=self._work, name=f"dlo-read-{number}", daemon=True).start()
+
+    def give_back(self, buffer: mmap.mmap) -> None:
+        """Return a consumed chunk's buffer; a reader may open the next chunk with it."""
+        self._pool.give_back(buffer)
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait_ready(self, timeout: float, position: int | None = None) -> bool:
+        """True when chunk `position` (None: any chunk) is complete, or a read failed (the
+        caller checks `error`)."""
+        def ready() -> bool:
+            found = bool(self._ready) if position is None else position in self._ready
+            return found or self.error is not None
+
+        with self._cond:
+            return self._cond.wait_for(ready, timeout)
+
+    def take(self, position: int | None = None) -> tuple[Chunk, mmap.mmap, str]:
+        """A complete chunk (`position`, else the lowest ready one), its buffer and SHA-256."""
+        with self._cond:
+            key = min(self._ready) if position is None else position
+            buffer, digest = self._ready.pop(key)
+            return self._chunks[key], buffer, digest
+
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            with self._cond:
+                part = self._claim()
+                if part is None:
+                    if self._order.all_claimed:
+                        return
+                    self._cond.wait(POLL_S)  # woken when a chunk completes or a buffer is free
+                    continue
+                buffer = self._open[part.position]
+            chunk = self._chunks[part.position]
+            view = memoryview(buffer)[part.start:part.start + part.length]
+            try:
+                self._read(chunk.file, chunk.offset + part.start, view)
+            except BaseException as exc:  # handed to the consumer, which reports it
+                with self._cond:
+                    self.error = self.error or exc
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                complete = self._order.complete(part)
+                if complete:
+                    del self._open[part.position]
+                self._cond.notify_all()  # a slot for a new chunk may be free now
+            if complete:
+                # Hashed here, by the thread that finished the chunk, while the others read on.
+                digest = hashlib.sha256(memoryview(buffer)[:chunk.length]).hexdigest()
+                with self._cond:
+                    self._ready[part.position] = (buffer, digest)
+                    self._cond.notify_all()
+
+    def _claim(self) -> Part | None:
+        """The next part (caller holds `_cond`); opening a chunk takes a buffer for it."""
+        part = self._order.claim(can_open=self._pool.available())
+        if part is not None and part.opens:
+            buffer = self._pool.take()
+            assert buffer is not None  # only this thread, under _cond, takes fetch buffers
+            self._open[part.position] = buffer
+        return part

@@ -1,0 +1,144 @@
+"""The fetch order: chunks in the order the exchange consumes them, a few at a time, so that on a
+link all of a rank's GETs share the first chunk arrives early whatever `readers` is."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from fractions import Fraction
+
+import pytest
+from dlo_loader.fetch import BufferPool, Fetcher
+from dlo_loader.plan import build_plan
+from dlo_loader.schedule import FetchOrder, FetchShape, Part, fetch_shape
+from dlo_runtime.cache import ObjectIdentity
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize(("chunk", "readers", "buffers", "ordered", "expected"), [
+    # Alone: whole chunks, `readers` at a time, within the memory budget.
+    (16 * MIB, 16, 64, False, FetchShape(part_bytes=16 * MIB, open_chunks=16, readers=16)),
+    (16 * MIB, 16, 3, False, FetchShape(part_bytes=16 * MIB, open_chunks=3, readers=3)),
+    # With a group: four open chunks of four 4 MiB parts keep 16 GETs in flight.
+    (16 * MIB, 16, 62, True, FetchShape(part_bytes=4 * MIB, open_chunks=4, readers=16)),
+    (16 * MIB, 4, 62, True, FetchShape(part_bytes=4 * MIB, open_chunks=2, readers=4)),
+    # Chunks too small to split: still only four in flight, not sixteen.
+    (2 * MIB, 16, 510, True, FetchShape(part_bytes=2 * MIB, open_chunks=4, readers=4)),
+    (16 * MIB, 1, 62, True, FetchShape(part_bytes=16 * MIB, open_chunks=2, readers=1)),
+    (16 * MIB, 16, 1, True, FetchShape(part_bytes=4 * MIB, open_chunks=1, readers=4)),
+])
+def test_fetch_shape(chunk: int, readers: int, buffers: int, ordered: bool,
+                     expected: FetchShape) -> None:
+    assert fetch_shape(chunk_bytes=chunk, readers=readers, buffers=buffers,
+                       ordered=ordered) == expected
+
+
+def test_parts_come_chunk_by_chunk_with_a_bounded_number_open() -> None:
+    order = FetchOrder([8, 8, 8, 3], part_bytes=4, open_limit=2)
+    claimed = [order.claim() for _ in range(5)]
+    assert claimed == [Part(0, 0, 4), Part(0, 4, 4), Part(1, 0, 4), Part(1, 4, 4), None]
+    assert order.complete(Part(1, 0, 4)) is False
+    assert order.claim() is None  # chunks 0 and 1 are still open
+    assert order.complete(Part(0, 4, 4)) is False
+    assert order.complete(Part(0, 0, 4)) is True
+    assert order.open_positions == (1,)
+    assert order.claim(can_open=False) is None  # no buffer for chunk 2 yet
+    assert [order.claim(), order.claim()] == [Part(2, 0, 4), Part(2, 4, 4)]
+    assert order.claim() is None
+    assert order.complete(Part(1, 4, 4)) is True
+    assert order.claim() == Part(3, 0, 3)
+    assert order.all_claimed and order.claim() is None
+
+
+def shared_link_completions(lengths: list[int], shape: FetchShape) -> dict[int, Fraction]:
+    """When each chunk completes if every GET in flight gets an equal share of one link of one
+    byte per time unit (what TCP flows through one bottleneck approach)."""
+    order = FetchOrder(lengths, part_bytes=shape.part_bytes, open_limit=shape.open_chunks)
+    left: dict[Part, Fraction] = {}
+    now, done = Fraction(0), {}
+    while True:
+        while len(left) < shape.readers and (part := order.claim()) is not None:
+            left[part] = Fraction(part.length)
+        if not left:
+            return done
+        first = min(left, key=lambda p: (left[p], p.position, p.start))
+        progress = left[first]
+        now += progress * len(left)
+        left = {p: remaining - progress for p, remaining in left.items()}
+        for part in sorted((p for p, r in left.items() if r == 0),
+                           key=lambda p: (p.position, p.start)):
+            del left[part]
+            if order.complete(part):
+                done[part.position] = now
+
+
+@pytest.mark.parametrize(("chunk", "readers", "first_after_chunks"), [
+    (16 * MIB, 16, 4), (16 * MIB, 4, 1), (2 * MIB, 16, 4), (2 * MIB, 2, 2)])
+def test_on_a_shared_link_chunks_complete_in_exchange_order(
+    chunk: int, readers: int, first_after_chunks: int
+) -> None:
+    lengths = [chunk] * 35 + [chunk // 3]
+    shape = fetch_shape(chunk_bytes=chunk, readers=readers, buffers=64, ordered=True)
+    done = shared_link_completions(lengths, shape)
+    assert sorted(done) == list(range(len(lengths)))
+    # A chunk is never overtaken by one opened after it left the window of open chunks.
+    assert all(done[k] <= done[j] for k in done for j in done if j >= k + shape.open_chunks)
+    assert done[0] == first_after_chunks * chunk  # the first round waits for a few chunks only
+    assert max(done.values()) == sum(lengths)  # and the link never idles
+
+
+def test_whole_chunks_all_at_once_would_hold_back_the_first_round() -> None:
+    """What the order prevents: `readers` whole chunks started together finish together."""
+    lengths = [2 * MIB] * 36
+    alone = fetch_shape(chunk_bytes=2 * MIB, readers=16, buffers=64, ordered=False)
+    assert shared_link_completions(lengths, alone)[0] == 16 * 2 * MIB
+
+
+def test_fetcher_delivers_every_chunk_in_parts_with_its_digest() -> None:
+    files = [ObjectIdentity("a", 10 * MIB + 5, "e"), ObjectIdentity("b", 3 * MIB, "e")]
+    content = {0: bytes(range(256)) * (files[0].size // 256) + b"x" * 5,
+               1: bytes(reversed(range(256))) * (files[1].size // 256)}
+    plan = build_plan(files, mode="multi-reader", world_size=1, chunk_bytes=8 * MIB)
+    reads: list[tuple[int, int, int]] = []
+    lock = threading.Lock()
+
+    def read(file: int, offset: int, into: memoryview) -> None:
+        with lock:
+            reads.append((file, offset, len(into)))
+        into[:] = content[file][offset:offset + len(into)]
+
+    shape = FetchShape(part_bytes=4 * MIB, open_chunks=2, readers=3)
+    stop = threading.Event()
+    fetcher = Fetcher(plan.owned(0), read, shape=shape, pool=BufferPool(2, 8 * MIB), stop=stop)
+    try:
+        for position, chunk in enumerate(plan.owned(0)):
+            assert fetcher.wait_ready(60.0, position)
+            taken, buffer, digest = fetcher.take(position)
+            expected = content[chunk.file][chunk.offset:chunk.offset + chunk.length]
+            assert taken == chunk
+            assert bytes(memoryview(buffer)[:chunk.length]) == expected
+            assert digest == hashlib.sha256(expected).hexdigest()
+            fetcher.give_back(buffer)
+    finally:
+        stop.set()
+    assert fetcher.error is None
+    assert sorted(reads) == [(0, 0, 4 * MIB), (0, 4 * MIB, 4 * MIB), (0, 8 * MIB, 2 * MIB + 5),
+                             (1, 0, 3 * MIB)]
+
+
+def test_fetcher_hands_a_failed_read_to_the_consumer() -> None:
+    plan = build_plan([ObjectIdentity("a", 100, "e")], mode="independent", world_size=1,
+                      chunk_bytes=64)
+
+    def read(file: int, offset: int, into: memoryview) -> None:
+        raise OSError("disk on fire")
+
+    stop = threading.Event()
+    shape = FetchShape(part_bytes=64, open_chunks=2, readers=2)
+    fetcher = Fetcher(plan.owned(0), read, shape=shape, pool=BufferPool(2, 64), stop=stop)
+    try:
+        assert fetcher.wait_ready(60.0)
+    finally:
+        stop.set()
+    assert str(fetcher.error) == "disk on fire"
