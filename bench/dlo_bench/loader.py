@@ -21,23 +21,23 @@ import hashlib
 import json
 import mmap
 import os
-import platform
 import shutil
 import statistics
 import struct
-import subprocess
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from dlo_bench.s3server import DUMMY_CREDENTIALS, S3Server, start_ministack, upload_tree
 from dlo_loader.fill import FillRequest, fill
 from dlo_loader.plan import Chunk
 from dlo_loader.sink import FileSink
 from dlo_runtime.cache import ObjectIdentity, sha256_file, verify_entry
 from dlo_runtime.settings import CacheConfig, LoaderConfig, Settings
+
+from dlo_bench import provenance
+from dlo_bench.s3server import DUMMY_CREDENTIALS, S3Server, start_ministack, upload_tree
 
 MIB = 1 << 20
 BUCKET = "bench"
@@ -91,8 +91,8 @@ def measure(args: argparse.Namespace, server: S3Server, work: Path) -> dict[str,
     fill = total / statistics.median(fill_s)
     return {
         "benchmark": "loader",
-        "commit": _commit(),
-        "machine": _machine(),
+        "commit": provenance.commit(),
+        "machine": provenance.machine(),
         "parameters": {
             "bytes": total, "files": args.files, "chunk_bytes": args.chunk_bytes,
             "readers": args.readers, "repeats": args.repeats, "server": server.name,
@@ -228,31 +228,6 @@ def _check_fill(args: argparse.Namespace, server: S3Server, root: Path,
     good = published == digests and not verify_entry(root, result.entry_id, full=True)
     shutil.rmtree(root)
     return good
-
-
-def _commit() -> str | None:
-    """The checked-out commit (with `-dirty` for local changes), or None outside git."""
-    here = Path(__file__).resolve().parent
-    try:
-        head = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
-                              text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain"],
-                               capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if head.returncode != 0:
-        return None
-    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-
-
-def _machine() -> dict[str, Any]:
-    meminfo = Path("/proc/meminfo")
-    memory = next((int(line.split()[1]) * 1024 for line in meminfo.read_text().splitlines()
-                   if line.startswith("MemTotal:")), None) if meminfo.exists() else None
-    return {"hostname": platform.node(), "system": platform.platform(),
-            "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-            "memory_bytes": memory, "python": platform.python_version(),
-            "load_average": list(os.getloadavg())}
 
 
 def _print(report: dict[str, Any], as_json: bool) -> None:
