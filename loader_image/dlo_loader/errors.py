@@ -21,10 +21,6 @@ class SourceError(LoaderError):
     """The object store refused or lacks what the fill needs (denied, missing, changed)."""
 
 
-class HeaderError(LoaderError):
-    """A safetensors object's header is malformed; the message names the object and the problem."""
-
-
 class GroupError(LoaderError):
     """Another loader of the group failed or vanished; this one stops too, publishing nothing."""
 

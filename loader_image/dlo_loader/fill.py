@@ -25,7 +25,7 @@ from dlo_loader.errors import GroupError, LoaderError, RendezvousTimeout
 from dlo_loader.exchange import Exchange, Reader
 from dlo_loader.plan import Plan, build_plan
 from dlo_loader.progress import Progress, human_bytes, rank_prefix, repeating
-from dlo_loader.safetensors_header import read_header
+from dlo_runtime.safetensors_header import read_header
 from dlo_loader.sink import EntryChunks, FileSink
 from dlo_loader.source import ObjectStore, parse_source
 from dlo_runtime.cache import (

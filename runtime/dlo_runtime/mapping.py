@@ -24,12 +24,10 @@ from typing import Any
 
 import torch
 
+from dlo_runtime import safetensors_header
 from dlo_runtime.errors import PermanentError
 from dlo_runtime.host_weight_plan import TensorBinding
 
-
-_HEADER_LIMIT = 100 << 20
-"""safetensors caps its JSON header at 100 MB; a larger length means a damaged file."""
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -55,34 +53,23 @@ class StoredTensor:
 
 
 def read_header(path: Path) -> dict[str, StoredTensor]:
-    """Parse the header of a safetensors file (8-byte little-endian length, then JSON)."""
+    """The tensors of a safetensors file, after the shared parser has checked its header."""
     try:
-        with open(path, "rb") as stream:
-            prefix = stream.read(8)
-            (length,) = struct.unpack("<Q", prefix) if len(prefix) == 8 else (-1,)
-            if not 0 < length <= _HEADER_LIMIT:
-                raise MappingError(f"{path}: not a safetensors file (header length {length})")
-            header = json.loads(stream.read(length))
-    except (OSError, ValueError) as exc:
+        header = safetensors_header.read_header(path, str(path))
+    except OSError as exc:
         raise MappingError(f"{path}: cannot read the safetensors header: {exc}") from exc
-    data_start = 8 + length
-    size = path.stat().st_size
-    return {key: _stored(path, key, spec, data_start, size)
-            for key, spec in header.items() if key != "__metadata__"}
-
-
-def _stored(path: Path, key: str, spec: Any, data_start: int, size: int) -> StoredTensor:
-    try:
-        dtype = SAFETENSORS_DTYPES[spec["dtype"]]
-        begin, end = spec["data_offsets"]
-        shape = tuple(int(d) for d in spec["shape"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise MappingError(f"{path}: tensor {key!r} has an unsupported header entry "
-                           f"{spec!r}") from exc
-    if not 0 <= begin <= end or data_start + end > size:
-        raise MappingError(f"{path}: tensor {key!r} spans bytes {begin}..{end} beyond the file")
-    return StoredTensor(key=key, dtype=dtype, shape=shape, offset=data_start + begin,
-                        nbytes=end - begin)
+    except safetensors_header.HeaderError as exc:
+        raise MappingError(str(exc)) from exc
+    stored = {}
+    for tensor in header.tensors:
+        if tensor.dtype not in SAFETENSORS_DTYPES:
+            raise MappingError(f"{path}: tensor {tensor.name!r} has dtype {tensor.dtype}, which "
+                               f"cannot be mapped; expected one of "
+                               f"{', '.join(SAFETENSORS_DTYPES)}")
+        stored[tensor.name] = StoredTensor(
+            key=tensor.name, dtype=SAFETENSORS_DTYPES[tensor.dtype], shape=tensor.shape,
+            offset=header.data_start + tensor.begin, nbytes=tensor.end - tensor.begin)
+    return stored
 
 
 _DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}

@@ -122,4 +122,6 @@ def test_damaged_header_is_reported(tmp_path: Path) -> None:
     bad.write_bytes(b"\xff" * 16)
     with pytest.raises(MappingError) as caught:
         read_header(bad)
-    assert str(caught.value) == f"{bad}: not a safetensors file (header length {2**64 - 1})"
+    assert str(caught.value) == (
+        f"{bad}: invalid safetensors header: header length field is {2**64 - 1}; "
+        "expected 2 to 100000000")

@@ -11,7 +11,8 @@ import pytest
 from conftest import Checkpoint
 from dlo_bench.faultproxy import FaultProxy
 from dlo_bench.s3server import S3Server, free_port
-from dlo_loader.errors import HeaderError, RendezvousTimeout
+from dlo_loader.errors import RendezvousTimeout
+from dlo_runtime.safetensors_header import HeaderError
 from dlo_loader.fill import FillRequest, fill
 from dlo_runtime.cache import open_entry, verify_entry
 from dlo_runtime.settings import CacheConfig, LoaderConfig, Settings

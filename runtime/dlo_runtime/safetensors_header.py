@@ -1,11 +1,12 @@
-"""Parsing and validating safetensors headers before an entry is published.
+"""The one parser of safetensors headers, shared by the loader and the runtime.
 
 Owns the format's rules as the reference implementation enforces them: an 8-byte little-endian
 header length within bounds, a UTF-8 JSON object, known dtypes, non-negative shapes, data offsets
 that each match their tensor's byte size, lie inside the file, neither overlap nor leave holes,
 and end exactly where the file ends. Every error names the object and the problem, so a bad
-upload is found by the loader, not later by an inference server mapping the cache. Called by
-`fill` on the filled (unpublished) files. Must not read tensor data or import torch.
+upload is found by the loader before publication, not later by an inference server. Called by the
+loader's `fill` on the filled (unpublished) files and by `dlo_runtime.mapping` before it maps a
+file. A contract module: it must not read tensor data or import torch.
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from dlo_loader.errors import HeaderError
+from dlo_runtime.errors import PermanentError
+
+class HeaderError(PermanentError):
+    """A safetensors file's header is malformed; the message names the file and the problem."""
+
 
 MAX_HEADER_BYTES = 100_000_000
 """The reference implementation's limit; a larger length field means a corrupt file."""
