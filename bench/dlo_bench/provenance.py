@@ -14,12 +14,12 @@ from typing import Any
 
 
 def commit() -> str | None:
-    """The checked-out commit (with `-dirty` for local changes), or None outside git."""
+    """The checked-out commit (with `-dirty` for changes to tracked files), or None outside git."""
     here = Path(__file__).resolve().parent
     try:
         head = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
                               text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain"],
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
