@@ -48,7 +48,7 @@ class Preflight:
 
 
 def settings_reason(settings: Settings) -> str | None:
-    """Topology and quantization reasons that rule out a checkpoint plan, if any."""
+    """Topology, quantization and runtime-cache reasons that rule out a checkpoint plan."""
     if settings.parallel.tp > 1:
         return (f"tensor parallelism is on (parallel.tp={settings.parallel.tp}); each rank "
                 "holds a slice, not the stored tensors")

@@ -7,8 +7,8 @@ every view then reports pinned, and on any failure unregister what was registere
 order. The staging path stays in place after a failed attempt; partial direct transfer is never
 offered. A rollback that fails raises `RegistrationError`: unmapping pages the platform still
 owns would be unsafe, so startup must stop. Called by `dlo_runtime.pod` for runtime-cache plans
-with a positive `offload.runtime_cache_pin_limit_gib`; the returned registration is undone by
-`HostWeightPlan.close()` before the mapping closes.
+with a positive `offload.runtime_cache_pin_limit_gib`; the registration it attaches to the plan
+is undone by the plan's `release_sources()` (or `close()`) before the mapping closes.
 
 Must not call a device runtime itself (the platform backend, e.g. `cuda_registration`, does) nor
 choose which weights are cached.

@@ -139,10 +139,6 @@ class HostWeightPlan:
         may copy views straight to the device without a staging slot."""
         return self._registration is not None
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(t.nbytes for t in self.source_views().values())
-
     def source_views(self) -> dict[str, torch.Tensor]:
         """The tensors `take_tensors()` will hand out, for registration and content checks that
         run before the backend takes the plan. Built once, so addresses stay stable."""
@@ -175,8 +171,9 @@ class HostWeightPlan:
         self._registration = registration
 
     def release_sources(self) -> None:
-        """Called by the backend in AllGather mode once its shards are prepared: the mapping
-        (or the ordinary tensors) are no longer read, so they may go."""
+        """Unregister, then drop the mapping (or the ordinary tensors): no copy reads them any
+        more. Called by the backend once its AllGather shards are prepared, or at `disable` in
+        rank-local mode, and by `close()`; later calls do nothing."""
         if self._released:
             return
         self._unregister()

@@ -68,21 +68,17 @@ class BlockLayout:
     @property
     def nbytes(self) -> int:
         """Bytes of the padded flat buffers: what one device slot needs for this block."""
-        return sum(size * _itemsize(dtype) for dtype, size in self.sizes.items())
+        return sum(size * dtype.itemsize for dtype, size in self.sizes.items())
 
     @property
     def tensor_bytes(self) -> int:
         """Bytes of the tensors themselves, without padding."""
-        return sum(e.meta.numel * _itemsize(e.meta.dtype) for e in self.entries)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+        return sum(e.meta.numel * e.meta.dtype.itemsize for e in self.entries)
 
 
 def align_elements(dtype: torch.dtype, align_bytes: int = ALIGN_BYTES) -> int:
     """Elements of `dtype` in `align_bytes`."""
-    return max(1, align_bytes // _itemsize(dtype))
+    return max(1, align_bytes // dtype.itemsize)
 
 
 def _round_up(value: int, multiple: int) -> int:

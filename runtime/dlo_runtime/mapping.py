@@ -1,7 +1,8 @@
 """Read-only shared mappings of the safetensors files of one cache entry, and zero-copy views.
 
 Owns the `mmap` objects of an entry and the entry's `.use` lock (through the `EntryHandle` the
-caller opened), and parses safetensors headers. Called by `checkpoint_plan` and
+caller opened), turns the headers `safetensors_header` checked into mappable tensor records,
+and writes the runtime entry's files (`write_safetensors`). Called by `checkpoint_plan` and
 `runtime_weight_cache`; the resulting `MappedEntry` is the `MappedSource` of a `HostWeightPlan`.
 
 Every process on a node that maps the same file shares its page-cache pages, which is the point
@@ -115,7 +116,6 @@ class _MappedFile:
             # every consumer copies out of them, so the warning carries no information here.
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             self.bytes = torch.frombuffer(self._mmap, dtype=torch.uint8)
-        self.address = self.bytes.data_ptr()
 
 
 class MappedEntry:
@@ -141,11 +141,6 @@ class MappedEntry:
                                f"{binding.offset}, not aligned for {binding.dtype}")
         raw = mapped.bytes[binding.offset:end]
         return raw.view(binding.dtype).view(binding.shape)
-
-    def extent(self, file: str) -> tuple[int, int]:
-        """(address, length) of one file's mapping, for page-aligned registration ranges."""
-        mapped = self._file(file)
-        return mapped.address, mapped.length
 
     def close(self) -> None:
         """Drop the mappings (each lasts until its last view is freed) and the `.use` lock."""

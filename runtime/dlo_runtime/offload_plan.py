@@ -53,7 +53,8 @@ class OffloadPlan:
 
     blocks: tuple[str, ...]
     """Dotted paths (relative to the DiT) of `nn.ModuleList`s whose children are streamed one
-    block at a time, in execution order. Everything outside them stays resident on the device."""
+    block at a time, in execution order. Everything outside them and `on_demand` stays resident
+    on the device."""
     resident: tuple[str, ...] = ()
     """Block lists whose leading blocks may be kept on the device (`offload.resident_layers`).
     Empty means every list in `blocks` is eligible."""

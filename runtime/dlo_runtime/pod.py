@@ -64,7 +64,7 @@ class EntryRef:
 def read_entry_file(path: str | os.PathLike[str] | None = None) -> EntryRef | None:
     """The entry named by `path` (else `$DLO_ENTRY_FILE`, else the default), or None when no
     loader ran for this pod (no file)."""
-    where = Path(path or os.environ.get(ENTRY_FILE_ENV) or DEFAULT_ENTRY_FILE)
+    where = _entry_file_path(path)
     try:
         data = json.loads(where.read_text())
         return EntryRef(data["entry_id"], data["root"], Path(data["path"]))
@@ -75,6 +75,10 @@ def read_entry_file(path: str | os.PathLike[str] | None = None) -> EntryRef | No
                        hint="it is written by `dlo cache fill --entry-file`") from exc
 
 
+def _entry_file_path(path: str | os.PathLike[str] | None) -> Path:
+    return Path(path or os.environ.get(ENTRY_FILE_ENV) or DEFAULT_ENTRY_FILE)
+
+
 def build_dit(model_cls: Any, *, component: str = "transformer", dtype: torch.dtype = torch.float32,
               settings: Settings | None = None, entry_file: str | None = None) -> nn.Module:
     """The DiT of `component`: weightless (parameters on meta) when checkpoint preflight over
@@ -83,7 +87,7 @@ def build_dit(model_cls: Any, *, component: str = "transformer", dtype: torch.dt
     settings = validate(settings or load_settings())
     entry = read_entry_file(entry_file)
     if entry is None:
-        raise PodError(f"no entry file at {entry_file or os.environ.get(ENTRY_FILE_ENV) or DEFAULT_ENTRY_FILE}",
+        raise PodError(f"no entry file at {_entry_file_path(entry_file)}",
                        hint="run the loader (`dlo cache fill`) first, or load the DiT yourself")
     folder = entry.path / component
     dit = checkpoint_plan.build_meta_dit(model_cls, folder, dtype)

@@ -20,6 +20,7 @@ from typing import Any
 
 from dlo_runtime.errors import PermanentError
 
+
 class HeaderError(PermanentError):
     """A safetensors file's header is malformed; the message names the file and the problem."""
 

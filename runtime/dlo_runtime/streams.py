@@ -44,9 +44,6 @@ class _NullStream:
     def wait_event(self, event: Event) -> None:
         return None
 
-    def synchronize(self) -> None:
-        return None
-
 
 class StreamSet:
     """The streams of one backend on one device."""
