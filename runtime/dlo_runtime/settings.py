@@ -212,7 +212,9 @@ def _field_types(cls: type) -> dict[str, Any]:
 
 def _from_plain(cls: type, data: Any, where: str) -> Any:
     if not isinstance(data, dict):
-        raise SettingsError(f"settings{where or ''}: expected an object, found {type(data).__name__}")
+        raise SettingsError(
+            f"settings{where}: expected an object, found {type(data).__name__}"
+        )
     hints = _field_types(cls)
     names = set(hints)
     unknown = sorted(set(data) - names)
