@@ -62,8 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="loader chunk size; small enough to balance a small model over 4 "
                              "nodes (default: %(default)s)")
     parser.add_argument("--readers", type=int, default=2,
-                        help="concurrent ranged GETs per loader; readers x chunk is the read-ahead "
-                             "window, kept under a second of the store link (default: %(default)s)")
+                        help="concurrent ranged GETs per loader; the loader's memory budget, not "
+                             "this, bounds how far it reads ahead (default: %(default)s)")
     parser.add_argument("--ministack", default="ministack", help="ministack executable")
     parser.add_argument("--fill-timeout-s", type=float, default=300.0,
                         help="longest one fill may take before the benchmark fails")

@@ -38,9 +38,6 @@ class Child:
     stdout_path: Path
     stderr_path: Path
 
-    def stdout_lines(self) -> list[str]:
-        return self.stdout_path.read_text(errors="replace").splitlines()
-
     def stderr_tail(self) -> str:
         lines = self.stderr_path.read_text(errors="replace").splitlines()
         return "\n".join(lines[-_TAIL_LINES:])
