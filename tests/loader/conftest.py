@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 from dlo_bench.s3server import DUMMY_CREDENTIALS, S3Server, start_moto, upload_tree
-from loader_fleet import BUCKET, write_checkpoint
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    source: str
-    files: dict[str, bytes]
+from loader_fleet import BUCKET, Checkpoint, write_checkpoint
 
 
 @pytest.fixture(scope="session")

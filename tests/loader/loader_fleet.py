@@ -23,6 +23,15 @@ import numpy as np
 from dlo_bench.s3server import DUMMY_CREDENTIALS, S3Server, free_port, upload_tree
 from safetensors.numpy import save_file
 
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint uploaded to the test server: its source URI and every file's bytes."""
+
+    source: str
+    files: dict[str, bytes]
+
+
 BUCKET = "models"
 CHUNK_BYTES = 128 << 10
 LOADER_SETTINGS = {

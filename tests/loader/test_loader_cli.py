@@ -8,12 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import Checkpoint
 from dlo_bench.s3server import S3Server
 from dlo_loader import cli
 from dlo_loader.progress import Progress
 from dlo_runtime.settings import SettingsError
-from loader_fleet import LOADER_SETTINGS, entry_files, included
+from loader_fleet import LOADER_SETTINGS, Checkpoint, entry_files, included
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -8,15 +8,21 @@ import struct
 from pathlib import Path
 
 import pytest
-from conftest import Checkpoint
 from dlo_bench.faultproxy import FaultProxy
 from dlo_bench.s3server import S3Server, free_port
 from dlo_loader.errors import RendezvousTimeout
-from dlo_runtime.safetensors_header import HeaderError
 from dlo_loader.fill import FillRequest, fill
 from dlo_runtime.cache import open_entry, verify_entry
+from dlo_runtime.safetensors_header import HeaderError
 from dlo_runtime.settings import CacheConfig, LoaderConfig, Settings
-from loader_fleet import LOADER_SETTINGS, entry_files, included, no_entry, upload_files
+from loader_fleet import (
+    LOADER_SETTINGS,
+    Checkpoint,
+    entry_files,
+    included,
+    no_entry,
+    upload_files,
+)
 
 pytestmark = pytest.mark.usefixtures("aws_env")
 

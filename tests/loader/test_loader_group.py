@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Checkpoint
 from dlo_bench.faultproxy import FAULT_KINDS, FaultPlan, FaultProxy
 from dlo_bench.s3server import S3Server
 from dlo_runtime.cache import (
@@ -23,7 +22,16 @@ from dlo_runtime.cache import (
     checkpoint_identity,
     entry_id,
 )
-from loader_fleet import OpenWatch, Fleet, entry_files, finish, included, no_entry, wait_until
+from loader_fleet import (
+    Checkpoint,
+    Fleet,
+    OpenWatch,
+    entry_files,
+    finish,
+    included,
+    no_entry,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 MODES = ("multi-reader", "single-reader", "independent")
