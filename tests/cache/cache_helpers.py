@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -46,14 +47,15 @@ def publish_files(
     return entry
 
 
-def dlo(*args: str) -> subprocess.CompletedProcess[str]:
-    """Run the real `dlo` command line in a fresh process."""
+def dlo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the real `dlo` command line in a fresh process (with `env` added to the environment)."""
     return subprocess.run(
         [sys.executable, "-m", "dlo_runtime.cli", *args],
         capture_output=True,
         text=True,
         check=False,
         timeout=60,
+        env={**os.environ, **(env or {})},
     )
 
 

@@ -5,25 +5,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from cache_helpers import publish_files
+from cache_helpers import dlo, publish_files
 from dlo_runtime.cache import CacheRoot
 from dlo_runtime.settings import CacheConfig, Settings
 
 
 def _dlo_with_settings(settings_file: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, DLO_CONFIG=str(settings_file))
-    return subprocess.run(
-        [sys.executable, "-m", "dlo_runtime.cli", *args],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-        env=env,
-    )
+    return dlo(*args, env={"DLO_CONFIG": str(settings_file)})
 
 
 @pytest.mark.slow
