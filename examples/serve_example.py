@@ -27,10 +27,10 @@ from diffusers import FluxTransformer2DModel
 
 from dlo_bench.models import example_inputs, save_diffusers_layout, tiny_model
 from dlo_runtime import pod
-from dlo_runtime.cache import (
+from dlo_contract.cache import (
     FileRecord, ObjectIdentity, checkpoint_identity, entry_id, publish_entry, sha256_file,
 )
-from dlo_runtime.settings import Settings, replace_path
+from dlo_contract.settings import Settings, replace_path
 
 
 def play_loader_and_operator(scratch: Path, model: torch.nn.Module) -> None:

@@ -31,8 +31,8 @@ from typing import Any
 
 from dlo_bench import cluster_report, linkprobe, netns, provenance
 from dlo_bench.s3server import DUMMY_CREDENTIALS
-from dlo_runtime.cache import sha256_file
-from dlo_runtime.errors import PermanentError
+from dlo_contract.cache import sha256_file
+from dlo_contract.errors import PermanentError
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ def _store(cluster: netns.Cluster, ministack: str, model_dir: Path) -> Iterator[
 _LOADER = """
 import pathlib, sys
 import torch.distributed, dlo_loader.cli, dlo_loader.transport
-from dlo_runtime.cli import main
+from dlo_cli.main import main
 pathlib.Path(sys.argv[1]).touch()
 sys.stdin.readline()
 sys.exit(main(sys.argv[2:]))

@@ -29,11 +29,11 @@ from typing import Any
 from dlo_bench.demo_processes import Children, DemoError, sigterm_as_interrupt
 from dlo_bench.demo_report import MODES, build_report, compare_outputs, format_report
 from dlo_bench.s3server import DUMMY_CREDENTIALS, free_port, start_moto, upload_tree
-from dlo_runtime.errors import DloError
-from dlo_runtime.settings import (
+from dlo_contract.errors import DloError
+from dlo_contract.settings import (
     MIB, CacheConfig, LoaderConfig, OffloadConfig, ParallelConfig, Settings,
 )
-from dlo_runtime.validation import validate
+from dlo_contract.validation import validate
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def _fill(args: argparse.Namespace, work: Path, children: Children, source: str,
         node = work / f"node{rank}"
         node.mkdir()
         started.append(children.start(f"loader{rank}", [
-            sys.executable, "-m", "dlo_runtime.cli", "cache", "fill", "--config", str(config),
+            sys.executable, "-m", "dlo_cli.main", "cache", "fill", "--config", str(config),
             "--source", source, "--endpoint-url", endpoint_url, "--mode", "multi-reader",
             "--cache-root", str(node / "cache"), "--rank", str(rank), "--world-size", str(NODES),
             "--master-addr", "127.0.0.1", "--master-port", str(port),

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from dlo_runtime.errors import PermanentError
+from dlo_contract.errors import PermanentError
 
 _STOP_GRACE_S = 5.0
 _TAIL_LINES = 12

@@ -75,10 +75,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _pod_environment(work: Path) -> dict[str, str]:
     """Publish the layout as a checkpoint entry and write the pod's settings and entry file."""
-    from dlo_runtime.cache import (
+    from dlo_contract.cache import (
         FileRecord, ObjectIdentity, checkpoint_identity, entry_id, publish_entry, sha256_file,
     )
-    from dlo_runtime.settings import Settings, replace_path
+    from dlo_contract.settings import Settings, replace_path
 
     layout = work / "layout"
     files = sorted(p for p in layout.rglob("*") if p.is_file())
@@ -175,7 +175,7 @@ def _staging_throughput(work: Path, model_cls: Any, repeats: int,
     import torch
 
     from dlo_runtime.checkpoint_plan import build_meta_dit, preflight
-    from dlo_runtime.settings import load_settings
+    from dlo_contract.settings import load_settings
 
     dit = build_meta_dit(model_cls, work / "layout" / "transformer", torch.float32)
     plan = preflight(work / "layout", dit, load_settings(env["DLO_CONFIG"])).plan

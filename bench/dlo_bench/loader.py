@@ -33,8 +33,8 @@ from typing import Any
 from dlo_loader.fill import FillRequest, fill
 from dlo_loader.plan import Chunk
 from dlo_loader.sink import FileSink
-from dlo_runtime.cache import ObjectIdentity, sha256_file, verify_entry
-from dlo_runtime.settings import CacheConfig, LoaderConfig, Settings
+from dlo_contract.cache import ObjectIdentity, sha256_file, verify_entry
+from dlo_contract.settings import CacheConfig, LoaderConfig, Settings
 
 from dlo_bench import provenance
 from dlo_bench.s3server import DUMMY_CREDENTIALS, S3Server, start_ministack, upload_tree

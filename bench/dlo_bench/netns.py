@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from dlo_runtime.errors import PermanentError
+from dlo_contract.errors import PermanentError
 
 log = logging.getLogger(__name__)
 

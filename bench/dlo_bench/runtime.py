@@ -84,7 +84,7 @@ def _host_memory(args: argparse.Namespace) -> int:
 
 
 def _settings() -> Any:
-    from dlo_runtime.settings import OffloadConfig, Settings
+    from dlo_contract.settings import OffloadConfig, Settings
 
     return Settings(offload=OffloadConfig(use_allgather=False))
 

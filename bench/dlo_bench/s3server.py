@@ -23,7 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dlo_runtime.errors import PermanentError
+from dlo_contract.errors import PermanentError
 
 DUMMY_CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",

@@ -3,7 +3,7 @@
 Owns flags, the environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), and the outputs
 a pod relies on: the entry file for the main container, and a one-line JSON summary as the last
 line of stdout and in the termination-message file. Settings come from `--config`, else
-`$DLO_CONFIG`, else defaults; each flag overrides one field. Called by `dlo_runtime.cli`. Must not
+`$DLO_CONFIG`, else defaults; each flag overrides one field. Called by `dlo_cli.main`. Must not
 print credentials: botocore's loggers stay at WARNING even with `--debug`, because its DEBUG lines
 carry request headers.
 """
@@ -20,9 +20,9 @@ from typing import Any
 
 from dlo_loader.fill import FillRequest, fill
 from dlo_loader.progress import RankPrefixFilter
-from dlo_runtime.errors import DloError
-from dlo_runtime.settings import CONFIG_ENV, Settings, SettingsError, load_settings, replace_path
-from dlo_runtime.validation import validate
+from dlo_contract.errors import DloError
+from dlo_contract.settings import CONFIG_ENV, Settings, SettingsError, load_settings, replace_path
+from dlo_contract.validation import validate
 
 log = logging.getLogger(__name__)
 

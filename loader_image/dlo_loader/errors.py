@@ -10,7 +10,7 @@ CLI turns them into the one-line error summary. Must not import anything beyond 
 
 from __future__ import annotations
 
-from dlo_runtime.errors import PermanentError, TransientError
+from dlo_contract.errors import PermanentError, TransientError
 
 
 class LoaderError(PermanentError):

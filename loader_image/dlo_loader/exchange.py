@@ -37,7 +37,7 @@ from dlo_loader.plan import Chunk, Plan
 from dlo_loader.progress import Progress
 from dlo_loader.schedule import fetch_shape
 from dlo_loader.sink import FileSink
-from dlo_runtime.settings import LoaderConfig
+from dlo_contract.settings import LoaderConfig
 
 if TYPE_CHECKING:  # transport imports torch: only fills with a group load it
     from dlo_loader.transport import Group

@@ -25,10 +25,10 @@ from dlo_loader.errors import GroupError, LoaderError, RendezvousTimeout
 from dlo_loader.exchange import Exchange, Reader
 from dlo_loader.plan import Plan, build_plan
 from dlo_loader.progress import Progress, human_bytes, rank_prefix, repeating
-from dlo_runtime.safetensors_header import read_header
+from dlo_contract.safetensors_header import read_header
 from dlo_loader.sink import EntryChunks, FileSink
 from dlo_loader.source import ObjectStore, parse_source
-from dlo_runtime.cache import (
+from dlo_contract.cache import (
     CacheRoot,
     FileRecord,
     ObjectIdentity,
@@ -38,8 +38,8 @@ from dlo_runtime.cache import (
     entry_id,
     find_entry,
 )
-from dlo_runtime.errors import DloError
-from dlo_runtime.settings import Settings
+from dlo_contract.errors import DloError
+from dlo_contract.settings import Settings
 
 if TYPE_CHECKING:  # transport imports torch: loaded only when a group is needed
     from dlo_loader.transport import Group

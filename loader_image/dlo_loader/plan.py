@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 
-from dlo_runtime.cache import ObjectIdentity
+from dlo_contract.cache import ObjectIdentity
 
 MODES = ("multi-reader", "single-reader", "independent")
 

@@ -4,7 +4,7 @@ Owns file descriptors and positioned I/O. `FileSink` creates every file of the c
 publication's tmp dir at its final size up front (so a full disk fails before any byte is
 fetched) and writes chunks at their offsets from any thread. `EntryChunks` reads byte ranges of
 an entry this node already holds, so a rank that has the checkpoint serves its share from disk.
-Called by `fill` and `exchange`. Must not publish (that is `dlo_runtime.cache`), hash or talk to
+Called by `fill` and `exchange`. Must not publish (that is `dlo_contract.cache`), hash or talk to
 peers.
 
 [Note: direct writes] Chunks are written with `O_DIRECT` where the filesystem allows it: the
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from dlo_loader.errors import LoaderError
 from dlo_loader.plan import Chunk
-from dlo_runtime.cache import ObjectIdentity, safe_relpath
+from dlo_contract.cache import ObjectIdentity, safe_relpath
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from botocore.config import Config
 from botocore.response import StreamingBody
 
 from dlo_loader.errors import SourceError, SourceUnavailable
-from dlo_runtime.cache import ObjectIdentity
+from dlo_contract.cache import ObjectIdentity
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")

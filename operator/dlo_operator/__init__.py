@@ -5,7 +5,7 @@ Layers, imports only going down:
     kube                       the only module that calls the Kubernetes API client
     manifests, status          pure: spec -> child manifests, pods -> status
     configmap, service, statefulset, pod   pure builders, one per concern
-    spec, naming, errors       CR spec parsing (-> `dlo_runtime.settings.Settings`), names, errors
+    spec, naming, errors       CR spec parsing (-> `dlo_contract.settings.Settings`), names, errors
 
 Importing this package imports neither torch nor kopf nor the Kubernetes client: the builders and
 `dlo render` work on a machine with only the standard library, PyYAML and `dlo_runtime`.

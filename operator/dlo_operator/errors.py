@@ -8,7 +8,7 @@ Raised by `spec` and `kube`; caught by `handlers` and the CLI.
 
 from __future__ import annotations
 
-from dlo_runtime.errors import DloError, PermanentError, TransientError
+from dlo_contract.errors import DloError, PermanentError, TransientError
 
 
 class OperatorError(DloError):

@@ -2,7 +2,7 @@
 
 `parse_spec` is the one place the operator reads a CR spec: it fills the same defaults as the CRD
 (the API server applies those, but `dlo render` and a cluster without the CRD's defaulting do not),
-builds the `dlo_runtime.settings.Settings` document and runs `dlo_runtime.validation.validate` on
+builds the `dlo_contract.settings.Settings` document and runs `dlo_contract.validation.validate` on
 it, so the operator rejects exactly what the runtime would. Called by the handlers and by
 `dlo render`; it must not talk to the cluster.
 """
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dlo_operator.errors import SpecError
-from dlo_runtime.settings import Settings, SettingsError
-from dlo_runtime.validation import validate
+from dlo_contract.settings import Settings, SettingsError
+from dlo_contract.validation import validate
 
 SETTINGS_FIELDS: tuple[tuple[str, str], ...] = (
     ("model.source", "loader.source"),

@@ -1,8 +1,7 @@
-"""Pod plane of dlo, plus the contract modules shared by every plane.
+"""Pod plane of dlo: map the node cache, plan host weights, run the DLO backend.
 
-`settings`, `validation`, `errors`, `safetensors_header` and `cache` import neither torch,
-boto3 nor kopf: the operator and the loader depend on them. Everything that needs torch lives in the other modules of this package and
-is imported only when used.
+Everything that needs torch lives here and is imported only when used; the settings, validation,
+errors and cache format this plane reads come from `dlo_contract`.
 """
 
 __version__ = "0.1.0"

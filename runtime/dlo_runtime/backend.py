@@ -30,12 +30,12 @@ from dlo_runtime.discovery import DiscoveredModel, ModuleDiscovery
 from dlo_runtime.hooks import BlockScheduler, DistributedLayerwiseOffloadHook
 from dlo_runtime.layout import BlockLayout, slot_sizes, views
 from dlo_runtime.on_demand import OnDemandModules
-from dlo_runtime.settings import Settings, SettingsError
+from dlo_contract.settings import Settings, SettingsError
 from dlo_runtime.slots import DeviceSlots
 from dlo_runtime.streams import StreamSet
 from dlo_runtime.tensors import ModelTensors, OffloadError, restore_device
 from dlo_runtime.transfer import DirectSource, ShardStore, StagedSource
-from dlo_runtime.validation import select_group, validate
+from dlo_contract.validation import select_group, validate
 
 logger = logging.getLogger(__name__)
 

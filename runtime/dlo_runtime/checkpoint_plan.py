@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlo_runtime.cache import safe_relpath
+from dlo_contract.cache import safe_relpath
 from dlo_runtime.host_weight_plan import (
     BackingKind, DeclaredTransform, HostWeightPlan, TensorBinding, runtime_tensors,
 )
 from dlo_runtime.mapping import MappedEntry, StoredTensor, read_header
-from dlo_runtime.settings import Settings
+from dlo_contract.settings import Settings
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import ctypes.util
 import glob
 from pathlib import Path
 
-from dlo_runtime.errors import PermanentError
+from dlo_contract.errors import PermanentError
 
 
 CUDA_SUCCESS = 0

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from dlo_runtime.errors import PermanentError
+from dlo_contract.errors import PermanentError
 from dlo_runtime.host_weight_plan import HostWeightPlan
 
 logger = logging.getLogger(__name__)

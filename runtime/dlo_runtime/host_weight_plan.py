@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from dlo_runtime.errors import PermanentError
+from dlo_contract.errors import PermanentError
 
 
 MAX_TRANSFORMS = 256

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from dlo_runtime import safetensors_header
-from dlo_runtime.errors import PermanentError
+from dlo_contract import safetensors_header
+from dlo_contract.errors import PermanentError
 from dlo_runtime.host_weight_plan import TensorBinding
 
 

@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 from torch import nn
 
-from dlo_runtime.errors import PermanentError
+from dlo_contract.errors import PermanentError
 
 PLAN_ATTRIBUTE = "_dlo_offload_plan"
 PLAN_KEYS = ("blocks", "resident", "on_demand")

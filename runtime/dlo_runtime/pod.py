@@ -32,13 +32,13 @@ import torch
 from torch import nn
 
 from dlo_runtime import checkpoint_plan
-from dlo_runtime.cache import open_entry
-from dlo_runtime.errors import PermanentError
+from dlo_contract.cache import open_entry
+from dlo_contract.errors import PermanentError
 from dlo_runtime.host_registration import register_plan
 from dlo_runtime.host_weight_plan import BackingKind, HostWeightPlan
 from dlo_runtime.runtime_weight_cache import RuntimeLayout, load_runtime_plan
-from dlo_runtime.settings import GIB, Settings, load_settings
-from dlo_runtime.validation import select_group, validate
+from dlo_contract.settings import GIB, Settings, load_settings
+from dlo_contract.validation import select_group, validate
 
 logger = logging.getLogger(__name__)
 

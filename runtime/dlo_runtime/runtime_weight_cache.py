@@ -3,7 +3,7 @@
 Owns the opt-in, no-AllGather path of the design ("Phase B"): after the ordinary load, check the
 DiT's tensors can be stored as they are (contiguous CPU tensors, no aliasing or tying, no
 quantized or distributed tensors), hash names, metadata and bytes, then publish or join the
-runtime entry of that content and layout through `dlo_runtime.cache`, map it back, check that the
+runtime entry of that content and layout through `dlo_contract.cache`, map it back, check that the
 mapped tensors hash to the same digest, and return a `HostWeightPlan(runtime_cache)`.
 
 The identity holds the TP size and rank and the SP guards (implementation and size), never the
@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dlo_runtime.cache import (
+from dlo_contract.cache import (
     FileRecord, begin_publication, entry_id, open_entry, runtime_identity,
 )
-from dlo_runtime.errors import DloError, PermanentError
+from dlo_contract.errors import DloError, PermanentError
 from dlo_runtime.host_weight_plan import BackingKind, HostWeightPlan, TensorBinding, runtime_tensors
 from dlo_runtime.mapping import MappedEntry, read_header, write_safetensors
-from dlo_runtime.settings import GIB, Settings
+from dlo_contract.settings import GIB, Settings
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dlo_runtime.discovery import DiscoveredModel
-from dlo_runtime.errors import PermanentError
+from dlo_contract.errors import PermanentError
 from dlo_runtime.layout import BlockLayout, TensorMeta, build_layout
 
 

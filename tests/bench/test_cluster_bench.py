@@ -12,7 +12,7 @@ import pytest
 
 from dlo_bench import cluster, cluster_report, linkprobe, netns
 from dlo_bench.cluster_report import RankResult, RunResult
-from dlo_runtime.cache import sha256_file
+from dlo_contract.cache import sha256_file
 
 
 def _rank(rank: int, seconds: float) -> RankResult:

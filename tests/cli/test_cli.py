@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dlo_runtime import cli
+from dlo_cli import main as cli
 
 
 def test_help_lists_every_top_level_command(capsys) -> None:
@@ -24,7 +24,7 @@ def test_help_imports_no_plane() -> None:
     code = (
         "import sys\n"
         "for name in ('torch', 'boto3', 'kopf', 'kubernetes'): sys.modules[name] = None\n"
-        "from dlo_runtime import cli\n"
+        "from dlo_cli import main as cli\n"
         "try:\n"
         "    cli.main(['cache', '--help'])\n"
         "except SystemExit as e:\n"
@@ -55,7 +55,7 @@ def test_known_error_is_one_line_with_hint(tmp_path, capsys) -> None:
 
 
 def test_debug_shows_the_traceback(tmp_path) -> None:
-    from dlo_runtime.cache import CacheError
+    from dlo_contract.cache import CacheError
 
     with pytest.raises(CacheError):
         cli.main(["cache", "verify", "0123abcd", "--root", str(tmp_path), "--debug"])

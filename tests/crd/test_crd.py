@@ -9,11 +9,11 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from crd_schema import EXAMPLES, apply_defaults, load_crd, root_schema, unknown_fields
+from support.crd_schema import EXAMPLES, apply_defaults, load_crd, root_schema, unknown_fields
 
 from dlo_operator.spec import SETTINGS_FIELDS, parse_spec, settings_from_spec
-from dlo_runtime.settings import Settings
-from dlo_runtime.validation import range_errors
+from dlo_contract.settings import Settings
+from dlo_contract.validation import range_errors
 
 CRD = load_crd()
 SCHEMA = root_schema(CRD)

@@ -1,4 +1,4 @@
-"""The CRD's CEL rules reject exactly what `dlo_runtime.validation` rejects, over the whole
+"""The CRD's CEL rules reject exactly what `dlo_contract.validation` rejects, over the whole
 compatibility matrix (evaluated with cel-python after the API server's defaulting)."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import dataclasses
 import itertools
 from typing import Any
 
-from crd_schema import apply_defaults, cel_rules, load_crd, root_schema
+from support.crd_schema import apply_defaults, cel_rules, load_crd, root_schema
 
 from dlo_operator.spec import SETTINGS_FIELDS, settings_from_spec
-from dlo_runtime.settings import Settings
-from dlo_runtime.validation import RULES, range_errors, violated_rules
+from dlo_contract.settings import Settings
+from dlo_contract.validation import RULES, range_errors, violated_rules
 
 CRD = load_crd()
 SPEC_SCHEMA = root_schema(CRD)["properties"]["spec"]

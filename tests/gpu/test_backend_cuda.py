@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 from dlo_bench.models import example_inputs, tiny_model
 from dlo_runtime.backend import DistributedLayerwiseOffloadBackend
 from dlo_runtime.host_weight_plan import HostWeightPlan, runtime_tensors
-from dlo_runtime.settings import OffloadConfig, Settings
+from dlo_contract.settings import OffloadConfig, Settings
 
 pytestmark = pytest.mark.gpu
 

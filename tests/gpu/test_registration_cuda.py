@@ -13,7 +13,7 @@ from dlo_runtime import pod
 from dlo_runtime.cuda_registration import Cudart, CudaRegistrationBackend, MEMORY_TYPE_HOST
 from dlo_runtime.host_registration import register_plan
 from dlo_runtime.runtime_weight_cache import RuntimeLayout, load_runtime_plan
-from dlo_runtime.settings import Settings, replace_path
+from dlo_contract.settings import Settings, replace_path
 
 pytestmark = [
     pytest.mark.gpu,

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 from dlo_bench.s3server import DUMMY_CREDENTIALS, S3Server, start_moto, upload_tree
-from loader_fleet import BUCKET, Checkpoint, write_checkpoint
+from support.loader_fleet import BUCKET, Checkpoint, write_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from dlo_bench import loader as bench
 from dlo_bench.s3server import S3Server
-from dlo_runtime.safetensors_header import read_header
+from dlo_contract.safetensors_header import read_header
 
 pytestmark = pytest.mark.usefixtures("aws_env")
 

@@ -11,8 +11,8 @@ import pytest
 from dlo_bench.s3server import S3Server
 from dlo_loader import cli
 from dlo_loader.progress import Progress
-from dlo_runtime.settings import SettingsError
-from loader_fleet import LOADER_SETTINGS, Checkpoint, entry_files, included
+from dlo_contract.settings import SettingsError
+from support.loader_fleet import LOADER_SETTINGS, Checkpoint, entry_files, included
 
 
 def parse(*argv: str) -> argparse.Namespace:

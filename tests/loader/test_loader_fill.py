@@ -12,10 +12,10 @@ from dlo_bench.faultproxy import FaultProxy
 from dlo_bench.s3server import S3Server, free_port
 from dlo_loader.errors import RendezvousTimeout
 from dlo_loader.fill import FillRequest, fill
-from dlo_runtime.cache import open_entry, verify_entry
-from dlo_runtime.safetensors_header import HeaderError
-from dlo_runtime.settings import CacheConfig, LoaderConfig, Settings
-from loader_fleet import (
+from dlo_contract.cache import open_entry, verify_entry
+from dlo_contract.safetensors_header import HeaderError
+from dlo_contract.settings import CacheConfig, LoaderConfig, Settings
+from support.loader_fleet import (
     LOADER_SETTINGS,
     Checkpoint,
     entry_files,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from dlo_bench.faultproxy import FAULT_KINDS, FaultPlan, FaultProxy
 from dlo_bench.s3server import S3Server
-from dlo_runtime.cache import (
+from dlo_contract.cache import (
     FileRecord,
     ObjectIdentity,
     Publication,
@@ -22,7 +22,7 @@ from dlo_runtime.cache import (
     checkpoint_identity,
     entry_id,
 )
-from loader_fleet import (
+from support.loader_fleet import (
     Checkpoint,
     Fleet,
     OpenWatch,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from dlo_runtime.safetensors_header import HeaderError, read_header
+from dlo_contract.safetensors_header import HeaderError, read_header
 from safetensors.numpy import save_file
 
 NAME = "s3://models/x/model.safetensors"

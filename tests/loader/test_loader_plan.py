@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from dlo_loader.plan import Plan, build_plan
-from dlo_runtime.cache import ObjectIdentity
+from dlo_contract.cache import ObjectIdentity
 
 MIB = 1 << 20
 FILES = [

@@ -11,7 +11,7 @@ import pytest
 from dlo_loader.fetch import BufferPool, Fetcher
 from dlo_loader.plan import build_plan
 from dlo_loader.schedule import FetchOrder, FetchShape, Part, fetch_shape
-from dlo_runtime.cache import ObjectIdentity
+from dlo_contract.cache import ObjectIdentity
 
 MIB = 1 << 20
 

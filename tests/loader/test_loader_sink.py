@@ -13,7 +13,7 @@ import pytest
 from dlo_loader.errors import LoaderError
 from dlo_loader.plan import build_plan
 from dlo_loader.sink import ALIGN, EntryChunks, FileSink
-from dlo_runtime.cache import ObjectIdentity
+from dlo_contract.cache import ObjectIdentity
 
 
 def content(size: int, seed: int) -> bytes:

@@ -18,8 +18,8 @@ from dlo_bench.faultproxy import FAULT_KINDS, FaultPlan, FaultProxy
 from dlo_bench.s3server import S3Server
 from dlo_loader.errors import SourceError, SourceUnavailable
 from dlo_loader.source import ObjectStore, _read_body, parse_source
-from dlo_runtime.cache import ObjectIdentity
-from loader_fleet import BUCKET, Checkpoint, upload_files
+from dlo_contract.cache import ObjectIdentity
+from support.loader_fleet import BUCKET, Checkpoint, upload_files
 
 pytestmark = pytest.mark.usefixtures("aws_env")
 CONFIG = "transformer/config.json"

@@ -14,7 +14,7 @@ from dlo_operator.manifests import build_children
 from dlo_operator.naming import Owner
 from dlo_operator.render import render_file
 from dlo_operator.spec import parse_spec
-from dlo_runtime import cli
+from dlo_cli import main as cli
 
 OWNER = Owner(name="flux", namespace="ml", uid="uid-1")
 MINIMAL = {"model": {"source": "s3://models/flux/"}, "inference": {"image": "server:1"}}

@@ -8,7 +8,7 @@ import kopf
 import pytest
 
 from dlo_operator import handlers
-from dlo_runtime import cli
+from dlo_cli import main as cli
 
 
 @pytest.fixture()

@@ -9,7 +9,7 @@ from typing import Any
 
 import aiohttp
 
-from operator_harness import (
+from support.operator_harness import (
     DOD_PATH,
     DOD_RESOURCE,
     NAMESPACE,

@@ -6,7 +6,7 @@ import pytest
 
 from dlo_operator.errors import SpecError
 from dlo_operator.spec import DEFAULT_LOADER_IMAGE, parse_spec
-from dlo_runtime.settings import Settings
+from dlo_contract.settings import Settings
 
 MINIMAL = {"model": {"source": "s3://models/flux/"}, "inference": {"image": "server:1"}}
 

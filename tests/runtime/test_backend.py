@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 import torch
-from runtime_helpers import forward, offload_settings, run_case
-from runtime_models import DeclaredDiT, UndeclaredDiT, seeded
+from support.runtime_helpers import forward, offload_settings, run_case
+from support.runtime_models import DeclaredDiT, UndeclaredDiT, seeded
 
 from dlo_bench.models import example_inputs, tiny_model
 from dlo_runtime.backend import DistributedLayerwiseOffloadBackend, host_bytes
 from dlo_runtime.offload_plan import OffloadPlanError
-from dlo_runtime.settings import Settings, SettingsError
+from dlo_contract.settings import Settings, SettingsError
 from dlo_runtime.tensors import OffloadError
 from dlo_runtime.transfer import ShardStore
 

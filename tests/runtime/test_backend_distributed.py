@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import runtime_dist_worker
+from support import runtime_dist_worker
 import torch.multiprocessing as mp
 
 pytestmark = pytest.mark.slow

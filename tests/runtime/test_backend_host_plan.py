@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_helpers import (
+from support.runtime_helpers import (
     forward,
     mapped_plan,
     offload_settings,

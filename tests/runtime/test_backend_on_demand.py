@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_helpers import forward, mapped_plan, offload_settings, strip_parameters
-from runtime_models import OnDemandDiT, on_demand_inputs, seeded
+from support.runtime_helpers import forward, mapped_plan, offload_settings, strip_parameters
+from support.runtime_models import OnDemandDiT, on_demand_inputs, seeded
 from torch import nn
 
 from dlo_runtime.backend import DistributedLayerwiseOffloadBackend, host_bytes

@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from runtime_models import DeclaredDiT, MlpBlock, OnDemandDiT, UndeclaredDiT, seeded
+from support.runtime_models import DeclaredDiT, MlpBlock, OnDemandDiT, UndeclaredDiT, seeded
 from torch import nn
 
 from dlo_bench.models import tiny_model

@@ -1,0 +1,59 @@
+"""`dlo cache gc [--max-bytes N] [--min-free-bytes N]`: evict least recently used entries.
+
+Owns the gc command: limits default to the settings document's `cache.max_bytes` and
+`cache.min_free_bytes` (0 = no limit), removes leftovers of dead writers, evicts, prints what it
+removed, and exits 1 when the limits still do not hold (everything left is in use). Called by the
+`dlo` entry point. Must not remove an entry in use (that rule lives in `evict`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from dlo_cli.cache_common import add_root_argument, resolve_root, settings_cache_config
+from dlo_contract.cache.evict import evict, list_entries
+from dlo_contract.cache.fsutil import free_bytes
+
+
+def _byte_count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected bytes >= 0, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_root_argument(parser)
+    parser.add_argument(
+        "--max-bytes", type=_byte_count, default=None, metavar="N",
+        help="keep all entries within N bytes (default: cache.max_bytes; 0: no limit)",
+    )
+    parser.add_argument(
+        "--min-free-bytes", type=_byte_count, default=None, metavar="N",
+        help="keep N bytes free on the cache filesystem (default: cache.min_free_bytes; 0: none)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    root = resolve_root(args)
+    max_bytes, min_free = args.max_bytes, args.min_free_bytes
+    if max_bytes is None or min_free is None:
+        config = settings_cache_config()
+        max_bytes = config.max_bytes if max_bytes is None else max_bytes
+        min_free = config.min_free_bytes if min_free is None else min_free
+    removed = evict(root, max_bytes=max_bytes, min_free_bytes=min_free)
+    for entry in removed:
+        print(f"evicted {entry}")
+    if not root.entries.is_dir():
+        print(f"no cache at {root.path}")
+        return 0
+    total = sum(info.bytes for info in list_entries(root))
+    free = free_bytes(root.entries)
+    print(f"{len(removed)} evicted; {total} bytes in entries, {free} bytes free")
+    if (max_bytes and total > max_bytes) or (min_free and free < min_free):
+        print(
+            f"limits not met (max {max_bytes} bytes, min free {min_free} bytes): the entries "
+            "left are in use, or the space is taken outside the cache"
+        )
+        return 1
+    return 0

@@ -1,0 +1,91 @@
+"""The `dlo` command: a table of subcommands, each imported only when it runs.
+
+`dlo --help` must never import torch, boto3 or kopf, so the table names modules as strings. Each
+command module provides `add_arguments(parser)` and `run(args) -> int`. Known errors (`DloError`)
+become one line on stderr with a hint; tracebacks only with `--debug`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dlo_contract.errors import DloError
+
+
+@dataclass(frozen=True)
+class Command:
+    path: tuple[str, ...]
+    module: str
+    summary: str
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command(("demo",), "dlo_bench.demo", "run the whole system on this machine and compare outputs"),
+    Command(("cache", "ls"), "dlo_cli.cache_ls", "list the node cache's entries"),
+    Command(("cache", "verify"), "dlo_cli.cache_verify", "check an entry (sizes, or --full hashes)"),
+    Command(("cache", "gc"), "dlo_cli.cache_gc", "evict least recently used entries"),
+    Command(("cache", "fill"), "dlo_loader.cli", "stream a checkpoint from object storage into the cache"),
+    Command(("operator", "run"), "dlo_operator.cli", "run the DiffusionOffloadDeployment operator"),
+    Command(("render",), "dlo_operator.render", "print the manifests the operator would create"),
+    Command(("bench", "runtime"), "dlo_bench.runtime", "hook overhead, step times, host memory"),
+    Command(("bench", "loader"), "dlo_bench.loader", "single-node fill against a parallel-GET ceiling"),
+    Command(("bench", "cluster"), "dlo_bench.cluster", "simulated multi-node fill with shaped links"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dlo", description="Distributed Layerwise Offload")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and DEBUG logs")
+    groups: dict[tuple[str, ...], argparse._SubParsersAction] = {
+        (): parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    }
+    for command in COMMANDS:
+        for depth in range(1, len(command.path)):
+            prefix = command.path[:depth]
+            if prefix not in groups:
+                sub = groups[prefix[:-1]].add_parser(prefix[-1], help=f"{prefix[-1]} commands")
+                groups[prefix] = sub.add_subparsers(
+                    dest=f"command_{depth}", metavar="COMMAND", required=True
+                )
+        leaf = groups[command.path[:-1]].add_parser(
+            command.path[-1], help=command.summary, description=command.summary, add_help=False
+        )
+        leaf.set_defaults(_command=command)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args_list
+    args, rest = build_parser().parse_known_args([a for a in args_list if a != "--debug"])
+    command: Command = args._command
+    module = importlib.import_module(command.module)
+    leaf = argparse.ArgumentParser(
+        prog="dlo " + " ".join(command.path), description=command.summary
+    )
+    module.add_arguments(leaf)
+    sub_args = leaf.parse_args(rest)
+    sub_args.debug = debug
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(module.run(sub_args))
+    except DloError as exc:
+        if debug:
+            raise
+        hint = f" (hint: {exc.hint})" if exc.hint else ""
+        print(f"dlo: error: {exc}{hint}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""The node cache, format v1: one content-addressed store per node, shared by every pod.
+
+This package is the contract between the loader (which publishes checkpoint entries), the runtime
+(which maps them and publishes runtime entries) and the `dlo cache` commands. It uses the standard
+library only: no torch, boto3 or kopf. Layout and protocol: DESIGN.md section 4.
+
+    entry = entry_id(identity)
+    path = publish_entry(root, entry, "checkpoint", identity, write, expected_bytes=n,
+                         lock_timeout_s=600)
+    with open_entry(root, entry) as handle:      # holds .use shared while mapped
+        ... handle.file_path("model.safetensors") ...
+"""
+
+from dlo_contract.cache.check import Problem
+from dlo_contract.cache.digest import (
+    CHUNKED_THRESHOLD,
+    DEFAULT_CHUNK_BYTES,
+    chunk_digests,
+    file_record,
+    sha256_file,
+)
+from dlo_contract.cache.entry import EntryHandle, find_entry, open_entry, verify_entry
+from dlo_contract.cache.errors import (
+    CacheCorruptError,
+    CacheError,
+    CacheLockTimeout,
+    CacheSpaceError,
+)
+from dlo_contract.cache.evict import EntryInfo, evict, list_entries, remove_entry
+from dlo_contract.cache.identity import (
+    ObjectIdentity,
+    canonical_json,
+    checkpoint_identity,
+    entry_id,
+    runtime_identity,
+)
+from dlo_contract.cache.layout import MANIFEST_NAME, CacheRoot, safe_relpath
+from dlo_contract.cache.manifest import MANIFEST_SCHEMA_VERSION, FileRecord, Manifest, read_manifest
+from dlo_contract.cache.publish import Publication, begin_publication, publish_entry
+
+__all__ = [
+    "CHUNKED_THRESHOLD",
+    "DEFAULT_CHUNK_BYTES",
+    "MANIFEST_NAME",
+    "MANIFEST_SCHEMA_VERSION",
+    "CacheCorruptError",
+    "CacheError",
+    "CacheLockTimeout",
+    "CacheRoot",
+    "CacheSpaceError",
+    "EntryHandle",
+    "EntryInfo",
+    "FileRecord",
+    "Manifest",
+    "ObjectIdentity",
+    "Problem",
+    "Publication",
+    "begin_publication",
+    "canonical_json",
+    "checkpoint_identity",
+    "chunk_digests",
+    "entry_id",
+    "evict",
+    "file_record",
+    "find_entry",
+    "list_entries",
+    "open_entry",
+    "publish_entry",
+    "read_manifest",
+    "remove_entry",
+    "runtime_identity",
+    "safe_relpath",
+    "sha256_file",
+    "verify_entry",
+]

@@ -1,0 +1,96 @@
+"""Content digests: one SHA-256 per small file, one per chunk for large files.
+
+Owns the hashing rules of format v1. Large files carry a list of per-chunk digests so that several
+writers (loader ranks, reader threads) can each hash the byte ranges they wrote, in parallel,
+without a second pass; small files carry one digest. Called by the loader (per range), by
+`publish` (records that arrive without digests) and by `entry` (full verification). Must not
+decide validity or touch anything but the file it is given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from dlo_contract.cache.manifest import FileRecord
+
+DEFAULT_CHUNK_BYTES = 16 << 20
+"""Matches the loader's default planning unit, so the loader's chunks are the digest chunks."""
+CHUNKED_THRESHOLD = DEFAULT_CHUNK_BYTES
+"""Files larger than one chunk carry a chunk list; smaller ones a single SHA-256."""
+_READ_BYTES = 4 << 20
+HASH_WORKERS = min(8, os.cpu_count() or 1)
+"""Threads for hashing; sha256 runs near memory speed, so a few cores suffice."""
+
+
+def _hash_range(fd: int, offset: int, length: int) -> tuple[str, int]:
+    """SHA-256 of `length` bytes at `offset` (fewer at end of file); returns (hex, bytes read)."""
+    digest = hashlib.sha256()
+    done = 0
+    while done < length:
+        piece = os.pread(fd, min(_READ_BYTES, length - done), offset + done)
+        if not piece:
+            break
+        digest.update(piece)
+        done += len(piece)
+    return digest.hexdigest(), done
+
+
+def chunk_count(size: int, chunk_bytes: int) -> int:
+    return -(-size // chunk_bytes)
+
+
+def chunk_digests(
+    path: str | os.PathLike[str],
+    chunk_bytes: int,
+    start_chunk: int = 0,
+    stop_chunk: int | None = None,
+) -> list[str]:
+    """Digests of chunks `[start_chunk, stop_chunk)` of `path` (to the end when stop is None).
+
+    The last chunk of a file may be short; a range past the end yields fewer digests.
+    """
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        stop = chunk_count(size, chunk_bytes) if stop_chunk is None else stop_chunk
+        stop = min(stop, chunk_count(size, chunk_bytes))
+        return [_hash_range(fd, i * chunk_bytes, chunk_bytes)[0] for i in range(start_chunk, stop)]
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """SHA-256 of the whole file."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return _hash_range(fd, 0, os.fstat(fd).st_size)[0]
+    finally:
+        os.close(fd)
+
+
+def parallel_chunk_digests(
+    path: str | os.PathLike[str], chunk_bytes: int, workers: int = HASH_WORKERS
+) -> list[str]:
+    """All chunk digests of a file, hashed on `workers` threads (hashlib releases the GIL)."""
+    count = chunk_count(os.stat(path).st_size, chunk_bytes)
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, count))) as pool:
+        parts = pool.map(lambda i: chunk_digests(path, chunk_bytes, i, i + 1), range(count))
+        return [digest for part in parts for digest in part]
+
+
+def file_record(
+    path: str | os.PathLike[str], name: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> FileRecord:
+    """Hash one finished file into its manifest record (chunk list when larger than a chunk)."""
+    size = Path(path).stat().st_size
+    if size > chunk_bytes:
+        return FileRecord(
+            name=name, size=size, chunk_bytes=chunk_bytes,
+            chunk_sha256=tuple(parallel_chunk_digests(path, chunk_bytes)),
+        )
+    return FileRecord(name=name, size=size, sha256=sha256_file(path))

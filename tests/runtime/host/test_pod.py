@@ -1,0 +1,111 @@
+"""The in-pod entry point: settings document and entry file in, offloaded DiT out, equal to the
+resident model bit for bit, whatever backs its host weights."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import FluxTransformer2DModel
+from support.host_helpers import publish_checkpoint, rank_local, write_entry_file
+from torch import nn
+
+from dlo_bench.models import example_inputs
+from dlo_runtime import pod
+from dlo_runtime.host_weight_plan import BackingKind
+
+
+@pytest.fixture
+def pod_files(tmp_path: Path, flux_layout: Path, monkeypatch: pytest.MonkeyPatch):
+    """A published checkpoint entry, `entry.json` and a settings document, found through the
+    pod's environment as the operator sets it."""
+    root = tmp_path / "cache"
+    entry = publish_checkpoint(root, flux_layout)
+    monkeypatch.setenv(pod.ENTRY_FILE_ENV, str(write_entry_file(tmp_path, entry)))
+
+    def configure(**fields: object) -> None:
+        document = tmp_path / "settings.json"
+        document.write_text(rank_local(root, **fields).to_json())
+        monkeypatch.setenv("DLO_CONFIG", str(document))
+
+    configure()
+    return configure
+
+
+def resident_output(flux: nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return flux(**example_inputs("flux", flux))[0]
+
+
+def offloaded_output(dit: nn.Module, flux: nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return dit(**example_inputs("flux", flux))[0]
+
+
+def test_checkpoint_plan_over_the_entry_matches_the_resident_model(
+        pod_files, flux: nn.Module) -> None:
+    dit = pod.build_dit(FluxTransformer2DModel)
+    assert all(p.is_meta for p in dit.parameters())
+    handle = pod.enable(dit, device="cpu")
+    try:
+        assert handle.backing() is BackingKind.CHECKPOINT
+        assert torch.equal(offloaded_output(dit, flux), resident_output(flux))
+        with open("/proc/self/maps") as maps:
+            assert "/v1/entries/" in maps.read()
+    finally:
+        handle.close()
+
+
+def test_runtime_cache_plan_matches_the_resident_model(pod_files, flux: nn.Module) -> None:
+    pod_files(**{"offload.enable_runtime_cache": True})
+    dit = copy.deepcopy(flux)
+    handle = pod.enable(dit, device="cpu")
+    try:
+        assert handle.backing() is BackingKind.RUNTIME_CACHE
+        assert torch.equal(offloaded_output(dit, flux), resident_output(flux))
+    finally:
+        handle.close()
+
+
+def test_pipeline_without_entry_keeps_ordinary_tensors(
+        pod_files, flux: nn.Module, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(pod.ENTRY_FILE_ENV, str(tmp_path / "absent.json"))
+
+    class Pipeline:
+        transformer = copy.deepcopy(flux)
+
+    handle = pod.enable(Pipeline(), device="cpu")
+    try:
+        assert handle.backing("transformer") is BackingKind.ORDINARY
+        assert torch.equal(offloaded_output(Pipeline.transformer, flux), resident_output(flux))
+    finally:
+        handle.close()
+
+
+def test_rejected_preflight_loads_ordinarily(pod_files, flux: nn.Module) -> None:
+    pod_files(**{"parallel.tp": 2})
+    dit = pod.build_dit(FluxTransformer2DModel)
+    assert not any(p.is_meta for p in dit.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(dit.state_dict().values(),
+                                                 flux.state_dict().values()))
+
+
+def test_weightless_dit_without_an_accepted_plan_is_a_startup_error(pod_files) -> None:
+    dit = pod.build_dit(FluxTransformer2DModel)
+    pod_files(**{"parallel.tp": 2})
+    with pytest.raises(pod.PodError) as caught:
+        pod.enable(dit, device="cpu")
+    assert str(caught.value) == (
+        "transformer was built without weights but its checkpoint plan was rejected: tensor "
+        "parallelism is on (parallel.tp=2); each rank holds a slice, not the stored tensors")
+
+
+def test_unreadable_entry_file(tmp_path: Path) -> None:
+    bad = tmp_path / "entry.json"
+    bad.write_text(json.dumps({"entry_id": "x"}))
+    with pytest.raises(pod.PodError) as caught:
+        pod.read_entry_file(bad)
+    assert str(caught.value) == f"entry file {bad} is unreadable: 'root'"

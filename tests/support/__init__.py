@@ -1,0 +1,1 @@
+"""Helpers shared by the test packages and their worker processes (importable as `support.*`)."""

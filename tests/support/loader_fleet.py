@@ -1,0 +1,182 @@
+"""Test helpers for the loader: tiny checkpoints, and groups of real `dlo cache fill` processes.
+
+Each rank runs as its own process with its own cache root (its "node"), its own counting proxy in
+front of the S3 server (so the bytes it read are counted outside the loader), and the usual
+torch.distributed environment.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from dlo_bench.s3server import DUMMY_CREDENTIALS, S3Server, free_port, upload_tree
+from safetensors.numpy import save_file
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint uploaded to the test server: its source URI and every file's bytes."""
+
+    source: str
+    files: dict[str, bytes]
+
+
+BUCKET = "models"
+CHUNK_BYTES = 128 << 10
+LOADER_SETTINGS = {
+    "readers": 4,
+    "chunk_bytes": CHUNK_BYTES,
+    "memory_limit_bytes": 8 * CHUNK_BYTES,
+    "max_retries": 4,
+    "timeout_s": 90.0,
+    "rendezvous_timeout_s": 60.0,
+    "path_style": True,
+}
+PROCESS_TIMEOUT_S = 120
+
+
+def write_checkpoint(directory: Path, *, seed: int = 0) -> dict[str, bytes]:
+    """A diffusers-like layout of about 3.3 MiB: two safetensors shards and a config."""
+    rng = np.random.default_rng(seed)
+    transformer = directory / "transformer"
+    transformer.mkdir(parents=True)
+    save_file({f"blocks.{i}.weight": rng.standard_normal(100_000 + 1000 * i, dtype=np.float32)
+               for i in range(6)}, str(transformer / "model-00001-of-00002.safetensors"))
+    save_file({f"blocks.{6 + i}.weight": rng.standard_normal(50_000, dtype=np.float32)
+               for i in range(4)} | {"norm.bias": np.zeros(7, dtype=np.float16)},
+              str(transformer / "model-00002-of-00002.safetensors"))
+    (transformer / "config.json").write_text(json.dumps({"num_layers": 10}))
+    (directory / "README.md").write_text("not included by the default globs\n")
+    return {p.relative_to(directory).as_posix(): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def upload_files(s3: S3Server, prefix: str, files: dict[str, bytes], tmp: Path) -> str:
+    """Upload `files` (relative name -> bytes) under `prefix`; returns the source URI."""
+    for name, data in files.items():
+        path = tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    upload_tree(s3, BUCKET, prefix, tmp)
+    return f"s3://{BUCKET}/{prefix}"
+
+
+def included(files: dict[str, bytes]) -> dict[str, bytes]:
+    """The files the default include globs (`*.safetensors`, `*.json`) select."""
+    return {k: v for k, v in files.items() if k.endswith((".safetensors", ".json"))}
+
+
+def entry_files(cache_root: Path) -> dict[str, bytes]:
+    """Every file of the single entry under `cache_root` (manifest excluded)."""
+    entries = list((cache_root / "v1" / "entries").iterdir())
+    assert len(entries) == 1, entries
+    return {p.relative_to(entries[0]).as_posix(): p.read_bytes()
+            for p in sorted(entries[0].rglob("*")) if p.is_file() and p.name != "manifest.json"}
+
+
+def no_entry(cache_root: Path) -> bool:
+    """True when the cache holds neither an entry nor a leftover temporary directory."""
+    base = cache_root / "v1"
+    return not any((base / "entries").glob("*")) and not any((base / "tmp").glob("*"))
+
+
+@dataclass
+class Outcome:
+    rank: int
+    returncode: int
+    stdout: str
+    stderr: str
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Fleet:
+    """`world` loaders sharing one source; rank r talks to S3 through `endpoints[r]`."""
+
+    tmp: Path
+    source: str
+    world: int
+    endpoints: list[str]
+    mode: str = "multi-reader"
+    settings: dict[str, Any] = field(default_factory=dict)
+    master_port: int = field(default_factory=free_port)
+
+    def root(self, rank: int) -> Path:
+        return self.tmp / f"node{rank}" / "cache"
+
+    def command(self, rank: int, *extra: str) -> list[str]:
+        config = self.tmp / "settings.json"
+        config.write_text(json.dumps({"loader": LOADER_SETTINGS | self.settings}))
+        return [
+            sys.executable, "-m", "dlo_cli.main", "cache", "fill", "--config", str(config),
+            "--source", self.source, "--endpoint-url", self.endpoints[rank], "--mode", self.mode,
+            "--cache-root", str(self.root(rank)), "--rank", str(rank),
+            "--world-size", str(self.world), "--master-addr", "127.0.0.1",
+            "--master-port", str(self.master_port),
+            "--entry-file", str(self.tmp / f"node{rank}" / "entry.json"),
+            "--summary-file", str(self.tmp / f"node{rank}" / "termination-log"), *extra,
+        ]
+
+    def start(self, rank: int, *extra: str) -> subprocess.Popen[str]:
+        (self.tmp / f"node{rank}").mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **DUMMY_CREDENTIALS, "OMP_NUM_THREADS": "1"}
+        return subprocess.Popen(self.command(rank, *extra), env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def run(self, *extra: str, ranks: list[int] | None = None) -> list[Outcome]:
+        chosen = ranks if ranks is not None else range(self.world)
+        processes = {r: self.start(r, *extra) for r in chosen}
+        return [finish(rank, process) for rank, process in processes.items()]
+
+
+def finish(rank: int, process: subprocess.Popen[str]) -> Outcome:
+    try:
+        stdout, stderr = process.communicate(timeout=PROCESS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        stdout, stderr = process.communicate()
+    lines = stdout.strip().splitlines()
+    summary = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+    return Outcome(rank, process.returncode, stdout, stderr, summary)
+
+
+class OpenWatch:
+    """Notices the next time any process opens `path` (Linux inotify `IN_OPEN`), so a test can
+    tell that a loader reached a step without guessing how long it takes."""
+
+    _IN_OPEN = 0x20
+
+    def __init__(self, path: Path) -> None:
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self._fd < 0 or self._libc.inotify_add_watch(
+                self._fd, os.fsencode(path), self._IN_OPEN) < 0:
+            raise OSError(ctypes.get_errno(), f"cannot watch {path}")
+
+    def wait(self, timeout_s: float = 60.0) -> None:
+        ready, _, _ = select.select([self._fd], [], [], timeout_s)
+        if not ready:
+            raise AssertionError(f"nobody opened the watched file within {timeout_s} s")
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    """Poll `predicate` (a hang guard, not a timing assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not reached within {timeout_s} s")
+        time.sleep(0.05)
