@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import support
 from support.host_helpers import publish_checkpoint, settings_with, write_entry_file
 
-WORKER = Path(__file__).with_name("pod_allgather_worker.py")
+WORKER = Path(support.__file__).with_name("pod_allgather_worker.py")
 WORLD = 2
 
 

@@ -10,11 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import support
 from test_runtime_weight_cache import corrupt_last_byte
 
 from dlo_contract.cache import list_entries
 
-WORKER = Path(__file__).with_name("runtime_cache_worker.py")
+WORKER = Path(support.__file__).with_name("runtime_cache_worker.py")
 PROCESSES = 3
 
 
