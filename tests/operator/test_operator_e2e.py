@@ -102,9 +102,9 @@ async def test_invalid_spec_is_reported_and_creates_nothing(
     assert status["phase"] == "Failed"
     assert condition(status, "Valid") | {"lastTransitionTime": None} == {
         "type": "Valid", "status": "False", "reason": "SpecInvalid", "lastTransitionTime": None,
-        "message": "invalid settings: parallel.hsdp, offload.use_allgather: HSDP with DLO "
-                   "AllGather would shard parameters twice [hsdp-allgather]; fix: set "
-                   "offload.use_allgather=false (HSDP then keeps rank-local tensors)"}
+        "message": "invalid settings: spec.parallel.hsdp, spec.offload.useAllgather: HSDP with "
+                   "DLO AllGather would shard parameters twice [hsdp-allgather]; fix: set "
+                   "spec.offload.useAllgather=false (HSDP then keeps rank-local tensors)"}
     assert children(cluster, "flux") == [None, None, None]
     assert not [r for r in list(cluster) if r.resource is not None
                 and r.resource.plural in ("configmaps", "services", "statefulsets")]
