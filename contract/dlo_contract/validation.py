@@ -40,11 +40,6 @@ def cr_names(path: str) -> str:
     return f"spec.{CR_PATHS[path]}" if path in CR_PATHS else path
 
 
-def cr_and_document_names(path: str) -> str:
-    """Both, for a document the operator rendered from a CR and a reader of the document."""
-    return f"spec.{CR_PATHS[path]} ({path})" if path in CR_PATHS else path
-
-
 @dataclass(frozen=True)
 class Rule:
     """One rejected combination: `check` returns True when `settings` violates it. `message`
@@ -202,13 +197,18 @@ def violated_rules(settings: Settings) -> list[Rule]:
 def validate(settings: Settings, names: Names | None = None) -> Settings:
     """Reject bad values and unsupported combinations; return the normalized document.
 
-    `names` picks how messages name fields; by default the document path, or the CR path and
-    the document path when the operator rendered the document from a CR (`settings.origin`).
-    Normalization only turns off the offload strategies that DLO replaces (model-level and
+    `names` picks how messages name fields; by default the document path, or, when the operator
+    rendered the document from a CR (`settings.origin`), the CR path followed by a key to the
+    document paths. Normalization only turns off the offload strategies that DLO replaces (model-level and
     standard layerwise CPU offload), because DLO takes priority over them.
     """
+    named: list[str] = []
     if names is None:
-        names = cr_and_document_names if settings.origin else document_names
+        chosen: Names = cr_names if settings.origin else document_names
+
+        def names(path: str) -> str:
+            named.append(path)
+            return chosen(path)
     errors = range_errors(settings, names)
     errors += [
         f"{', '.join(map(names, rule.fields))}: {rule.message(settings, names)} [{rule.id}]; "
@@ -216,8 +216,11 @@ def validate(settings: Settings, names: Names | None = None) -> Settings:
         for rule in violated_rules(settings)
     ]
     if errors:
-        where = f" (rendered from {settings.origin})" if settings.origin else ""
-        raise SettingsError(f"invalid settings{where}: " + "; ".join(errors))
+        message = "invalid settings: " + "; ".join(errors)
+        if settings.origin:
+            key = ", ".join(f"{cr_names(p)} is {p}" for p in dict.fromkeys(named))
+            message += f" (document rendered from {settings.origin}; in the document {key})"
+        raise SettingsError(message)
     if settings.offload.enabled and (
         settings.offload.model_cpu_offload or settings.offload.layerwise_cpu_offload
     ):

@@ -121,6 +121,8 @@ def test_contract_modules_import_without_torch_boto3_kopf() -> None:
         "import sys\n"
         "for name in ('torch', 'boto3', 'kopf'): sys.modules[name] = None\n"
         "import dlo_contract.settings, dlo_contract.validation, dlo_contract.errors, dlo_cli.main\n"
+        "import dlo_contract.schema, dlo_contract.deployment, dlo_contract.crd\n"
+        "import dlo_contract.generate\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
