@@ -106,11 +106,11 @@ def spec_schema(model: type[BaseModel] = DeploymentSpec,
             node = node["properties"].setdefault(parent, {
                 "type": "object", "description": sections[path], "properties": {}})
         node["properties"][name] = leaf_schema(leaf)
-    _mark_required(root, is_root=True)
+    _mark_required(root)
     return root
 
 
-def _mark_required(node: dict[str, Any], *, is_root: bool = False) -> bool:
+def _mark_required(node: dict[str, Any]) -> bool:
     """List required children (a field declared `required`, or an object holding one) and give
     every optional object `default: {}` so that the API server fills its fields' defaults.
     Returns whether `node` is required itself."""
@@ -121,15 +121,12 @@ def _mark_required(node: dict[str, Any], *, is_root: bool = False) -> bool:
                 required.append(name)
             else:
                 child["default"] = {}
+                child["properties"] = child.pop("properties")  # keep the fields last
         elif "default" not in child:
             required.append(name)
     if required:
-        # `required` goes before `properties` so the file reads top-down.
-        properties = node.pop("properties")
         node["required"] = required
-        node["properties"] = properties
-    if "default" in node and not is_root:
-        node["default"] = node.pop("default")
+        node["properties"] = node.pop("properties")  # `required` before the fields
     return bool(required)
 
 

@@ -14,6 +14,7 @@ Torch-free.
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 from collections.abc import Callable, Iterator
@@ -60,7 +61,6 @@ class Bounds:
         if self.max_items is not None and len(value) > self.max_items:
             return f"must have at most {self.max_items} items"
         if self.pattern is not None:
-            import re
             if not re.search(self.pattern, value):
                 return f"must match {self.pattern}"
         return None
