@@ -143,6 +143,10 @@ class LoaderConfig(Section):
     timeout_s: float = setting(
         3600.0, crd="loader.timeoutSeconds", above=0,
         description="Whole-fill deadline in seconds; any rank past it fails every rank.")
+    metrics_port: int = setting(
+        9400, crd="loader.metricsPort", cli="--metrics-port", minimum=0, maximum=65535,
+        description="Port of the loader's Prometheus /metrics endpoint while it fills; the "
+        "operator reads live progress from it; 0 turns it off.")
 
 
 class CacheConfig(Section):

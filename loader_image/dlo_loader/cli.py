@@ -21,6 +21,7 @@ import typing
 from pathlib import Path
 
 from dlo_loader.fill import FillRequest, fill
+from dlo_loader.metrics import Endpoint
 from dlo_loader.progress import RankPrefixFilter
 from dlo_contract.documents import FillStatus, FillSummary
 from dlo_contract.errors import DloError
@@ -83,13 +84,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     rank: int | None = None
+    endpoint: Endpoint | None = None
     try:
         rank = _int_or(args.rank, RANK_ENV, 0)
         world_size = _int_or(args.world_size, WORLD_SIZE_ENV, 1)
         _install_log_filters(rank, world_size)
         _check_topology(rank, world_size)
+        settings = load_fill_settings(args)
+        endpoint = _serve_metrics(settings.loader.metrics_port)
         request = FillRequest(
-            settings=load_fill_settings(args), rank=rank, world_size=world_size,
+            settings=settings, rank=rank, world_size=world_size,
             master_addr=args.master_addr or os.environ.get(MASTER_ADDR_ENV),
             master_port=_int_or(args.master_port, MASTER_PORT_ENV, DEFAULT_RENDEZVOUS_PORT),
             emit=_print_line,
@@ -98,8 +102,25 @@ def run(args: argparse.Namespace) -> int:
         _write_atomically(Path(args.entry_file), result.entry_document().to_json() + "\n")
     except Exception as exc:  # every failure becomes the one-line summary and exit status 1
         return _report_failure(args, rank, exc)
+    finally:
+        if endpoint is not None:
+            endpoint.close()
     _finish(args, result.summary())
     return 0
+
+
+def _serve_metrics(port: int) -> Endpoint | None:
+    """`/metrics` while the fill runs (the operator's live progress); 0 serves nothing. A port
+    in use costs the metrics, never the fill."""
+    if port == 0:
+        return None
+    try:
+        endpoint = Endpoint(port)
+    except OSError as exc:
+        log.warning("metrics endpoint not served: port %d: %s", port, exc.strerror)
+        return None
+    log.info("serving /metrics on port %d", endpoint.port)
+    return endpoint
 
 
 def load_fill_settings(args: argparse.Namespace) -> Settings:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dlo_loader.errors import GroupError, LoaderError, RendezvousTimeout
+from dlo_loader import metrics
 from dlo_loader.exchange import Exchange, Reader
 from dlo_loader.plan import Plan, build_plan
 from dlo_loader.progress import Progress, human_bytes, rank_prefix, repeating
@@ -117,12 +118,18 @@ class _Fill:
         self.root = CacheRoot(self.cache.root)
         self.progress = Progress(total_bytes=0, emit=request.emit,
                                  prefix=rank_prefix(request.rank, request.world_size))
+        metrics.FILL.attach(self.progress)  # metrics: /metrics reads this fill's progress
 
     def run(self) -> FillResult:
         try:
-            return self._run()
+            result = self._run()
+        except BaseException:
+            self.progress.phase = "failed"  # metrics: phase
+            raise
         finally:
             self.store.close()
+        self.progress.phase = "done"  # metrics: phase
+        return result
 
     def _run(self) -> FillResult:
         files = self.store.list(self.loader.include)
@@ -135,6 +142,7 @@ class _Fill:
             log.info("entry %s is cached already at %s; nothing to read", eid, existing)
             return self._result(eid, existing, self.loader.mode, cached=True)
         lock_timeout_s = max(self.deadline - time.monotonic(), 1.0)
+        self.progress.phase = "waiting"  # metrics: phase
         with begin_publication(self.root, eid, expected_bytes=total, lock_timeout_s=lock_timeout_s,
                                min_free_bytes=self.cache.min_free_bytes) as pub:
             group, mode = self._join_group()
@@ -214,6 +222,7 @@ class _Fill:
         sink = None if pub.existing is not None else FileSink(pub.tmp_dir, plan.files)
         read = EntryChunks(pub.existing, plan.files).read if pub.existing else self._reader(plan)
         self.progress.start()
+        self.progress.phase = "transferring"  # metrics: phase
         try:
             digests = Exchange(plan, rank=self.request.rank, group=group, read=read, sink=sink,
                                progress=self.progress, config=self.loader,
@@ -222,6 +231,7 @@ class _Fill:
             self.progress.stop()
             if sink is not None:
                 sink.close()
+        self.progress.phase = "checking"  # metrics: phase
         if pub.existing is not None:
             _conclude(group, digests, lambda: None)
             return

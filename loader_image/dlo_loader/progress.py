@@ -51,6 +51,10 @@ class Progress:
         self.bytes_from_store = 0
         self.bytes_from_peers = 0
         self.bytes_to_peers = 0
+        self.last_change = self.started
+        """When `bytes_written` last moved (the metrics' stall detection reads it)."""
+        self.phase = "listing"
+        """Where the fill is, for the metrics endpoint: one of `dlo_loader.metrics.PHASES`."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -62,6 +66,8 @@ class Progress:
             self.bytes_from_store += from_store
             self.bytes_from_peers += from_peers
             self.bytes_to_peers += to_peers
+            if written:
+                self.last_change = self.clock()
 
     def line(self) -> str:
         """The progress line for now."""

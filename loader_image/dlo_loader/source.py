@@ -28,6 +28,7 @@ import urllib3.exceptions
 from botocore.config import Config
 from botocore.response import StreamingBody
 
+from dlo_loader import metrics
 from dlo_loader.errors import SourceError, SourceUnavailable
 from dlo_contract.cache import ObjectIdentity
 
@@ -162,6 +163,7 @@ class ObjectStore:
                 reason = f"{type(exc).__name__}: {exc}"
             if attempt == self.attempts or self.stop.is_set():
                 break
+            metrics.record_retry(reason)  # metrics: retries by reason class
             delay = random.uniform(0, min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2 ** attempt))
             log.warning("%s: %s; retry %d/%d in %.2f s",
                         what, reason, attempt, self.attempts - 1, delay)

@@ -1,0 +1,153 @@
+"""The loader's Prometheus metrics: what `/metrics` serves while `dlo cache fill` runs.
+
+Owns the metric definitions (names, meanings, labels) and the endpoint. The byte counters and the
+phase are read from the fill's `Progress` at scrape time (one source of truth, nothing counted
+twice); retries are counted where the object store retries (`record_retry`), by a reason class
+of a handful of values. The operator reads `dlo_loader_bytes_done_bytes`, `..._total_bytes`,
+`..._throughput_bytes_per_second` and `dlo_loader_stalled` for the live progress in the DOD
+status (`dlo_operator.progress`). One fill per process, so the registry is the module's.
+Called by `fill` (attach), `source` (retries) and `cli` (serve). Must not decide anything.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from dlo_loader.progress import Progress
+
+PHASES = ("listing", "waiting", "transferring", "checking", "done", "failed")
+"""Where a fill is: listing the source, waiting for the lock or the group, moving bytes,
+checking headers and digests, finished, failed."""
+RETRY_REASONS = ("throttled", "server_error", "short_body", "connection", "other")
+STALL_AFTER_S = 30.0
+"""A transferring fill whose written bytes have not moved for this long counts as stalled."""
+THROUGHPUT_WINDOW_S = 10.0
+
+METRICS: dict[str, tuple[str, str]] = {
+    "dlo_loader_bytes_from_store_total": ("counter", "Bytes read from the object store."),
+    "dlo_loader_bytes_from_peers_total": ("counter", "Bytes received from peer loaders."),
+    "dlo_loader_bytes_to_peers_total": ("counter",
+        "Bytes sent to peer loaders (once per receiving peer)."),
+    "dlo_loader_store_retries_total": ("counter",
+           "Object-store requests retried; label `reason`: " + ", ".join(RETRY_REASONS) + "."),
+    "dlo_loader_stalls_total": ("counter",
+        f"Times the fill was seen stalled (no bytes written for {STALL_AFTER_S:.0f} s)."),
+    "dlo_loader_bytes_done_bytes": ("gauge", "Bytes of this node's entry written so far."),
+    "dlo_loader_bytes_total_bytes": ("gauge", "Bytes of the whole entry."),
+    "dlo_loader_throughput_bytes_per_second": ("gauge",
+        f"Bytes written per second over the last {THROUGHPUT_WINDOW_S:.0f} s."),
+    "dlo_loader_stalled": ("gauge", "1 while the fill is stalled, else 0."),
+    "dlo_loader_phase": (
+        "gauge", "1 for the phase the fill is in; label `phase`: " + ", ".join(PHASES) + "."),
+}
+"""Every metric this module serves: name -> (type, meaning). The README list is generated
+from it."""
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+RETRIES = Counter("dlo_loader_store_retries", METRICS["dlo_loader_store_retries_total"][1],
+                  ["reason"], registry=REGISTRY)
+
+
+def record_retry(reason: str) -> None:
+    """Count one retry; `reason` is free text, reduced to one of `RETRY_REASONS`."""
+    RETRIES.labels(reason=retry_reason(reason)).inc()
+
+
+def retry_reason(reason: str) -> str:
+    text = reason.lower()
+    if any(word in text for word in ("slowdown", "throttl", "429", "503", "toomanyrequests")):
+        return "throttled"
+    if "short body" in text:
+        return "short_body"
+    if any(word in text for word in ("500", "502", "504", "internalerror", "serviceunavailable")):
+        return "server_error"
+    if any(word in text for word in ("connect", "reset", "timeout", "timed out", "broken pipe")):
+        return "connection"
+    return "other"
+
+
+class FillCollector(Collector):
+    """Exposes the attached fill's `Progress`; a scrape before `attach` yields no fill metrics."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._progress: Progress | None = None
+        self._lock = threading.Lock()
+        self._samples: collections.deque[tuple[float, int]] = collections.deque()
+        self._stalls = 0
+        self._stalled = False
+
+    def attach(self, progress: Progress) -> None:
+        with self._lock:
+            self._progress = progress
+            self._samples.clear()
+            self._stalls, self._stalled = 0, False
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        progress = self._progress
+        if progress is None:
+            return
+        now = self.clock()
+        with self._lock:
+            done, phase = progress.bytes_written, progress.phase
+            rate = self._throughput(now, done, progress.started)
+            stalled = phase == "transferring" and now - progress.last_change >= STALL_AFTER_S
+            if stalled and not self._stalled:
+                self._stalls += 1
+            self._stalled = stalled
+        counters = {"dlo_loader_bytes_from_store": progress.bytes_from_store,
+                    "dlo_loader_bytes_from_peers": progress.bytes_from_peers,
+                    "dlo_loader_bytes_to_peers": progress.bytes_to_peers,
+                    "dlo_loader_stalls": self._stalls}
+        for name, value in counters.items():
+            yield CounterMetricFamily(name, METRICS[f"{name}_total"][1], value=value)
+        gauges = {"dlo_loader_bytes_done_bytes": done,
+                  "dlo_loader_bytes_total_bytes": progress.total_bytes,
+                  "dlo_loader_throughput_bytes_per_second": rate,
+                  "dlo_loader_stalled": int(stalled)}
+        for name, value in gauges.items():
+            yield GaugeMetricFamily(name, METRICS[name][1], value=value)
+        phases = GaugeMetricFamily("dlo_loader_phase", METRICS["dlo_loader_phase"][1],
+                                   labels=["phase"])
+        for name in PHASES:
+            phases.add_metric([name], 1 if name == phase else 0)
+        yield phases
+
+    def _throughput(self, now: float, done: int, started: float) -> float:
+        """Rate over the window from samples taken at scrapes; the average before two exist."""
+        self._samples.append((now, done))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= THROUGHPUT_WINDOW_S:
+            self._samples.popleft()
+        first_time, first_done = self._samples[0]
+        if now - first_time < 1.0:
+            first_time, first_done = started, 0
+        return max(done - first_done, 0) / max(now - first_time, 1e-9)
+
+
+FILL = FillCollector()
+REGISTRY.register(FILL)
+
+
+class Endpoint:
+    """`/metrics` on a port, served by a daemon thread until `close()`."""
+
+    def __init__(self, port: int, addr: str = "0.0.0.0") -> None:
+        self._server, self._thread = start_http_server(port, addr=addr, registry=REGISTRY)
+        self.port = self._server.server_port
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()

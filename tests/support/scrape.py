@@ -1,0 +1,27 @@
+"""Scrape a Prometheus endpoint over HTTP and parse it with `prometheus_client.parser`."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def scrape(port: int, host: str = "127.0.0.1") -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """`{(sample name, sorted labels): value}` of one scrape of `http://host:port/metrics`."""
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def value(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str,
+          **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
