@@ -34,3 +34,7 @@ MASTER_ADDR_ENV = "MASTER_ADDR"
 MASTER_PORT_ENV = "MASTER_PORT"
 DEFAULT_RENDEZVOUS_PORT = 29500
 """The loaders' torch.distributed rendezvous port (torch's customary default)."""
+
+# --- metrics (loader -> operator, Prometheus) -----------------------------------------------------
+LOADER_METRICS_PORT_NAME = "loader-metrics"
+"""Name of the loader container's `/metrics` port; the chart's PodMonitor selects it by name."""

@@ -23,6 +23,7 @@ from typing import Any
 
 import kopf
 
+from dlo_operator import metrics, progress
 from dlo_operator.errors import KubeError, KubeTransientError, SpecError
 from dlo_operator.kube import KubeClient
 from dlo_operator.manifests import build_children
@@ -80,7 +81,8 @@ def on_resume(**kwargs: Any) -> None:
 
 
 @kopf.on.delete(*DOD, registry=registry)
-def on_delete(body: kopf.Body, name: str, **_: Any) -> None:
+def on_delete(body: kopf.Body, name: str, namespace: str, **_: Any) -> None:
+    metrics.DEPLOYMENTS.set_phase(namespace, name, None)  # metrics: a deleted DOD has no phase
     kopf.info(body, reason="Deleted", message=(
         f"children of {name} are left to the garbage collector (owner references); "
         "node caches stay until the loader's eviction reclaims them"))
@@ -101,6 +103,7 @@ def on_pod_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo,
             invalid_message=_invalid_message(previous))
         if any(previous.get(key) != value for key, value in status.items()):
             memo.kube.patch_deployment_status(namespace, name, status)
+        metrics.record_status(namespace, name, status, previous)  # metrics: phase, fills
     except KubeError as exc:
         logger.error("cannot update the status of %s/%s: %s", namespace, name, exc)
     except KubeTransientError as exc:
@@ -121,16 +124,43 @@ def _reconcile(*, body: kopf.Body, spec: kopf.Spec, name: str, namespace: str, m
         status = status_from_pods(pods, replicas=_replicas(spec), previous=previous, now=_now(),
                                   invalid_message=str(exc))
         patch["status"] = {**status, "observedGeneration": meta.get("generation")}
+        metrics.RECONCILES.labels(outcome="invalid").inc()  # metrics: reconcile outcome
+        metrics.record_status(namespace, name, status, previous)
         return
     try:
         for child in build_children(Owner.from_body(body), deployment):
             memo.kube.apply(child)
     except KubeTransientError as exc:
+        metrics.RECONCILES.labels(outcome="retried").inc()  # metrics: reconcile outcome
         raise kopf.TemporaryError(str(exc), delay=exc.delay_s) from exc
     except KubeError as exc:
+        metrics.RECONCILES.labels(outcome="failed").inc()  # metrics: reconcile outcome
         raise kopf.PermanentError(str(exc)) from exc
     status = status_from_pods(pods, replicas=deployment.replicas, previous=previous, now=_now())
     patch["status"] = {**status, "observedGeneration": meta.get("generation")}
+    metrics.RECONCILES.labels(outcome="applied").inc()  # metrics: reconcile outcome
+    metrics.record_status(namespace, name, status, previous)
+
+
+@kopf.timer(*DOD, interval=progress.INTERVAL_S, registry=registry)
+def loader_progress(spec: kopf.Spec, name: str, namespace: str, status: kopf.Status,
+                    memo: kopf.Memo, workload_pods: kopf.Index, logger: logging.Logger,
+                    **_: Any) -> None:
+    """Live progress: while loaders run, read their metrics endpoints into `status.progress`;
+    remove it once none runs (the fill summaries in `status.nodes` hold the final figures)."""
+    try:
+        port = parse_spec(spec).settings.loader.metrics_port
+    except SpecError:
+        return
+    pods = progress.running_loaders(list(workload_pods.get((namespace, name), ())))
+    current = progress.progress_status(progress.read_all(pods, port) if port else [])
+    if current == status.get("progress"):
+        return
+    try:
+        memo.kube.patch_deployment_status(namespace, name, {"progress": current})
+    except (KubeError, KubeTransientError) as exc:
+        logger.warning("progress of %s/%s not written, the next tick retries: %s",
+                       namespace, name, exc)
 
 
 def _replicas(spec: Mapping[str, Any] | None) -> int:

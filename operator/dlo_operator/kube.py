@@ -19,6 +19,7 @@ import kubernetes.client
 import kubernetes.config
 from kubernetes.client.exceptions import ApiException
 
+from dlo_operator import metrics
 from dlo_operator.errors import KubeError, KubeTransientError
 from dlo_operator.naming import FIELD_MANAGER, GROUP, PLURAL, VERSION
 
@@ -89,6 +90,7 @@ class KubeClient:
 
 
 def _api_error(what: str, exc: ApiException) -> KubeError | KubeTransientError:
+    metrics.record_api_error(exc.status)  # metrics: API errors by kind
     reason = _status_message(exc)
     message = f"Kubernetes API answered {exc.status} for {what}: {reason}"
     if exc.status in _RETRY_STATUSES or exc.status is None:

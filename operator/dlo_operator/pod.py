@@ -15,6 +15,7 @@ from dlo_contract.names import (
     DEFAULT_CONFIG_PATH,
     DEFAULT_ENTRY_FILE,
     ENTRY_FILE_ENV,
+    LOADER_METRICS_PORT_NAME,
     MASTER_ADDR_ENV,
     MASTER_PORT_ENV,
     RANK_ENV,
@@ -112,7 +113,7 @@ def _loader_container(owner: Owner, spec: DeploymentSpec) -> dict[str, Any]:
         "command": ["dlo", "cache", "fill"],
         "args": ["--config", DEFAULT_CONFIG_PATH, "--entry-file", DEFAULT_ENTRY_FILE],
         "env": env,
-        "ports": [{"name": "rendezvous", "containerPort": spec.loader.port, "protocol": "TCP"}],
+        "ports": _loader_ports(spec),
         "resources": copy.deepcopy(dict(spec.loader.resources)),
         "securityContext": copy.deepcopy(LOADER_SECURITY_CONTEXT),
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -123,6 +124,15 @@ def _loader_container(owner: Owner, spec: DeploymentSpec) -> dict[str, Any]:
             {"name": "cache", "mountPath": spec.settings.cache.root},
         ],
     }
+
+
+def _loader_ports(spec: DeploymentSpec) -> list[dict[str, Any]]:
+    """The rendezvous, and `/metrics` (the operator's live progress, a PodMonitor) unless off."""
+    ports = [{"name": "rendezvous", "containerPort": spec.loader.port, "protocol": "TCP"}]
+    if spec.settings.loader.metrics_port:
+        ports.append({"name": LOADER_METRICS_PORT_NAME,
+                      "containerPort": spec.settings.loader.metrics_port, "protocol": "TCP"})
+    return ports
 
 
 def _credential_env(spec: DeploymentSpec) -> list[dict[str, Any]]:

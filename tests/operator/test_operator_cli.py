@@ -7,15 +7,31 @@ from typing import Any
 import kopf
 import pytest
 
-from dlo_operator import handlers
+from dlo_operator import handlers, metrics
 from dlo_cli import main as cli
 
 
 @pytest.fixture()
-def kopf_runs(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+def served(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    ports: list[int] = []
+    monkeypatch.setattr(metrics, "serve", lambda port: ports.append(port) or port)
+    return ports
+
+
+@pytest.fixture()
+def kopf_runs(monkeypatch: pytest.MonkeyPatch, served: list[int]) -> list[dict[str, Any]]:
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr(kopf, "run", lambda **kwargs: calls.append(kwargs))
     return calls
+
+
+def test_metrics_are_served_on_the_metrics_port(kopf_runs: list[dict[str, Any]],
+                                                served: list[int]) -> None:
+    assert cli.main(["operator", "run", "-A", "--metrics-port", "9191"]) == 0
+    assert cli.main(["operator", "run", "-A"]) == 0
+    assert cli.main(["operator", "run", "-A", "--metrics-port", "0"]) == 0
+    assert served == [9191, 9090]
+    assert cli.main(["operator", "run", "-A", "--metrics-port", "70000"]) == 1
 
 
 def test_namespaces_are_watched_one_by_one(kopf_runs: list[dict[str, Any]]) -> None:

@@ -1,0 +1,145 @@
+"""Live fill progress: the running loaders' metrics endpoints turned into `status.progress`.
+
+While a loader init container runs, the operator reads `http://<podIP>:<loader.metricsPort>/metrics`
+(no API token in workload pods; the loader serves its `Progress`, see `dlo_loader.metrics`) and
+writes per-node bytes done / total, throughput and ETA (or `stalled`) plus a one-line summary for
+the PROGRESS printer column. When no loader runs the field is removed: the termination message
+(the fill summary in `status.nodes`) holds the final figures. `read_loader` does the HTTP;
+`progress_status` is pure. Called by the handlers' timer; must not patch anything itself.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from dlo_operator import metrics
+from dlo_operator.naming import LOADER_CONTAINER
+
+log = logging.getLogger(__name__)
+
+READ_TIMEOUT_S = 2.0
+INTERVAL_S = 5.0
+"""How often the operator reads the running loaders (the PROGRESS column's refresh)."""
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoaderReading:
+    """One scrape of one loader's endpoint."""
+
+    bytes_done: int
+    bytes_total: int
+    bytes_per_second: float
+    stalled: bool
+    phase: str
+
+
+def running_loaders(pods: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Pods whose loader container is running and which have an IP to reach it on."""
+    running = []
+    for pod in pods:
+        status = pod.get("status") or {}
+        for container in status.get("initContainerStatuses") or ():
+            if (container.get("name") == LOADER_CONTAINER
+                    and "running" in (container.get("state") or {}) and status.get("podIP")):
+                running.append(pod)
+    return running
+
+
+def read_all(pods: Sequence[Mapping[str, Any]], port: int
+             ) -> list[tuple[Mapping[str, Any], LoaderReading]]:
+    """Read every pod's loader in parallel; the ones that do not answer are left out."""
+    if not pods:
+        return []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(pods), 16)) as pool:
+        readings = list(pool.map(lambda pod: read_loader(pod["status"]["podIP"], port), pods))
+    for reading in readings:
+        metrics.PROGRESS_READS.labels(outcome="ok" if reading else "unreachable").inc()
+    return [(pod, reading) for pod, reading in zip(pods, readings) if reading is not None]
+
+
+def read_loader(address: str, port: int, timeout_s: float = READ_TIMEOUT_S) -> LoaderReading | None:
+    """Scrape one loader; None when it does not answer (not serving yet, or just finished)."""
+    host = f"[{address}]" if ":" in address else address
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout_s) as reply:
+            text = reply.read(1 << 20).decode()
+    except (OSError, urllib.error.URLError) as exc:
+        log.debug("loader metrics at %s:%d not readable: %s", address, port, exc)
+        return None
+    values: dict[str, float] = {}
+    phase = ""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "dlo_loader_phase":
+                if sample.value == 1:
+                    phase = sample.labels.get("phase", "")
+            else:
+                values[sample.name] = sample.value
+    if "dlo_loader_bytes_total_bytes" not in values:
+        return None
+    return LoaderReading(
+        bytes_done=int(values.get("dlo_loader_bytes_done_bytes", 0)),
+        bytes_total=int(values["dlo_loader_bytes_total_bytes"]),
+        bytes_per_second=values.get("dlo_loader_throughput_bytes_per_second", 0.0),
+        stalled=values.get("dlo_loader_stalled", 0) == 1, phase=phase)
+
+
+def progress_status(readings: Sequence[tuple[Mapping[str, Any], LoaderReading]]
+                    ) -> dict[str, Any] | None:
+    """`status.progress` from (pod, reading) pairs; None (remove the field) when there are none."""
+    if not readings:
+        return None
+    nodes = []
+    for pod, reading in readings:
+        node: dict[str, Any] = {
+            "pod": (pod.get("metadata") or {}).get("name", ""),
+            "node": (pod.get("spec") or {}).get("nodeName", ""),
+            "bytesDone": reading.bytes_done, "bytesTotal": reading.bytes_total,
+            "bytesPerSecond": int(reading.bytes_per_second), "stalled": reading.stalled,
+            "phase": reading.phase,
+        }
+        eta = _eta(reading)
+        if eta is not None:
+            node["etaSeconds"] = eta
+        nodes.append(node)
+    nodes.sort(key=lambda n: n["pod"])
+    return {"summary": _summary([r for _, r in readings]), "nodes": nodes}
+
+
+def _eta(reading: LoaderReading) -> int | None:
+    if reading.stalled or reading.bytes_per_second <= 0:
+        return None
+    return round(max(reading.bytes_total - reading.bytes_done, 0) / reading.bytes_per_second)
+
+
+def _summary(readings: Sequence[LoaderReading]) -> str:
+    done = sum(r.bytes_done for r in readings)
+    total = sum(r.bytes_total for r in readings)
+    rate = sum(r.bytes_per_second for r in readings)
+    share = f"{100 * done / total:.0f}% " if total else ""
+    line = f"{share}{_human(done)}/{_human(total)}, {_human(rate)}/s"
+    stalled = sum(r.stalled for r in readings)
+    if stalled:
+        return f"{line}, stalled ({stalled} of {len(readings)} loaders)"
+    etas = [_eta(r) for r in readings]
+    if all(e is not None for e in etas):
+        return f"{line}, ETA {max(e for e in etas if e is not None)} s"
+    return line
+
+
+def _human(count: float) -> str:
+    value, unit = float(count), _UNITS[0]
+    for larger in _UNITS[1:]:
+        if abs(value) < 1024:
+            break
+        value, unit = value / 1024, larger
+    return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"

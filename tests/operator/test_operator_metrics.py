@@ -1,0 +1,126 @@
+"""Operator metrics and live progress against the Kubernetes API emulator: a real loader metrics
+endpoint on loopback stands in for a running init container (the emulated pod's `podIP`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from dlo_loader import metrics as loader_metrics
+from dlo_loader.progress import Progress
+from dlo_operator import metrics, progress
+from dlo_operator.kube import _api_error
+from kubernetes.client.exceptions import ApiException
+from support.operator_harness import (
+    DOD_PATH,
+    DOD_RESOURCE,
+    NAMESPACE,
+    PODS_PATH,
+    ClusterEmulator,
+    Operator,
+    eventually,
+    live,
+    request,
+    workload_pod,
+)
+from support.scrape import scrape, value
+
+GIB = 1 << 30
+
+
+@pytest.fixture
+def loader_endpoint() -> Iterator[tuple[int, Progress]]:
+    """A loader's real `/metrics` endpoint, 1 GiB of 4 GiB written."""
+    fill = Progress(total_bytes=4 * GIB, prefix="")
+    fill.add(written=GIB, from_store=GIB)
+    fill.phase = "transferring"
+    loader_metrics.FILL.attach(fill)
+    endpoint = loader_metrics.Endpoint(0, addr="127.0.0.1")
+    try:
+        yield endpoint.port, fill
+    finally:
+        endpoint.close()
+
+
+@pytest.fixture(scope="module")
+def operator_port() -> int:
+    return metrics.serve(0, addr="127.0.0.1")
+
+
+async def test_live_progress_from_the_loader_endpoint_and_operator_metrics(
+        cluster: ClusterEmulator, operator: Operator, loader_endpoint: tuple[int, Progress],
+        operator_port: int) -> None:
+    port, _fill = loader_endpoint
+    before = scrape(operator_port)
+    await request(cluster, "POST", DOD_PATH, {
+        "apiVersion": "dlo.dev/v1alpha1", "kind": "DiffusionOffloadDeployment",
+        "metadata": {"name": "flux", "namespace": NAMESPACE},
+        "spec": {"replicas": 1, "model": {"source": "s3://models/flux/"},
+                 "inference": {"image": "server:1"}, "loader": {"metricsPort": port}}})
+    await request(cluster, "POST", PODS_PATH, workload_pod("flux", 0, "gpu-0"))
+    await request(cluster, "PATCH", f"{PODS_PATH}/flux-0/status", {"status": {
+        "podIP": "127.0.0.1", "initContainerStatuses": [
+            {"name": "loader", "restartCount": 0, "state": {"running": {}}}]}})
+
+    def progress_shown() -> dict:
+        """the loader's progress appears in the DOD status"""
+        return live(cluster, DOD_RESOURCE, "flux")["status"]["progress"]
+
+    shown = await eventually(progress_shown)
+    node = shown["nodes"][0]
+    assert (node["pod"], node["node"], node["bytesDone"], node["bytesTotal"], node["phase"],
+            node["stalled"]) == ("flux-0", "gpu-0", GIB, 4 * GIB, "transferring", False)
+    assert node["bytesPerSecond"] > 0 and node["etaSeconds"] >= 0
+    assert shown["summary"].startswith("25% 1.0 GiB/4.0 GiB, ")
+    assert "ETA" in shown["summary"]
+
+    def reconciled() -> bool:
+        """the create reconcile is counted"""
+        return value(scrape(operator_port), "dlo_operator_reconciles_total",
+                     outcome="applied") > value(before, "dlo_operator_reconciles_total",
+                                                outcome="applied")
+
+    await eventually(reconciled)
+    during = scrape(operator_port)
+    assert value(during, "dlo_operator_deployments", phase="Loading") == 1
+    assert value(during, "dlo_operator_progress_reads_total", outcome="ok") >= 1
+
+    # The fill ends: the progress goes, the termination message holds the final figures.
+    summary = {"status": "ok", "entry_id": "e" * 64, "mode": "independent", "rank": 0,
+               "world_size": 1, "bytes_from_store": 4 * GIB, "bytes_from_peers": 0,
+               "bytes_to_peers": 0, "seconds": 9.5, "cached": False}
+    await request(cluster, "PATCH", f"{PODS_PATH}/flux-0/status", {"status": {
+        "initContainerStatuses": [{"name": "loader", "restartCount": 0, "state": {
+            "terminated": {"exitCode": 0, "message": json.dumps(summary)}}}]}})
+
+    def progress_gone() -> bool:
+        """the progress is removed once no loader runs"""
+        status = live(cluster, DOD_RESOURCE, "flux")["status"]
+        return "progress" not in status and status["nodes"][0]["loader"] == "Cached"
+
+    await eventually(progress_gone)
+    after = scrape(operator_port)
+    assert value(after, "dlo_operator_fills_total", outcome="ok") == value(
+        before, "dlo_operator_fills_total", outcome="ok") + 1
+    assert live(cluster, DOD_RESOURCE, "flux")["status"]["nodes"][0]["bytesFromStore"] == 4 * GIB
+
+
+def test_api_errors_are_counted_by_kind(operator_port: int) -> None:
+    before = scrape(operator_port)
+    _api_error("statefulsets inference/flux", ApiException(status=409, reason="Conflict"))
+    _api_error("statefulsets inference/flux", ApiException(status=403, reason="Forbidden"))
+    after = scrape(operator_port)
+    for kind in ("conflict", "forbidden"):
+        assert value(after, "dlo_operator_api_errors_total", kind=kind) == value(
+            before, "dlo_operator_api_errors_total", kind=kind, default=0) + 1
+
+
+def test_stalled_loader_shows_stalled_and_no_eta() -> None:
+    reading = progress.LoaderReading(bytes_done=10, bytes_total=100, bytes_per_second=0.0,
+                                     stalled=True, phase="transferring")
+    status = progress.progress_status([({"metadata": {"name": "p-0"}}, reading)])
+    assert status is not None
+    assert "etaSeconds" not in status["nodes"][0]
+    assert status["summary"] == "10% 10 B/100 B, 0 B/s, stalled (1 of 1 loaders)"
+    assert progress.progress_status([]) is None
