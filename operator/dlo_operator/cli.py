@@ -13,7 +13,7 @@ import argparse
 from dlo_operator.errors import OperatorError
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
-DEFAULT_METRICS_PORT = 9090
+DEFAULT_METRICS_PORT = 8081
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

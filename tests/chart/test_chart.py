@@ -27,6 +27,10 @@ NON_DEFAULT = {
     "debug": True,
     "livenessPort": 9090,
     "podAnnotations": {"scrape": "false"},
+    "metrics": {"port": 9191, "serviceMonitor": {"enabled": True, "interval": "15s",
+                                                  "labels": {"release": "prom"}},
+                "podMonitor": {"enabled": True, "interval": "10s", "labels": {}},
+                "dashboard": {"enabled": True, "labels": {"grafana_dashboard": "1"}}},
     "nodeSelector": {"pool": "system"},
     "tolerations": [{"key": "system", "operator": "Exists", "effect": "NoSchedule"}],
     "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
@@ -63,7 +67,8 @@ def test_rendered_manifests_and_crd_are_valid_for_every_version(
         values: dict[str, Any] | None) -> None:
     with helm.Chart.load(CHART) as chart:
         crds = [yaml.safe_load(c["data"]) for c in chart.crds]
-    docs = render(values) + crds
+    docs = [d for d in render(values) if not d["apiVersion"].startswith("monitoring.coreos.com/")]
+    docs += crds
     for version in KUBERNETES_VERSIONS:
         for doc in docs:
             assert kubernetes_validate.validate(doc, version, strict=True) == version, doc["kind"]
@@ -71,13 +76,14 @@ def test_rendered_manifests_and_crd_are_valid_for_every_version(
 
 def test_defaults_watch_every_namespace_with_a_cluster_role() -> None:
     kinds = by_kind(render())
-    assert sorted(kinds) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"]
+    assert sorted(kinds) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
+                             "ServiceAccount"]
     deployment = kinds["Deployment"][0]
     assert (deployment["spec"]["replicas"], deployment["spec"]["strategy"]) == (
         1, {"type": "Recreate"})
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["args"] == ["operator", "run", "--all-namespaces",
-                                 "--liveness=http://0.0.0.0:8080/healthz"]
+                                 "--liveness=http://0.0.0.0:8080/healthz", "--metrics-port=8081"]
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}
     assert container["resources"]["requests"] == {"cpu": "100m", "memory": "128Mi"}
     assert container["image"] == "dlo-operator:0.1.0"
@@ -95,7 +101,7 @@ def test_watching_namespaces_uses_namespaced_roles_only() -> None:
         ("inference", "dlo"), ("batch", "dlo")]
     args = kinds["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args == ["--debug", "operator", "run", "--namespace=inference", "--namespace=batch",
-                    "--liveness=http://0.0.0.0:9090/healthz"]
+                    "--liveness=http://0.0.0.0:9090/healthz", "--metrics-port=9191"]
 
 
 def test_operator_command_line_in_the_deployment_is_accepted_by_dlo() -> None:

@@ -30,7 +30,7 @@ def test_metrics_are_served_on_the_metrics_port(kopf_runs: list[dict[str, Any]],
     assert cli.main(["operator", "run", "-A", "--metrics-port", "9191"]) == 0
     assert cli.main(["operator", "run", "-A"]) == 0
     assert cli.main(["operator", "run", "-A", "--metrics-port", "0"]) == 0
-    assert served == [9191, 9090]
+    assert served == [9191, 8081]
     assert cli.main(["operator", "run", "-A", "--metrics-port", "70000"]) == 1
 
 
