@@ -32,14 +32,16 @@ test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # The CRD (and the chart's copy) and the README reference, from contract/dlo_contract's settings
-# declarations, and the golden `dlo render` files of the examples (checked by the test suite).
+# declarations, the README's metric list from the planes' metric definitions, and the golden `dlo render` files of the examples (checked by the test suite).
 # check-generated renders into a temporary directory and fails with the diff.
 generate: $(STAMP)
 	$(VENV)/bin/python -m dlo_contract.generate
+	$(VENV)/bin/python -m dlo_cli.metrics_reference
 	cd tests && ../$(VENV)/bin/python -m support.golden
 
 check-generated: $(STAMP)
 	$(VENV)/bin/python -m dlo_contract.generate --check
+	$(VENV)/bin/python -m dlo_cli.metrics_reference --check
 
 bench-runtime: $(STAMP)
 	set -o pipefail; $(VENV)/bin/dlo bench runtime --json $(LAST_LINE_TO) bench/results/runtime.json

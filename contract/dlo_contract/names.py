@@ -36,5 +36,8 @@ DEFAULT_RENDEZVOUS_PORT = 29500
 """The loaders' torch.distributed rendezvous port (torch's customary default)."""
 
 # --- metrics (loader -> operator, Prometheus) -----------------------------------------------------
+OPERATOR_METRICS_PORT = 8081
+"""Default port of the operator's `/metrics` (`dlo operator run --metrics-port`, the chart's
+`metrics.port`)."""
 LOADER_METRICS_PORT_NAME = "loader-metrics"
 """Name of the loader container's `/metrics` port; the chart's PodMonitor selects it by name."""

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 
+from dlo_contract.names import OPERATOR_METRICS_PORT
 from dlo_operator.errors import OperatorError
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
-DEFAULT_METRICS_PORT = 8081
+DEFAULT_METRICS_PORT = OPERATOR_METRICS_PORT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ import json
 import re
 from typing import Any
 
-from dlo_contract.names import LOADER_METRICS_PORT_NAME
+from dlo_contract.names import LOADER_METRICS_PORT_NAME, OPERATOR_METRICS_PORT
 from dlo_loader import metrics as loader_metrics
 from dlo_operator import metrics as operator_metrics
 from dlo_operator.naming import LABEL_DEPLOYMENT
@@ -28,10 +28,11 @@ def test_service_monitor_only_when_enabled_and_it_selects_the_metrics_service() 
     assert selector.items() <= service["metadata"]["labels"].items()
     assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics",
                                              "interval": "30s"}]
-    assert service["spec"]["ports"] == [{"name": "metrics", "port": 8081,
+    assert service["spec"]["ports"] == [{"name": "metrics", "port": OPERATOR_METRICS_PORT,
                                          "targetPort": "metrics", "protocol": "TCP"}]
     container = kinds["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]
-    assert {"name": "metrics", "containerPort": 8081, "protocol": "TCP"} in container["ports"]
+    assert {"name": "metrics", "containerPort": OPERATOR_METRICS_PORT,
+            "protocol": "TCP"} in container["ports"]
     pod_labels = kinds["Deployment"][0]["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= pod_labels.items()
 
