@@ -44,7 +44,8 @@ def _check_invariants(root: CacheRoot, entry: str) -> bool:
     directory = root.entry_dir(entry)
     if not directory.exists():
         return False
-    manifest = read_manifest(root.manifest_path(entry))  # raises when absent or partial
+    assert root.manifest_path(entry).is_file(), f"entry {entry} has no manifest"
+    manifest = read_manifest(root.manifest_path(entry))  # raises when partial
     assert [record.name for record in manifest.files] == ["a.bin", "b.bin"]
     assert verify_entry(root, entry, full=True) == []
     return True
