@@ -85,3 +85,25 @@ def scrape_names() -> set[tuple[str, str]]:
 ])
 def test_retry_reasons_are_a_few_classes(reason: str, kind: str) -> None:
     assert metrics.retry_reason(reason) == kind
+
+
+def test_a_transfer_without_written_bytes_for_the_stall_interval_is_stalled_once() -> None:
+    now = [100.0]
+    clock = lambda: now[0]  # noqa: E731
+    progress = Progress(total_bytes=100, prefix="", clock=clock)
+    progress.phase = "transferring"
+    collector = metrics.FillCollector(clock=clock)
+    collector.attach(progress)
+
+    def sample(name: str) -> float:
+        return next(s.value for m in collector.collect() for s in m.samples if s.name == name)
+
+    progress.add(written=10)
+    assert sample("dlo_loader_stalled") == 0
+    now[0] += metrics.STALL_AFTER_S
+    assert (sample("dlo_loader_stalled"), sample("dlo_loader_stalls_total")) == (1, 1)
+    now[0] += 5
+    assert (sample("dlo_loader_stalled"), sample("dlo_loader_stalls_total")) == (1, 1)
+    progress.add(written=10)
+    assert (sample("dlo_loader_stalled"), sample("dlo_loader_stalls_total")) == (0, 1)
+    assert sample("dlo_loader_throughput_bytes_per_second") > 0
