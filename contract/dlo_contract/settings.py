@@ -117,6 +117,9 @@ class LoaderConfig:
     """torch.distributed backend for the peer exchange."""
     max_retries: int = 8
     """Attempts per ranged GET on throttling, 5xx, resets and short bodies."""
+    stall_timeout_s: float = 30.0
+    """Seconds without a byte after which a ranged GET is abandoned and asked again at once on a
+    new connection."""
     timeout_s: float = 3600.0
     """Whole-fill deadline; any rank past it fails every rank."""
 

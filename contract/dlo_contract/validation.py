@@ -135,6 +135,7 @@ _POSITIVE_INTS = (
 )
 _POSITIVE_FLOATS = (
     "offload.runtime_cache_lock_timeout_s", "loader.rendezvous_timeout_s", "loader.timeout_s",
+    "loader.stall_timeout_s",
 )
 _NON_NEGATIVE = (
     "offload.resident_layers", "offload.runtime_cache_pin_limit_gib",

@@ -36,6 +36,7 @@ _OVERRIDES = {
     "region": "loader.region", "path_style": "loader.path_style", "mode": "loader.mode",
     "readers": "loader.readers", "chunk_bytes": "loader.chunk_bytes",
     "rendezvous_timeout": "loader.rendezvous_timeout_s",
+    "stall_timeout": "loader.stall_timeout_s",
     "on_rendezvous_timeout": "loader.on_rendezvous_timeout", "cache_root": "cache.root",
 }
 
@@ -51,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--path-style", action="store_true", default=None, help="path-style S3 addressing")
     add("--mode", choices=("multi-reader", "single-reader", "independent"))
     add("--readers", type=int, help="concurrent ranged GETs per loader")
+    add("--stall-timeout", type=float, metavar="SECONDS",
+        help="seconds without a byte before a ranged GET is asked again on a new connection")
     add("--chunk-bytes", type=int, help="bytes per chunk (planning, reads, hashing, exchange)")
     add("--cache-root", help="node cache root (the hostPath)")
     add("--rank", type=int, help="this loader's rank (default: $RANK, else 0)")

@@ -5,14 +5,22 @@ Owns the pipeline and its bounds. `fetch.Fetcher` reads this rank's chunks (many
 once, in the shape `schedule.fetch_shape` gives) and hashes each; a few writer threads write every
 chunk at its offset (hashing the ones received from peers). Alone, chunks are written in the
 order they complete. With a group, the main thread walks the plan's rounds: a status exchange
-(who failed, who is ready), then one broadcast per chunk of the round. Called by `fill`. Must not
+(who failed, who is ready), then the round's chunks go round the ring (see [Note: ring]). Called by `fill`. Must not
 decide policy (modes, fallback, publication) or touch the object store directly (it gets a
 `read` callable).
 
-[Note: memory bound] `memory_limit_bytes // chunk_bytes` buffers exist at most: with a group, one
-or two receive buffers (double buffering: the next chunk arrives while the last one is written)
-and the rest for fetched chunks, which a reader takes a buffer for before it opens a chunk and
-the writer returns once the chunk is on disk (and broadcast). Readers open chunks in plan order,
+[Note: ring] Round `k` holds the `k`-th chunk of each rank that has one. In N - 1 steps, every
+rank sends the chunk it got last (its own, in the first step) to rank + 1 while receiving the
+next one from rank - 1; a step whose chunk does not exist (its owner has fewer chunks) moves
+nothing, on both sides alike. Every link carries a chunk in every step, so each rank sends and
+receives about (N - 1)/N of the model in all, at the peer link's rate, whatever N is; the
+broadcast from one root it replaces cost N - 1 transfers per chunk on the root's link. A chunk is
+written once it has been forwarded (the writer reuses its buffer).
+
+[Note: memory bound] `memory_limit_bytes // chunk_bytes` buffers exist at most: with a group, a
+few receive buffers (one arriving, one being forwarded, the rest being written) and the rest for
+fetched chunks, which a reader takes a buffer for before it opens a chunk and
+the writer returns once the chunk is on disk (and forwarded). Readers open chunks in plan order,
 so the chunk the main thread waits for always holds a buffer or is done: no deadlock.
 
 [Note: failing together] Every failure (a read that gave up, a write error, the deadline) is
@@ -22,7 +30,6 @@ dies instead closes its sockets, which fails the others' next collective at once
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 import queue
@@ -31,6 +38,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from dlo_loader.digest import chunk_digest
 from dlo_loader.errors import GroupError, LoaderError
 from dlo_loader.fetch import POLL_S, BufferPool, Fetcher, Reader
 from dlo_loader.plan import Chunk, Plan
@@ -44,7 +52,9 @@ if TYPE_CHECKING:  # transport imports torch: only fills with a group load it
 
 __all__ = ["Exchange", "Reader"]
 _WRITER_THREADS = max(2, min(4, os.cpu_count() or 1))
-"""Hashing (hashlib releases the GIL) and positioned writes of several chunks at once."""
+"""Hashing (the digest releases the GIL) and positioned writes of several chunks at once."""
+_RECEIVE_BUFFERS = 4
+"""With a group: one chunk arriving, one being forwarded, two being written."""
 
 _WriteTask = tuple[Chunk, mmap.mmap, Callable[[mmap.mmap], None], str | None]
 
@@ -76,9 +86,15 @@ class _Writer:
             try:
                 view = memoryview(data)[:chunk.length]
                 if self.error is None:
-                    self.digests[chunk.index] = digest or hashlib.sha256(view).hexdigest()
+                    if digest is None:
+                        began = time.monotonic()
+                        digest = chunk_digest(view)
+                        self._progress.timed("digest", time.monotonic() - began)
+                    self.digests[chunk.index] = digest
                     if self._sink is not None:
+                        began = time.monotonic()
                         self._sink.write(chunk, view)
+                        self._progress.timed("write", time.monotonic() - began)
                     self._progress.add(written=chunk.length)
             except BaseException as exc:  # reported by the main thread at the next round
                 self.error = self.error or exc
@@ -88,7 +104,7 @@ class _Writer:
 
 
 class Exchange:
-    """One fill's data path. `run()` returns the SHA-256 of every chunk, by chunk index."""
+    """One fill's data path. `run()` returns the digest of every chunk, by chunk index."""
 
     def __init__(self, plan: Plan, *, rank: int, group: Group | None, read: Reader,
                  sink: FileSink | None, progress: Progress, config: LoaderConfig,
@@ -97,13 +113,14 @@ class Exchange:
         self.rank = rank if group is not None else 0
         self.deadline, self.stop, self.timeout_s = deadline, stop, config.timeout_s
         buffers = max(config.memory_limit_bytes // plan.chunk_bytes, 2)
-        receive = min(2, buffers - 1) if group is not None else 0
+        receive = min(_RECEIVE_BUFFERS, buffers - 1) if group is not None else 0
         self._receive = BufferPool(receive, plan.chunk_bytes)
         self._writer = _Writer(plan, sink, progress)
         shape = fetch_shape(chunk_bytes=plan.chunk_bytes, readers=config.readers,
                             buffers=buffers - receive, ordered=group is not None)
         self._fetcher = Fetcher(plan.owned(self.rank), read, shape=shape, stop=stop,
-                                pool=BufferPool(buffers - receive, plan.chunk_bytes))
+                                pool=BufferPool(buffers - receive, plan.chunk_bytes),
+                                timed=progress.timed)
 
     def run(self) -> list[str]:
         try:
@@ -131,22 +148,41 @@ class Exchange:
         self._raise_problem()
 
     def _run_group(self) -> None:
-        peers = self.plan.world_size - 1
         for number, round_chunks in enumerate(self.plan.rounds):
-            self._await_round(number, any(c.owner == self.rank for c in round_chunks))
-            for chunk in round_chunks:
-                if chunk.owner == self.rank:
-                    _, data, digest = self._fetcher.take(number)
-                    self.group.broadcast(memoryview(data)[:chunk.length], src=self.rank)
-                    self.progress.add(to_peers=chunk.length * peers)
-                    self._writer.submit(chunk, data, self._fetcher.give_back, digest)
-                else:
-                    data = self._receive_buffer()
-                    self.group.broadcast(memoryview(data)[:chunk.length], src=chunk.owner)
-                    self.progress.add(from_peers=chunk.length)
-                    self._writer.submit(chunk, data, self._receive.give_back)
+            by_owner = {chunk.owner: chunk for chunk in round_chunks}
+            self._await_round(number, self.rank in by_owner)
+            began = time.monotonic()
+            self._ring(number, by_owner)
+            self.progress.timed("exchange", time.monotonic() - began)
         self._writer.drain()
         self._await_round(None, False)  # the last writes' outcome, agreed by every rank
+
+    def _ring(self, number: int, by_owner: dict[int, Chunk]) -> None:
+        """One round round the ring (see [Note: ring])."""
+        assert self.group is not None
+        world, rank = self.plan.world_size, self.rank
+        held: dict[int, tuple[mmap.mmap, Callable[[mmap.mmap], None], str | None]] = {}
+        if rank in by_owner:
+            _, data, digest = self._fetcher.take(number)
+            held[rank] = (data, self._fetcher.give_back, digest)
+        for step in range(world - 1):
+            sending, receiving = (rank - step) % world, (rank - step - 1) % world
+            out = by_owner.get(sending)
+            into = by_owner.get(receiving)
+            buffer = self._receive_buffer() if into is not None else None
+            self.group.ring_step(
+                memoryview(held[sending][0])[:out.length] if out is not None else None,
+                memoryview(buffer)[:into.length] if buffer is not None else None,
+            )
+            if out is not None:
+                self.progress.add(to_peers=out.length)
+                self._writer.submit(out, *held.pop(sending))
+            if into is not None:
+                assert buffer is not None
+                self.progress.add(from_peers=into.length)
+                held[receiving] = (buffer, self._receive.give_back, None)
+        for origin, (data, give_back, digest) in held.items():  # the last hop: not forwarded
+            self._writer.submit(by_owner[origin], data, give_back, digest)
 
     def _await_round(self, number: int | None, has_chunk: bool) -> None:
         """Status exchanges until every rank is ready for round `number` (this rank: its

@@ -3,9 +3,9 @@
 Owns every call to torch.distributed. `rendezvous` joins the N loaders at the master's TCP store
 with a deadline (the store barrier waits for all N, so a late loader is found out before any
 collective starts); past it, `RendezvousTimeout`, and the caller applies its fallback policy.
-`Group` offers the three collectives the exchange needs: a per-round status exchange (who failed,
-who is ready), a broadcast of one chunk, and an all-gather of small objects (plan fingerprints,
-chunk digest lists). Collectives use a short timeout; a peer that dies closes its sockets, which
+`Group` offers what the exchange needs: a per-round status exchange (who failed, who is ready),
+one step of a ring (send a chunk to the next rank while receiving one from the previous), and an
+all-gather of small objects (plan fingerprints, chunk digest lists). Collectives use a short timeout; a peer that dies closes its sockets, which
 fails the others' next collective at once. Backend `gloo` works on CPU buffers; `nccl` stages
 each chunk through the current CUDA device. Called by `fill` and `exchange`. Must not read the
 object store or write the cache.
@@ -62,21 +62,28 @@ class Group:
         all_ready = sum(values[self.world_size:]) == self.world_size
         return RoundStatus(failed=failed_ranks, all_ready=all_ready)
 
-    def broadcast(self, buffer: memoryview, src: int) -> None:
-        """Send `buffer` (writable bytes) from `src` to every rank; receivers' buffers are
-        filled in place."""
-        what = f"a chunk broadcast from rank {src}"
-        tensor = torch.frombuffer(buffer, dtype=torch.uint8)
-        if self.device.type == "cpu":
-            self._call(what, dist.broadcast, tensor, src=src)
-            return
-        if self.rank == src:
-            staged = tensor.to(self.device)
-        else:
-            staged = torch.empty_like(tensor, device=self.device)
-        self._call(what, dist.broadcast, staged, src=src)
-        if self.rank != src:
-            tensor.copy_(staged)
+    def ring_step(self, send: memoryview | None, receive: memoryview | None) -> None:
+        """Send `send` to rank `rank + 1` while receiving `receive` (filled in place) from rank
+        `rank - 1` (mod the world size); None: nothing that way this step. Every link of the
+        ring carries a chunk at once."""
+        world = self.world_size
+        after, before = (self.rank + 1) % world, (self.rank - 1) % world
+        what = f"a ring step (to rank {after}, from rank {before})"
+        works = []
+        if receive is not None:
+            incoming = torch.frombuffer(receive, dtype=torch.uint8)
+            staged_in = incoming if self.device.type == "cpu" else torch.empty_like(
+                incoming, device=self.device)
+            works.append(self._call(what, dist.irecv, staged_in, src=before))
+        if send is not None:
+            outgoing = torch.frombuffer(send, dtype=torch.uint8)
+            if self.device.type != "cpu":
+                outgoing = outgoing.to(self.device)
+            works.append(self._call(what, dist.isend, outgoing, dst=after))
+        for work in works:
+            self._call(what, work.wait)
+        if receive is not None and self.device.type != "cpu":
+            incoming.copy_(staged_in)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
@@ -88,9 +95,9 @@ class Group:
             dist.destroy_process_group()
         self._store = None
 
-    def _call(self, what: str, function: Any, *args: Any, **kwargs: Any) -> None:
+    def _call(self, what: str, function: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            function(*args, **kwargs)
+            return function(*args, **kwargs)
         except (RuntimeError, dist.DistError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise GroupError(

@@ -52,6 +52,7 @@ SETTINGS_FIELDS: tuple[tuple[str, str], ...] = (
     ("loader.memoryLimitBytes", "loader.memory_limit_bytes"),
     ("loader.backend", "loader.backend"),
     ("loader.maxRetries", "loader.max_retries"),
+    ("loader.stallTimeoutSeconds", "loader.stall_timeout_s"),
     ("loader.timeoutSeconds", "loader.timeout_s"),
 )
 """CR spec path -> settings path. The CRD's defaults for these fields are the settings defaults."""
