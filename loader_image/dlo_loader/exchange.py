@@ -9,17 +9,18 @@ order they complete. With a group, the main thread walks the plan's rounds: a st
 decide policy (modes, fallback, publication) or touch the object store directly (it gets a
 `read` callable).
 
-[Note: ring] Round `k` holds the `k`-th chunk of each rank that has one. In N - 1 steps, every
-rank sends the chunk it got last (its own, in the first step) to rank + 1 while receiving the
-next one from rank - 1; a step whose chunk does not exist (its owner has fewer chunks) moves
-nothing, on both sides alike. Every link carries a chunk in every step, so each rank sends and
-receives about (N - 1)/N of the model in all, at the peer link's rate, whatever N is; the
-broadcast from one root it replaces cost N - 1 transfers per chunk on the root's link. A chunk is
-written once it has been forwarded (the writer reuses its buffer).
+[Note: ring] Round `k` holds the `k`-th chunk of each rank that has one, and is one all-gather:
+gloo runs it as a ring (in N - 1 steps every rank passes the chunk it got last to rank + 1 while
+receiving the next from rank - 1), so every link carries a chunk in every step, and each rank
+sends and receives about (N - 1)/N of the model in all, at the peer link's rate, whatever N is;
+the broadcast from one root it replaces cost N - 1 transfers per chunk on the root's link. Every
+rank contributes the round's longest chunk length (a rank without a chunk, or with a shorter
+last chunk, sends padding, dropped on receipt): only the last round of a file is short. One call
+per round keeps the per-step work in gloo's threads, not the interpreter's.
 
-[Note: memory bound] `memory_limit_bytes // chunk_bytes` buffers exist at most: with a group, a
-few receive buffers (one arriving, one being forwarded, the rest being written) and the rest for
-fetched chunks, which a reader takes a buffer for before it opens a chunk and
+[Note: memory bound] `memory_limit_bytes // chunk_bytes` buffers exist at most: with a group,
+`2 (N - 1)` receive buffers (one round arriving while the last one is written) and the rest for
+fetched chunks (gloo also stages one round, N chunks, while it runs), which a reader takes a buffer for before it opens a chunk and
 the writer returns once the chunk is on disk (and forwarded). Readers open chunks in plan order,
 so the chunk the main thread waits for always holds a buffer or is done: no deadlock.
 
@@ -53,8 +54,6 @@ if TYPE_CHECKING:  # transport imports torch: only fills with a group load it
 __all__ = ["Exchange", "Reader"]
 _WRITER_THREADS = max(2, min(4, os.cpu_count() or 1))
 """Hashing (the digest releases the GIL) and positioned writes of several chunks at once."""
-_RECEIVE_BUFFERS = 4
-"""With a group: one chunk arriving, one being forwarded, two being written."""
 
 _WriteTask = tuple[Chunk, mmap.mmap, Callable[[mmap.mmap], None], str | None]
 
@@ -113,7 +112,12 @@ class Exchange:
         self.rank = rank if group is not None else 0
         self.deadline, self.stop, self.timeout_s = deadline, stop, config.timeout_s
         buffers = max(config.memory_limit_bytes // plan.chunk_bytes, 2)
-        receive = min(_RECEIVE_BUFFERS, buffers - 1) if group is not None else 0
+        receive = 2 * (plan.world_size - 1) if group is not None else 0
+        if group is not None and buffers - receive < 1:
+            raise LoaderError(
+                f"loader.memory_limit_bytes={config.memory_limit_bytes} holds {buffers} chunks "
+                f"of {plan.chunk_bytes} bytes; {plan.world_size} loaders need at least "
+                f"{receive + 1}", hint="raise loader.memory_limit_bytes or lower chunk_bytes")
         self._receive = BufferPool(receive, plan.chunk_bytes)
         self._writer = _Writer(plan, sink, progress)
         shape = fetch_shape(chunk_bytes=plan.chunk_bytes, readers=config.readers,
@@ -158,31 +162,28 @@ class Exchange:
         self._await_round(None, False)  # the last writes' outcome, agreed by every rank
 
     def _ring(self, number: int, by_owner: dict[int, Chunk]) -> None:
-        """One round round the ring (see [Note: ring])."""
+        """One round: every rank's chunk to every rank at once (see [Note: ring])."""
         assert self.group is not None
-        world, rank = self.plan.world_size, self.rank
-        held: dict[int, tuple[mmap.mmap, Callable[[mmap.mmap], None], str | None]] = {}
-        if rank in by_owner:
-            _, data, digest = self._fetcher.take(number)
-            held[rank] = (data, self._fetcher.give_back, digest)
-        for step in range(world - 1):
-            sending, receiving = (rank - step) % world, (rank - step - 1) % world
-            out = by_owner.get(sending)
-            into = by_owner.get(receiving)
-            buffer = self._receive_buffer() if into is not None else None
-            self.group.ring_step(
-                memoryview(held[sending][0])[:out.length] if out is not None else None,
-                memoryview(buffer)[:into.length] if buffer is not None else None,
-            )
-            if out is not None:
-                self.progress.add(to_peers=out.length)
-                self._writer.submit(out, *held.pop(sending))
-            if into is not None:
-                assert buffer is not None
-                self.progress.add(from_peers=into.length)
-                held[receiving] = (buffer, self._receive.give_back, None)
-        for origin, (data, give_back, digest) in held.items():  # the last hop: not forwarded
-            self._writer.submit(by_owner[origin], data, give_back, digest)
+        span = max(chunk.length for chunk in by_owner.values())
+        slots: list[tuple[mmap.mmap, Callable[[mmap.mmap], None], str | None]] = []
+        for origin in range(self.plan.world_size):
+            if origin == self.rank and origin in by_owner:
+                _, data, digest = self._fetcher.take(number)
+                slots.append((data, self._fetcher.give_back, digest))
+            else:
+                slots.append((self._receive_buffer(), self._receive.give_back, None))
+        views = [memoryview(buffer)[:span] for buffer, _, _ in slots]
+        self.group.all_gather(views[self.rank], views)
+        for origin, (buffer, give_back, digest) in enumerate(slots):
+            chunk = by_owner.get(origin)
+            if chunk is None:
+                give_back(buffer)  # no chunk from that rank this round: padding only
+                continue
+            if origin == self.rank:
+                self.progress.add(to_peers=chunk.length * (self.plan.world_size - 1))
+            else:
+                self.progress.add(from_peers=chunk.length)
+            self._writer.submit(chunk, buffer, give_back, digest)
 
     def _await_round(self, number: int | None, has_chunk: bool) -> None:
         """Status exchanges until every rank is ready for round `number` (this rank: its

@@ -4,8 +4,8 @@ Owns every call to torch.distributed. `rendezvous` joins the N loaders at the ma
 with a deadline (the store barrier waits for all N, so a late loader is found out before any
 collective starts); past it, `RendezvousTimeout`, and the caller applies its fallback policy.
 `Group` offers what the exchange needs: a per-round status exchange (who failed, who is ready),
-one step of a ring (send a chunk to the next rank while receiving one from the previous), and an
-all-gather of small objects (plan fingerprints, chunk digest lists). Collectives use a short timeout; a peer that dies closes its sockets, which
+an all-gather of one chunk per rank (gloo's ring), and an all-gather of small objects (plan
+fingerprints, chunk digest lists). Collectives use a short timeout; a peer that dies closes its sockets, which
 fails the others' next collective at once. Backend `gloo` works on CPU buffers; `nccl` stages
 each chunk through the current CUDA device. Called by `fill` and `exchange`. Must not read the
 object store or write the cache.
@@ -62,28 +62,19 @@ class Group:
         all_ready = sum(values[self.world_size:]) == self.world_size
         return RoundStatus(failed=failed_ranks, all_ready=all_ready)
 
-    def ring_step(self, send: memoryview | None, receive: memoryview | None) -> None:
-        """Send `send` to rank `rank + 1` while receiving `receive` (filled in place) from rank
-        `rank - 1` (mod the world size); None: nothing that way this step. Every link of the
-        ring carries a chunk at once."""
-        world = self.world_size
-        after, before = (self.rank + 1) % world, (self.rank - 1) % world
-        what = f"a ring step (to rank {after}, from rank {before})"
-        works = []
-        if receive is not None:
-            incoming = torch.frombuffer(receive, dtype=torch.uint8)
-            staged_in = incoming if self.device.type == "cpu" else torch.empty_like(
-                incoming, device=self.device)
-            works.append(self._call(what, dist.irecv, staged_in, src=before))
-        if send is not None:
-            outgoing = torch.frombuffer(send, dtype=torch.uint8)
-            if self.device.type != "cpu":
-                outgoing = outgoing.to(self.device)
-            works.append(self._call(what, dist.isend, outgoing, dst=after))
-        for work in works:
-            self._call(what, work.wait)
-        if receive is not None and self.device.type != "cpu":
-            incoming.copy_(staged_in)
+    def all_gather(self, send: memoryview, receive: list[memoryview]) -> None:
+        """Every rank's `send` (all the same length) into `receive[rank]` on every rank; gloo
+        runs it as a ring, every link busy in every step."""
+        what = "a chunk all-gather"
+        outgoing = torch.frombuffer(send, dtype=torch.uint8)
+        incoming = [torch.frombuffer(view, dtype=torch.uint8) for view in receive]
+        if self.device.type == "cpu":
+            self._call(what, dist.all_gather, incoming, outgoing)
+            return
+        staged = [torch.empty_like(t, device=self.device) for t in incoming]
+        self._call(what, dist.all_gather, staged, outgoing.to(self.device))
+        for target, source in zip(incoming, staged):
+            target.copy_(source)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
