@@ -66,12 +66,15 @@ def combined(lengths: Sequence[int], digests: Sequence[str]) -> str:
 
 def check_store(files: Sequence[tuple[str, Sequence[int], Sequence[str]]],
                 published: Mapping[str, StoreChecksum], source: str) -> StoreCheck:
-    """Compare every file's combined chunk CRC with the store's published checksum; a mismatch
-    is a `SourceError` naming the object (nothing is published)."""
+    """Compare the combined chunk CRC of every file in `published` (the store was asked for
+    those) with the store's checksum; a mismatch is a `SourceError` naming the object (nothing
+    is published)."""
     checked = unavailable = 0
     for key, lengths, digests in files:
         store = published.get(key)
-        if store is None or store.algorithm not in STORE_ALGORITHMS or store.value is None:
+        if store is None:
+            continue
+        if store.algorithm not in STORE_ALGORITHMS or store.value is None:
             unavailable += 1
             continue
         ours = combined(lengths, digests)

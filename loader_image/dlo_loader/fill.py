@@ -48,6 +48,8 @@ if TYPE_CHECKING:  # transport imports torch: loaded only when a group is needed
 log = logging.getLogger(__name__)
 
 PRODUCER = "dlo-loader"
+WAIT_LINE_INTERVAL_S = 5.0
+"""How often a loader waiting for another loader's publication of the same entry says so."""
 _COLLECTIVE_TIMEOUT_S = 60.0
 """Longest wait inside one collective; ranks poll in status rounds, so only a hung peer hits it."""
 
@@ -152,7 +154,7 @@ class _Fill:
         with contextlib.ExitStack() as held:
             # Taking the lock waits while another loader on this node publishes the entry.
             with repeating(self.request.emit or log.info, lambda waited: self._publication_line(
-                    eid, waited), at_once=False):
+                    eid, waited), interval_s=WAIT_LINE_INTERVAL_S, at_once=False):
                 pub = held.enter_context(publication)
             group, mode = self._join_group()
             if group is None and pub.existing is not None:

@@ -23,7 +23,6 @@ import http.client
 import logging
 import random
 import base64
-import socket
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -190,7 +189,7 @@ class ObjectStore:
         try:
             _check_response(response, obj, start, length, f"{self.uri}{obj.key}")
             got, extra = _read_body(body, into)
-        except (urllib3.exceptions.ReadTimeoutError, socket.timeout) as exc:
+        except (urllib3.exceptions.ReadTimeoutError, bexc.ReadTimeoutError, TimeoutError) as exc:
             raise _Stalled(f"no bytes for {self.stall_timeout_s:g} s") from exc
         finally:
             body.close()  # returns nothing to the pool unless the body was read to its end
