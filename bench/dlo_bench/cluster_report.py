@@ -26,7 +26,7 @@ from typing import Any
 
 MODES = ("multi-reader", "single-reader", "independent")
 GOAL_NODES = 8
-GOAL_TO_BOUND = 1.3
+GOAL_TO_BOUND = 1.2
 """At GOAL_NODES, multi-reader fill time at most this multiple of the bound."""
 GOAL_TO_INDEPENDENT = 0.4
 """At GOAL_NODES, multi-reader fill time below this fraction of independent fill time."""

@@ -189,7 +189,7 @@ def test_the_store_checksum_is_checked_and_said_in_the_summary(
     settings = settings_for("s3://models/crc/", s3.endpoint_url, tmp_path / "cache",
                             include=("*.json",), chunk_bytes=64 * 1024)
     result = fill(FillRequest(settings=settings))
-    assert result.summary()["store_checksums"] == "all"  # the small one is a single chunk
+    assert result.summary().store_checksums == "all"  # the small one is a single chunk
     assert verify_entry(tmp_path / "cache", result.entry_id, full=True) == []
     with open_entry(tmp_path / "cache", result.entry_id) as handle:
         assert {f.algorithm for f in handle.manifest.files} == {"crc64nvme"}
@@ -198,4 +198,4 @@ def test_the_store_checksum_is_checked_and_said_in_the_summary(
     other = fill(FillRequest(settings=settings_for(
         "s3://models/crc/", s3.endpoint_url, tmp_path / "cache2", include=("*.json",),
         chunk_bytes=64 * 1024)))
-    assert other.summary()["store_checksums"] == "none"
+    assert other.summary().store_checksums == "none"
