@@ -120,7 +120,7 @@ def test_without_namespaces_it_says_why_and_exits_zero(
 def test_unknown_mode_is_refused() -> None:
     with pytest.raises(cluster.ClusterBenchError) as info:
         cluster.run(_args(modes="multi-reader,broadcast"))
-    assert str(info.value) == "--nodes '2,3,4' / --modes 'multi-reader,broadcast' invalid"
+    assert str(info.value) == "--nodes '2,3,4,5,6,7,8' / --modes 'multi-reader,broadcast' invalid"
     with pytest.raises(cluster.ClusterBenchError) as info:
         cluster.run(_args(nodes="2,four"))
     assert str(info.value).startswith("--nodes '2,four' / --modes")
