@@ -49,7 +49,7 @@ def test_every_declared_override_is_a_flag_with_the_fields_type_and_choices() ->
                         "--readers": "loader.readers", "--chunk-bytes": "loader.chunk_bytes",
                         "--rendezvous-timeout": "loader.rendezvous_timeout_s",
                         "--on-rendezvous-timeout": "loader.on_rendezvous_timeout",
-                        "--cache-root": "cache.root"}
+                        "--stall-timeout": "loader.stall_timeout_s", "--cache-root": "cache.root"}
     assert actions["mode"].choices == ("multi-reader", "single-reader", "independent")
     assert actions["on_rendezvous_timeout"].choices == ("independent", "fail")
     assert (actions["readers"].type, actions["rendezvous_timeout"].type) == (int, float)

@@ -86,11 +86,11 @@ def test_an_object_replaced_under_a_store_ignoring_if_match_is_never_mixed_in(
     s3: S3Server, tmp_path: Path
 ) -> None:
     files = {"m/a.json": b"x" * 5000}
-    source = upload_files(s3, "replaced", files, tmp_path / "src")
+    source = upload_files(s3, "replaced-unguarded", files, tmp_path / "src")
     with FaultProxy(s3.endpoint_url, FaultPlan(ignore_if_match=True)) as proxy:
         store = store_for(source, proxy.url)
         [listed] = store.list(["*.json"])
-        _client(s3).put_object(Bucket=BUCKET, Key="replaced/m/a.json", Body=b"y" * 5000)
+        _client(s3).put_object(Bucket=BUCKET, Key="replaced-unguarded/m/a.json", Body=b"y" * 5000)
         with pytest.raises(SourceChanged) as caught:
             store.read(listed, 0, memoryview(bytearray(1000)))
         store.close()
