@@ -3,7 +3,6 @@ link all of a rank's GETs share the first chunk arrives early whatever `readers`
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from fractions import Fraction
 
