@@ -27,9 +27,7 @@ if TYPE_CHECKING:
 PHASES = ("listing", "waiting", "transferring", "checking", "done", "failed")
 """Where a fill is: listing the source, waiting for the lock or the group, moving bytes,
 checking headers and digests, finished, failed."""
-RETRY_REASONS = ("throttled", "server_error", "short_body", "connection", "other")
-STALL_AFTER_S = 30.0
-"""A transferring fill whose written bytes have not moved for this long counts as stalled."""
+RETRY_REASONS = ("throttled", "server_error", "short_body", "stalled", "connection", "other")
 THROUGHPUT_WINDOW_S = 10.0
 
 METRICS: dict[str, tuple[str, str]] = {
@@ -40,12 +38,12 @@ METRICS: dict[str, tuple[str, str]] = {
     "dlo_loader_store_retries_total": ("counter",
            "Object-store requests retried; label `reason`: " + ", ".join(RETRY_REASONS) + "."),
     "dlo_loader_stalls_total": ("counter",
-        f"Times the fill was seen stalled (no bytes written for {STALL_AFTER_S:.0f} s)."),
+        "Times a read of the fill stalled (no bytes for loader.stallTimeoutSeconds)."),
     "dlo_loader_bytes_done_bytes": ("gauge", "Bytes of this node's entry written so far."),
     "dlo_loader_bytes_total_bytes": ("gauge", "Bytes of the whole entry."),
     "dlo_loader_throughput_bytes_per_second": ("gauge",
         f"Bytes written per second over the last {THROUGHPUT_WINDOW_S:.0f} s."),
-    "dlo_loader_stalled": ("gauge", "1 while the fill is stalled, else 0."),
+    "dlo_loader_stalled": ("gauge", "1 while a read is stalled (until bytes arrive), else 0."),
     "dlo_loader_phase": (
         "gauge", "1 for the phase the fill is in; label `phase`: " + ", ".join(PHASES) + "."),
 }
@@ -68,6 +66,8 @@ def retry_reason(reason: str) -> str:
         return "throttled"
     if "short body" in text:
         return "short_body"
+    if text.startswith("stalled"):
+        return "stalled"
     if any(word in text for word in ("500", "502", "504", "internalerror", "serviceunavailable")):
         return "server_error"
     if any(word in text for word in ("connect", "reset", "timeout", "timed out", "broken pipe")):
@@ -83,14 +83,11 @@ class FillCollector(Collector):
         self._progress: Progress | None = None
         self._lock = threading.Lock()
         self._samples: collections.deque[tuple[float, int]] = collections.deque()
-        self._stalls = 0
-        self._stalled = False
 
     def attach(self, progress: Progress) -> None:
         with self._lock:
             self._progress = progress
             self._samples.clear()
-            self._stalls, self._stalled = 0, False
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -103,14 +100,11 @@ class FillCollector(Collector):
         with self._lock:
             done, phase = progress.bytes_written, progress.phase
             rate = self._throughput(now, done, progress.started)
-            stalled = phase == "transferring" and now - progress.last_change >= STALL_AFTER_S
-            if stalled and not self._stalled:
-                self._stalls += 1
-            self._stalled = stalled
+            stalled = progress.stalled is not None
         counters = {"dlo_loader_bytes_from_store": progress.bytes_from_store,
                     "dlo_loader_bytes_from_peers": progress.bytes_from_peers,
                     "dlo_loader_bytes_to_peers": progress.bytes_to_peers,
-                    "dlo_loader_stalls": self._stalls}
+                    "dlo_loader_stalls": progress.stalls}
         for name, value in counters.items():
             yield CounterMetricFamily(name, METRICS[f"{name}_total"][1], value=value)
         gauges = {"dlo_loader_bytes_done_bytes": done,

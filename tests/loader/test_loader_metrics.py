@@ -87,7 +87,7 @@ def test_retry_reasons_are_a_few_classes(reason: str, kind: str) -> None:
     assert metrics.retry_reason(reason) == kind
 
 
-def test_a_transfer_without_written_bytes_for_the_stall_interval_is_stalled_once() -> None:
+def test_a_stalled_read_is_shown_until_bytes_arrive_and_counted_once() -> None:
     now = [100.0]
     clock = lambda: now[0]  # noqa: E731
     progress = Progress(total_bytes=100, prefix="", clock=clock)
@@ -98,12 +98,12 @@ def test_a_transfer_without_written_bytes_for_the_stall_interval_is_stalled_once
     def sample(name: str) -> float:
         return next(s.value for m in collector.collect() for s in m.samples if s.name == name)
 
-    progress.add(written=10)
+    progress.add(written=10, from_store=10)
     assert sample("dlo_loader_stalled") == 0
-    now[0] += metrics.STALL_AFTER_S
+    progress.stall("GET model.safetensors bytes 0-9")
+    progress.stall("GET model.safetensors bytes 0-9")
     assert (sample("dlo_loader_stalled"), sample("dlo_loader_stalls_total")) == (1, 1)
     now[0] += 5
-    assert (sample("dlo_loader_stalled"), sample("dlo_loader_stalls_total")) == (1, 1)
-    progress.add(written=10)
+    progress.add(written=10, from_store=10)
     assert (sample("dlo_loader_stalled"), sample("dlo_loader_stalls_total")) == (0, 1)
     assert sample("dlo_loader_throughput_bytes_per_second") > 0

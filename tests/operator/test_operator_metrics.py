@@ -58,6 +58,14 @@ async def test_live_progress_from_the_loader_endpoint_and_operator_metrics(
         "metadata": {"name": "flux", "namespace": NAMESPACE},
         "spec": {"replicas": 1, "model": {"source": "s3://models/flux/"},
                  "inference": {"image": "server:1"}, "loader": {"metricsPort": port}}})
+
+    def reconciled() -> bool:
+        """the create reconcile is counted"""
+        return value(scrape(operator_port), "dlo_operator_reconciles_total",
+                     outcome="applied") > value(before, "dlo_operator_reconciles_total",
+                                                outcome="applied")
+
+    await eventually(reconciled)  # pods come after the create handler, as in a cluster
     await request(cluster, "POST", PODS_PATH, workload_pod("flux", 0, "gpu-0"))
     await request(cluster, "PATCH", f"{PODS_PATH}/flux-0/status", {"status": {
         "podIP": "127.0.0.1", "initContainerStatuses": [
@@ -75,13 +83,6 @@ async def test_live_progress_from_the_loader_endpoint_and_operator_metrics(
     assert shown["summary"].startswith("25% 1.0 GiB/4.0 GiB, ")
     assert "ETA" in shown["summary"]
 
-    def reconciled() -> bool:
-        """the create reconcile is counted"""
-        return value(scrape(operator_port), "dlo_operator_reconciles_total",
-                     outcome="applied") > value(before, "dlo_operator_reconciles_total",
-                                                outcome="applied")
-
-    await eventually(reconciled)
     during = scrape(operator_port)
     assert value(during, "dlo_operator_deployments", phase="Loading") == 1
     assert value(during, "dlo_operator_progress_reads_total", outcome="ok") >= 1
