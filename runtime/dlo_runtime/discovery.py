@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from dlo_runtime.compiled import uncompiled
 from dlo_runtime.offload_plan import OffloadPlan, OffloadPlanError, plan_for
 
 
@@ -59,12 +60,13 @@ class ModuleDiscovery:
 
     @staticmethod
     def find_dit(target: object) -> nn.Module:
-        """The pipeline's `transformer`, or `target` itself when it is a module."""
+        """The pipeline's `transformer`, or `target` itself when it is a module (the module
+        inside when `torch.compile` wrapped it)."""
         transformer = getattr(target, "transformer", None)
         if isinstance(transformer, nn.Module):
-            return transformer
+            return uncompiled(transformer)
         if isinstance(target, nn.Module):
-            return target
+            return uncompiled(target)
         raise OffloadPlanError(
             f"cannot find a DiT in {type(target).__name__}: expected an nn.Module or a pipeline "
             "with a `transformer` module"
