@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from dlo_runtime import checkpoint_plan
+from dlo_runtime.compiled import uncompiled
 from dlo_contract.cache import open_entry
 from dlo_contract.errors import PermanentError
 from dlo_runtime.host_registration import register_plan
@@ -176,10 +177,11 @@ def enable(target: Any, *, device: str | torch.device | None = None,
 
 
 def _dits(target: Any) -> list[tuple[str, nn.Module]]:
+    """Each DiT of `target`, the module inside where `torch.compile(dit)` wrapped it."""
     if isinstance(target, nn.Module) and not any(
             isinstance(getattr(target, a, None), nn.Module) for a in DIT_ATTRIBUTES):
-        return [("transformer", target)]
-    found = [(a, getattr(target, a)) for a in DIT_ATTRIBUTES
+        return [("transformer", uncompiled(target))]
+    found = [(a, uncompiled(getattr(target, a))) for a in DIT_ATTRIBUTES
              if isinstance(getattr(target, a, None), nn.Module)]
     if not found:
         raise PodError(f"{type(target).__name__} has no DiT: expected an nn.Module or a pipeline "
