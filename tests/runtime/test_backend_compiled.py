@@ -13,8 +13,10 @@ import torch
 from support.compiled_helpers import COMPILES, CompiledOutcome, build, compiled_case, output
 from support.runtime_helpers import offload_settings
 
+from dlo_runtime import pod
 from dlo_runtime.backend import DistributedLayerwiseOffloadBackend
 from dlo_runtime.compiled import HOOK_REASON
+from dlo_runtime.discovery import ModuleDiscovery
 
 RANK_LOCAL = offload_settings(use_allgather=False)
 
@@ -68,3 +70,16 @@ def test_fullgraph_over_the_hooks_is_refused_with_the_way_out() -> None:
             output(model, inputs)
     torch._dynamo.reset()
     assert HOOK_REASON in str(caught.value)
+
+
+def test_a_dit_wrapped_by_torch_compile_is_offloaded_inside_the_wrapper() -> None:
+    """`torch.compile(dit)` compiles lazily, so unwrapping costs nothing here."""
+    model, _ = build("two-stack")
+
+    class Pipeline:
+        transformer = torch.compile(model)
+
+    assert ModuleDiscovery(torch.compile(model)).dit is model
+    assert ModuleDiscovery(Pipeline()).dit is model
+    assert pod._dits(Pipeline()) == [("transformer", model)]
+    assert pod._dits(torch.compile(model)) == [("transformer", model)]
