@@ -13,10 +13,9 @@ import torch
 from support.compiled_helpers import COMPILES, CompiledOutcome, build, compiled_case, output
 from support.runtime_helpers import offload_settings
 
-from dlo_runtime import pod
 from dlo_runtime.backend import DistributedLayerwiseOffloadBackend
 from dlo_runtime.compiled import HOOK_REASON
-from dlo_runtime.discovery import ModuleDiscovery
+from dlo_runtime.discovery import ModuleDiscovery, find_dits
 
 RANK_LOCAL = offload_settings(use_allgather=False)
 
@@ -81,5 +80,5 @@ def test_a_dit_wrapped_by_torch_compile_is_offloaded_inside_the_wrapper() -> Non
 
     assert ModuleDiscovery(torch.compile(model)).dit is model
     assert ModuleDiscovery(Pipeline()).dit is model
-    assert pod._dits(Pipeline()) == [("transformer", model)]
-    assert pod._dits(torch.compile(model)) == [("transformer", model)]
+    assert find_dits(Pipeline()) == [("transformer", model)]
+    assert find_dits(torch.compile(model)) == [("transformer", model)]
