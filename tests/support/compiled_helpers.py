@@ -16,19 +16,25 @@ from torch._dynamo.utils import counters
 from dlo_bench.models import example_inputs, tiny_model
 from dlo_contract.settings import Settings
 from dlo_runtime.backend import DistributedLayerwiseOffloadBackend
+from dlo_runtime.discovery import ModuleDiscovery
 
 Compile = Callable[[nn.Module], Callable[..., Any]]
 
 
 def regional(model: nn.Module) -> nn.Module:
-    """diffusers' regional compilation, or each streamed block's own `compile()` for a DiT
-    without `_repeated_blocks` (the two-stack DiT)."""
+    """diffusers' regional compilation, or each block's own `compile()` for a DiT without
+    `_repeated_blocks` (SD3 in this diffusers release, the two-stack DiT)."""
     if getattr(model, "_repeated_blocks", None):
         model.compile_repeated_blocks()
     else:
-        for block in [*model.stem, *model.head]:
+        for block in _blocks(model):
             block.compile()
     return model
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """Every block of the model's offload plan, in execution order."""
+    return [block.module for block in ModuleDiscovery(model).discover().streamed]
 
 
 def whole(model: nn.Module) -> nn.Module:
@@ -43,10 +49,7 @@ def wrapped(model: nn.Module) -> nn.Module:
 def forwards(model: nn.Module) -> nn.Module:
     """Each streamed block's `forward` compiled with `fullgraph=True`: the DLO hooks stay outside
     the compiled regions and every block is one graph."""
-    blocks = [*model.stem, *model.head] if isinstance(model, DeclaredDiT) else [
-        *model.transformer_blocks, *getattr(model, "single_transformer_blocks", [])
-    ]
-    for block in blocks:
+    for block in _blocks(model):
         block.forward = torch.compile(block.forward, fullgraph=True)
     return model
 
