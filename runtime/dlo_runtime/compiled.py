@@ -6,24 +6,21 @@ that `torch.compile(module)` wrapped. Called by `dlo_runtime.hooks`, `dlo_runtim
 
 [Note: compiled graphs] A streamed block's weights change storage on every call: its pre-hook
 points them into a device slot, its post-hook back at an empty placeholder. Dynamo cannot trace
-that (a `.data` assignment to a parameter inside a graph is baked into the graph with the shapes
-seen at trace time), so every DLO hook is `torch.compiler.disable`d: where a compiled region
-calls one (`module.compile()`, `torch.compile(module)` and diffusers' `compile_repeated_blocks`
-all compile `nn.Module._call_impl`, hooks included), dynamo breaks the graph there, runs the hook
-eagerly and resumes tracing after it, so the block's compiled graph sees the slot views, and the
-acquire / prefetch / release bookkeeping, its stream waits and event records run eagerly in
-program order exactly as without compilation. No recompilation follows per step: the graphs
-take parameters as inputs (PyTorch's default `inline_inbuilt_nn_modules`), and a block's views
-have the same shapes, strides and dtypes in either slot. Guards on the parameters' shapes also
-make a graph traced before `enable` (full-size resident weights) fail once the weights are
-placeholders, so compiling, running and then enabling recompiles once instead of running stale
-code.
-
-The one combination that cannot work is `fullgraph=True` on a region that contains a streamed
-block's hooks (the whole model, or `compile_repeated_blocks(fullgraph=True)`), since a graph
-break is refused there; dynamo's error then carries `HOOK_REASON`. Compiling the blocks'
-`forward` instead (`block.forward = torch.compile(block.forward, fullgraph=True)`) keeps the
-hooks outside the region and every block one graph.
+that (a `.data` assignment traced into a graph keeps the shapes seen at trace time), so every
+DLO hook is `torch.compiler.disable`d and always runs eagerly, in program order, with its
+stream waits and event records exactly as without compilation:
+- Regional (`compile_repeated_blocks()`, a block's `compile()`, or its `forward` compiled):
+  dynamo does not trace the frame of `nn.Module._call_impl`, where the hooks are called; it
+  starts at the block's `forward`. The hooks run around the block's compiled frame, which sees
+  the slot views and stays one graph (`fullgraph=True` works).
+- Whole model (`module.compile()`, `torch.compile(module)`): the DiT's forward inlines each block
+  call with its hooks, and dynamo breaks the graph at each hook, runs it eagerly and resumes
+  after it. `fullgraph=True` refuses such a break; dynamo's error then carries `HOOK_REASON`.
+No recompilation follows per step: the graphs take parameters as inputs (PyTorch's default
+`inline_inbuilt_nn_modules`), and a block's views have the same shapes, strides and dtypes in
+either slot. A graph traced before `enable` reads the weights only after the pre-hook has
+pointed them into a slot, with the shapes it was traced with, so compiling and running before
+enabling is safe too (a whole-model graph recompiles once: its guards see the placeholders).
 """
 
 from __future__ import annotations
@@ -37,11 +34,10 @@ from torch import nn
 F = TypeVar("F", bound=Callable[..., object])
 
 HOOK_REASON = (
-    "dlo: a streamed block's weights are repointed into a device slot by eager forward hooks "
-    "that compiled graphs call out to; fullgraph=True cannot compile a region that contains "
-    "those hooks. Compile without fullgraph=True, or compile each streamed block's forward "
-    "(block.forward = torch.compile(block.forward, fullgraph=True)) so that the hooks stay "
-    "outside the compiled region"
+    "dlo: a streamed block's weights are repointed into a device slot by eager forward hooks, "
+    "at which a whole-model graph must break; fullgraph=True refuses that. Compile the blocks "
+    "instead (transformer.compile_repeated_blocks(fullgraph=True), or each streamed block's "
+    "compile(fullgraph=True)), or compile the whole model without fullgraph=True"
 )
 """Shown by dynamo where a graph cannot break at a DLO hook; see [Note: compiled graphs]."""
 

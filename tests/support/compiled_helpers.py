@@ -54,8 +54,16 @@ def forwards(model: nn.Module) -> nn.Module:
     return model
 
 
+def regional_fullgraph(model: nn.Module) -> nn.Module:
+    """Each streamed block's `compile(fullgraph=True)`: the hooks run outside its frame."""
+    for block in _blocks(model):
+        block.compile(fullgraph=True)
+    return model
+
+
 COMPILES: dict[str, Compile] = {
     "regional": regional, "whole": whole, "wrapped": wrapped, "forwards": forwards,
+    "regional-fullgraph": regional_fullgraph,
 }
 
 
