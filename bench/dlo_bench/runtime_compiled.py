@@ -18,10 +18,17 @@ from typing import Any
 
 
 def _compile(model: Any, mode: str) -> None:
-    if mode == "regional":
+    """Regional: `compile_repeated_blocks()`, or each block's `compile()` for a class without
+    `_repeated_blocks` (SD3 in this diffusers release); whole: `module.compile()`."""
+    from dlo_runtime.discovery import ModuleDiscovery
+
+    if mode == "whole":
+        model.compile()
+    elif getattr(model, "_repeated_blocks", None):
         model.compile_repeated_blocks()
     else:
-        model.compile()
+        for block in ModuleDiscovery(model).discover().streamed:
+            block.module.compile()
 
 
 def cpu_compiled(
