@@ -44,6 +44,7 @@ check-generated: $(STAMP)
 bench-runtime: $(STAMP)
 	set -o pipefail; $(VENV)/bin/dlo bench runtime --json $(LAST_LINE_TO) bench/results/runtime.json
 	set -o pipefail; $(VENV)/bin/dlo bench runtime --host-memory --json $(LAST_LINE_TO) bench/results/host_memory.json
+	set -o pipefail; $(VENV)/bin/dlo bench runtime --compiled --layers 4 --head-dim 32 --json $(LAST_LINE_TO) bench/results/runtime_compiled.json
 
 bench-loader: $(STAMP) $(MINISTACK_VENV)/.installed
 	set -o pipefail; $(VENV)/bin/dlo bench loader --json --ministack $(MINISTACK_VENV)/bin/ministack $(LAST_LINE_TO) bench/results/loader.json

@@ -5,7 +5,8 @@ block (slot bookkeeping and repointing, apart from the block copies, which on a 
 copy stream) against the resident forward. On CUDA it also times one step resident, with DLO,
 and with diffusers' own block-level group offloading (one block per group, with streams) on the
 same model and inputs. Every variant's output is compared with the resident one before any
-figure is reported. With `--host-memory ARGS...` it runs `dlo_bench.host_memory` instead.
+figure is reported. With `--compiled` it adds the same comparisons under `torch.compile`
+(`dlo_bench.runtime_compiled`). With `--host-memory ARGS...` it runs `dlo_bench.host_memory` instead.
 Must not be imported by the runtime.
 """
 
@@ -37,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="head width of the CUDA step-time comparison")
     parser.add_argument("--cuda-side", type=int, default=64,
                         help="latent side of the CUDA step-time comparison")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also time every variant under torch.compile (minutes on a CPU)")
+    parser.add_argument("--compile-mode", choices=("regional", "whole"), default="regional",
+                        help="compile_repeated_blocks() or module.compile()")
     parser.add_argument("--json", action="store_true",
                         help="end the output with one JSON line holding every figure")
     parser.add_argument("--host-memory", nargs=argparse.REMAINDER, default=None,
@@ -59,8 +64,14 @@ def run(args: argparse.Namespace) -> int:
         "parameters": {k: v for k, v in vars(args).items() if k not in ("json", "host_memory")},
     }
     figures = _cpu_hooks(args)
+    if args.compiled:
+        from dlo_bench import runtime_compiled
+
+        figures |= runtime_compiled.cpu_compiled(args, _timed_steps, _settings())
     if torch.cuda.is_available():
         figures |= _cuda_steps(args)
+        if args.compiled:
+            figures |= runtime_compiled.cuda_compiled(args, _timed_steps, _settings())
     report["figures"] = figures
     failed = [name for name, value in figures.items() if name.endswith("_equal") and not value]
     for name, value in figures.items():

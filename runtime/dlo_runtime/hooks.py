@@ -4,7 +4,8 @@ Owns `DistributedLayerwiseOffloadHook` (one per streamed block, installed as for
 post-hooks) and `BlockScheduler`, which they share. Before block i runs, its slot is made ready
 and its tensors repointed into it, and the transfer of block i+1 (block 0 after the last) is
 issued into the other slot, so that it overlaps block i's compute. After block i runs, its
-tensors are replaced by placeholders. Called by the model's own forward through the hooks; it
+tensors are replaced by placeholders. Both hooks run eagerly inside compiled regions too (see
+[Note: compiled graphs] in `dlo_runtime.compiled`). Called by the model's own forward through the hooks; it
 must not allocate device memory, read settings or log above DEBUG.
 
 [Note: collective order] In AllGather mode every load is a collective. Loads are issued only
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from dlo_runtime.compiled import outside_compiled_graphs
 from dlo_runtime.slots import DeviceSlot, DeviceSlots, SlotState
 from dlo_runtime.streams import StreamSet
 
@@ -127,10 +129,12 @@ class DistributedLayerwiseOffloadHook:
             handle.remove()
         self.handles = []
 
+    @outside_compiled_graphs
     def pre_forward(self, module: nn.Module, args: Any) -> None:
         slot = self.scheduler.acquire(self.position)
         following = (self.position + 1) % self.scheduler.count
         self.scheduler.prefetch(following, after=slot)
 
+    @outside_compiled_graphs
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         self.scheduler.release(self.position)
