@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 DEFAULT_ENTRY_FILE = "/run/dlo/entry.json"
 DEFAULT_SUMMARY_FILE = "/dev/termination-log"
 DEFAULT_MASTER_PORT = 29500
+EXIT_AT_ONCE = True
+"""`dlo cache fill` ends its process right after the summary (see `dlo_cli.main`)."""
 _QUIET_LOGGERS = ("botocore", "boto3", "urllib3", "s3transfer")
 # flag destination -> settings field it overrides
 _OVERRIDES = {
