@@ -1,5 +1,5 @@
-"""A lean loader start: the fill path imports neither boto3's transfer manager nor torch before
-its first GET, and `dlo cache fill` as a command ends at once after its summary, with everything
+"""A lean loader start: the fill path imports neither boto3's transfer manager nor torch, and
+imports the transfer's own modules (on a thread, `cli.preload_transfer_modules`) while it lists, and `dlo cache fill` as a command ends at once after its summary, with everything
 it wrote flushed (the summary line and the termination-message file)."""
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ from support.loader_fleet import LOADER_SETTINGS, Checkpoint
 
 def test_the_fill_path_imports_only_what_one_node_needs() -> None:
     probe = ("import sys, dlo_cli.main, dlo_loader.cli, dlo_loader.fill, dlo_loader.source; "
-             "print(sorted(m for m in ('boto3', 's3transfer', 'torch', 'numpy') "
-             "if m in sys.modules))")
+             "print(sorted(m for m in ('boto3', 's3transfer', 'torch', 'numpy', "
+             "*dlo_loader.fill.TRANSFER_MODULES) if m in sys.modules)); "
+             "dlo_loader.cli.preload_transfer_modules().join(); "
+             "print(all(m in sys.modules for m in dlo_loader.fill.TRANSFER_MODULES))")
     found = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                            check=True, timeout=120)
-    assert found.stdout.strip() == "[]"
+    assert found.stdout.split() == ["[]", "True"]
 
 
 def fill_command(*argv: str) -> subprocess.CompletedProcess[str]:
