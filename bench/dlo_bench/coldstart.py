@@ -33,6 +33,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from dlo_contract.names import CONFIG_ENV, ENTRY_FILE_ENV
 from dlo_contract.settings import CacheConfig, OffloadConfig, Settings
 from dlo_contract.validation import validate
 
@@ -105,8 +106,8 @@ class _Bench:
             offload=OffloadConfig(enabled=True, use_allgather=False),
             cache=CacheConfig(root=str(work / "cache")))).to_json())
         self.env = {**os.environ, **DUMMY_CREDENTIALS, "AWS_ENDPOINT_URL": endpoint_url,
-                    "AWS_EC2_METADATA_DISABLED": "true", "DLO_CONFIG": str(self.config),
-                    "DLO_ENTRY_FILE": str(work / "entry.json"),
+                    "AWS_EC2_METADATA_DISABLED": "true", CONFIG_ENV: str(self.config),
+                    ENTRY_FILE_ENV: str(work / "entry.json"),
                     "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
                     "RUNAI_STREAMER_CONCURRENCY": str(args.runai_concurrency),
                     "RUNAI_STREAMER_CHUNK_BYTESIZE": str(args.runai_chunk_mib << 20),

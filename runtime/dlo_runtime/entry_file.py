@@ -1,21 +1,19 @@
 """The loader's entry document as the main container reads it (`DLO_ENTRY_FILE`).
 
-Owns the entry file's location (flag, `$DLO_ENTRY_FILE`, default) and parsing it into an
-`EntryRef`. torch-free, so `prefetch` can read it before a server's heavy imports. Called by
+Owns the entry file's location (argument, else `names.ENTRY_FILE_ENV`, else the default) and
+reading `documents.EntryDocument` from it into an `EntryRef`. torch-free, so `prefetch` can read it before a server's heavy imports. Called by
 `pod` and `prefetch`; must not open the entry itself.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from dlo_contract.documents import DocumentError, EntryDocument
 from dlo_contract.errors import PermanentError
-
-ENTRY_FILE_ENV = "DLO_ENTRY_FILE"
-DEFAULT_ENTRY_FILE = "/run/dlo/entry.json"
+from dlo_contract.names import DEFAULT_ENTRY_FILE, ENTRY_FILE_ENV
 
 
 class PodError(PermanentError):
@@ -36,11 +34,11 @@ def read_entry_file(path: str | os.PathLike[str] | None = None) -> EntryRef | No
     loader ran for this pod (no file)."""
     where = entry_file_path(path)
     try:
-        data = json.loads(where.read_text())
-        return EntryRef(data["entry_id"], data["root"], Path(data["path"]))
+        document = EntryDocument.from_json(where.read_text())
+        return EntryRef(document.entry_id, document.root, Path(document.path))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, DocumentError) as exc:
         raise PodError(f"entry file {where} is unreadable: {exc}",
                        hint="it is written by `dlo cache fill --entry-file`") from exc
 

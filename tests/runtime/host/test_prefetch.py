@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dlo_bench import page_cache
+from dlo_contract.names import ENTRY_FILE_ENV
 from dlo_runtime import prefetch
 
 
@@ -27,7 +28,7 @@ def cold_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     entry_file = tmp_path / "entry.json"
     entry_file.write_text(json.dumps({"entry_id": "abc", "root": str(tmp_path),
                                       "path": str(entry)}))
-    monkeypatch.setenv("DLO_ENTRY_FILE", str(entry_file))
+    monkeypatch.setenv(ENTRY_FILE_ENV, str(entry_file))
     monkeypatch.setattr(prefetch, "_started", {})
     return entry
 
@@ -59,5 +60,5 @@ def test_an_entry_larger_than_half_the_available_memory_is_left_alone(
 
 def test_no_entry_file_means_nothing_to_warm(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DLO_ENTRY_FILE", str(tmp_path / "absent.json"))
+    monkeypatch.setenv(ENTRY_FILE_ENV, str(tmp_path / "absent.json"))
     assert prefetch.start() is None
