@@ -3,7 +3,6 @@ server reading it, once per entry, and never for an entry the memory cannot hold
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from dlo_bench import page_cache
+from dlo_contract.documents import EntryDocument
 from dlo_contract.names import ENTRY_FILE_ENV
 from dlo_runtime import prefetch
 
@@ -26,8 +26,8 @@ def cold_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         (entry / name).write_bytes(os.urandom(size))
     page_cache.evict([entry])
     entry_file = tmp_path / "entry.json"
-    entry_file.write_text(json.dumps({"entry_id": "abc", "root": str(tmp_path),
-                                      "path": str(entry)}))
+    entry_file.write_text(EntryDocument(entry_id="abc", kind="checkpoint", root=str(tmp_path),
+                                        path=str(entry), source="s3://m/abc/").to_json())
     monkeypatch.setenv(ENTRY_FILE_ENV, str(entry_file))
     monkeypatch.setattr(prefetch, "_started", {})
     return entry
