@@ -3,12 +3,13 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 MINISTACK_VENV := .venv-ministack
+COLDSTART_VENV := .venv-coldstart
 PYTEST_ARGS ?=
 SHELL := /bin/bash
 # Benchmarks print a report and end with one JSON line, which is kept in bench/results/.
 LAST_LINE_TO = | tee /dev/stderr | tail -n 1 | python3 -m json.tool >
 
-.PHONY: demo test test-fast generate check-generated bench-loader bench-runtime bench-cluster bench-scale lock clean
+.PHONY: demo test test-fast generate check-generated bench-loader bench-runtime bench-cluster bench-scale bench-coldstart lock clean
 
 $(STAMP): requirements.lock pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +21,15 @@ $(STAMP): requirements.lock pyproject.toml
 $(MINISTACK_VENV)/.installed: requirements-ministack.lock
 	@test -x $(MINISTACK_VENV)/bin/python || $(PYTHON) -m venv $(MINISTACK_VENV)
 	$(MINISTACK_VENV)/bin/pip install --quiet --disable-pip-version-check -r requirements-ministack.lock
+	@touch $@
+
+# The cold-start benchmark's peers (accelerate, runai-model-streamer) layered over .venv: its
+# packages (torch, diffusers, boto3, dlo) stay one copy, seen through a .pth file.
+$(COLDSTART_VENV)/.installed: requirements-coldstart.lock $(STAMP)
+	@test -x $(COLDSTART_VENV)/bin/python || $(PYTHON) -m venv $(COLDSTART_VENV)
+	echo "import site; site.addsitedir('$$($(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+		> $$($(COLDSTART_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_dlo_venv.pth
+	$(COLDSTART_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps -r requirements-coldstart.lock
 	@touch $@
 
 demo: $(STAMP)
@@ -58,6 +68,10 @@ bench-cluster: $(STAMP) $(MINISTACK_VENV)/.installed
 bench-scale: $(STAMP)
 	$(VENV)/bin/python -m dlo_bench.scale_model --results bench/results
 
+# Cold start from S3 to the first forward against the plain diffusers path and runai-model-streamer.
+bench-coldstart: $(STAMP) $(MINISTACK_VENV)/.installed $(COLDSTART_VENV)/.installed
+	set -o pipefail; $(COLDSTART_VENV)/bin/python -m dlo_cli.main bench coldstart --json --ministack $(MINISTACK_VENV)/bin/ministack $(LAST_LINE_TO) bench/results/coldstart.json
+
 # Re-pin after changing requirements.in: resolves in a scratch venv and writes the lock.
 lock:
 	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
@@ -66,4 +80,4 @@ lock:
 	rm -rf .venv-lock
 
 clean:
-	rm -rf $(VENV) $(MINISTACK_VENV)
+	rm -rf $(VENV) $(MINISTACK_VENV) $(COLDSTART_VENV)
