@@ -27,8 +27,12 @@ import torch
 import torch.distributed as dist
 
 from dlo_runtime.discovery import DiscoveredModel, ModuleDiscovery
+from dlo_runtime.execution_order import ExecutionOrder, OrderState, StepHooks
 from dlo_runtime.hooks import BlockScheduler, DistributedLayerwiseOffloadHook
 from dlo_runtime.layout import BlockLayout, slot_sizes, views
+from dlo_runtime.misuse import MARK_ATTRIBUTE, OffloadMark, refuse_misuse
+from dlo_runtime.offload_plan import weight_bytes
+from dlo_runtime.run_stats import OffloadStats, StatsRecorder
 from dlo_runtime.on_demand import OnDemandModules
 from dlo_contract.settings import Settings, SettingsError
 from dlo_runtime.slots import DeviceSlots
@@ -88,6 +92,12 @@ class DistributedLayerwiseOffloadBackend:
         self._on_demand: OnDemandModules | None = None
         self._mapped_plan: HostPlan | None = None
         self._streams = StreamSet(self.device)
+        self._order: ExecutionOrder | None = None
+        self._recorder: StatsRecorder | None = None
+        self._step_hooks = StepHooks(self._step_start, self._step_end)
+        self.streamed_share = 0.0
+        """Share of the DiT's weight bytes (parameters and persistent buffers) that streams
+        through the slots, set by `enable`; the rest stays resident or comes in on demand."""
 
     @property
     def mode(self) -> str:
@@ -128,7 +138,9 @@ class DistributedLayerwiseOffloadBackend:
         """Shard or map the streamed blocks, move the rest to the device and install hooks."""
         if self.enabled:
             raise OffloadError("DLO is already enabled on this model", hint="call disable() first")
+        refuse_misuse(self.dit, host_plan=self.host_plan is not None)
         model = self.discovery.discover(self.settings.offload.resident_layers)
+        total_bytes = weight_bytes(self.dit)
         tensors = ModelTensors(model)
         plan, self.host_plan = self.host_plan, None
         sources = tensors.sources(plan.take_tensors() if plan is not None else None)
@@ -162,15 +174,38 @@ class DistributedLayerwiseOffloadBackend:
         on_demand.attach([entry.module for entry in model.on_demand])
         self._tensors, self._on_demand = tensors, on_demand
         self.enabled = True
+        setattr(self.dit, MARK_ATTRIBUTE, OffloadMark.ENABLED)
         self._scheduler.prime()
         gc.collect()
+        self.streamed_share = self.streamed_bytes / total_bytes if total_bytes else 0.0
         logger.info(
-            "dlo: enabled on %s (%s plan): %d streamed, %d resident blocks, %d on-demand "
-            "modules, mode %s over %d rank(s), device slots %d bytes",
-            type(self.dit).__name__, model.plan.source, len(model.streamed), len(model.resident),
-            len(model.on_demand), self.mode, self.shard_count, self.slot_bytes,
+            "dlo: enabled on %s (%s plan, lists %s): %d streamed, %d resident blocks, "
+            "%d on-demand modules, streamed share %.1f%% of %d weight bytes, mode %s over %d "
+            "rank(s), device slots %d bytes", type(self.dit).__name__, model.plan.source,
+            ",".join(model.plan.blocks), len(model.streamed), len(model.resident),
+            len(model.on_demand), 100 * self.streamed_share, total_bytes, self.mode,
+            self.shard_count, self.slot_bytes,
         )
         return self
+
+    def _step_start(self) -> None:
+        return None
+
+    def _step_end(self) -> None:
+        """A forward of the DiT returned (see `StepHooks`)."""
+        assert self._order is not None and self._recorder is not None
+        self._recorder.step_end()
+        if self._order.state is OrderState.LEARNING:
+            self._order.step_end()
+            logger.info("dlo: learned the run order of %s's streamed blocks from its first "
+                        "forward: %s", type(self.dit).__name__, ",".join(self._order.run_order()))
+
+    def stats(self) -> OffloadStats:
+        """Blocks loaded, bytes copied and gathered, and time compute waited for a slot: over
+        the last complete forward and since enable (see `dlo_runtime.run_stats`)."""
+        if self._recorder is None:
+            raise OffloadError("DLO is not enabled on this model", hint="call enable() first")
+        return self._recorder.snapshot(streamed_blocks=len(self.layouts), mode=self.mode)
 
     def _install_hooks(
         self,
@@ -180,6 +215,13 @@ class DistributedLayerwiseOffloadBackend:
     ) -> None:
         """One hook per streamed block, all sharing one scheduler."""
         assert self.slots is not None and self._source is not None
+        paths = [block.path for block in model.streamed]
+        self._order = ExecutionOrder(
+            len(paths), learn=model.plan.source == "heuristic", paths=paths, group=self.group
+        )
+        self._recorder = StatsRecorder(
+            self._streams, h2d_bytes=self._h2d_bytes(), gathered_bytes=self._gathered_bytes()
+        )
         self._scheduler = BlockScheduler(
             tensors=tensors.streamed_tensors,
             placeholders=tensors.placeholders,
@@ -187,12 +229,30 @@ class DistributedLayerwiseOffloadBackend:
             slots=self.slots,
             source=self._source,
             streams=self._streams,
+            order=self._order,
+            stats=self._recorder,
         )
+        self._step_hooks.attach(self.dit)
         self._hooks = []
         for position, block in enumerate(model.streamed):
             hook = DistributedLayerwiseOffloadHook(position, self._scheduler)
             hook.attach(block.module)
             self._hooks.append(hook)
+
+    def _h2d_bytes(self) -> list[int]:
+        """Bytes one load of each block copies host-to-device (this rank's shard when sharded,
+        the padded block when staged, the tensors themselves when copied view by view)."""
+        if isinstance(self._source, DirectSource):
+            return [layout.tensor_bytes for layout in self.layouts]
+        if isinstance(self._source, StagedSource):
+            return [layout.nbytes for layout in self.layouts]
+        return [layout.nbytes // layout.shard_count for layout in self.layouts]
+
+    def _gathered_bytes(self) -> list[int]:
+        """Bytes one load of each block receives from the other ranks of the DLO group."""
+        if self.group is None:
+            return [0] * len(self.layouts)
+        return [layout.nbytes - layout.nbytes // layout.shard_count for layout in self.layouts]
 
     def _build_source(
         self,
@@ -225,6 +285,7 @@ class DistributedLayerwiseOffloadBackend:
         self._streams.synchronize()
         for hook in self._hooks:
             hook.detach()
+        self._step_hooks.detach()
         self._on_demand.detach()
         if restore:
             self._restore()
@@ -235,7 +296,12 @@ class DistributedLayerwiseOffloadBackend:
         self._source = None
         self.slots = None
         self._tensors = None
+        self._order = self._recorder = None
         self.enabled = False
+        if restore:
+            delattr(self.dit, MARK_ATTRIBUTE)
+        else:
+            setattr(self.dit, MARK_ATTRIBUTE, OffloadMark.RELEASED)
         if self._mapped_plan is not None:
             # Mappings close only after the synchronize above: no copy reads them any more.
             self._mapped_plan.release_sources()
