@@ -11,8 +11,10 @@ was not prefetched is loaded when it runs, which costs a wait, never a wrong res
 
 [Note: learned order] In AllGather mode every load is a collective (see [Note: collective
 order] in `dlo_runtime.hooks`). Ranks running the same forward observe the same order, so their
-loads stay in step during and after learning; the learned orders are nevertheless compared
-across the group once, and a difference stops the run with an error instead of a hang later.
+loads stay in step during and after learning. While learning, a rank that runs another block
+than the others would issue other loads (a collective mismatch, or a hang), so before each block
+first runs the ranks compare which block it is, and a difference stops every rank with an error
+naming both blocks. After the first forward the order is the same on every rank by construction.
 
 Owns `StepHooks` too: one forward pre-hook and one forward hook on the DiT itself, which tell
 the order and the run statistics where a forward begins and ends. Called by the backend (attach,
@@ -67,8 +69,9 @@ class ExecutionOrder:
 
     def observe(self, position: int) -> None:
         """A block is about to run (recorded only while learning)."""
-        if self.state is OrderState.LEARNING:
-            self._seen.setdefault(position, None)
+        if self.state is OrderState.LEARNING and position not in self._seen:
+            self._check_ranks_agree(position)
+            self._seen[position] = None
 
     def step_end(self) -> None:
         """The DiT's forward returned: a learning order becomes the order blocks ran in."""
@@ -76,27 +79,26 @@ class ExecutionOrder:
             return
         ran = list(self._seen)
         self.sequence = ran + [p for p in range(self.count) if p not in self._seen]
-        self._check_ranks_agree()
         self._following = [0] * self.count
         for here, there in zip(self.sequence, self.sequence[1:] + self.sequence[:1]):
             self._following[here] = there
         self.state = OrderState.FIXED
         self._seen = {}
 
-    def _check_ranks_agree(self) -> None:
-        """See [Note: learned order]: one small collective, once per enable."""
+    def _check_ranks_agree(self, position: int) -> None:
+        """See [Note: learned order]: before a block first runs, and before it can be loaded,
+        every rank says which block it is about to run (one small collective per block, in the
+        first forward only)."""
         if self.group is None:
             return
-        orders: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(orders, self.sequence, group=self.group)
-        for rank, order in enumerate(orders):
-            if order != self.sequence:
-                first = next(i for i, (a, b) in enumerate(zip(order, self.sequence)) if a != b)
+        positions: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(positions, position, group=self.group)
+        for rank, there in enumerate(positions):
+            if there != position:
                 raise OffloadError(
-                    f"rank {rank} of the DLO group ran the streamed blocks in another order "
-                    f"than this rank (position {first}: {self.paths[order[first]]} there, "
-                    f"{self.paths[self.sequence[first]]} here); AllGather loads would go out "
-                    "of step",
+                    f"rank {rank} of the DLO group runs {self.paths[there]} where this rank "
+                    f"runs {self.paths[position]} (block {len(self._seen) + 1} of the first "
+                    "forward); AllGather loads would go out of step",
                     hint="run the same forward on every rank of the group, or declare the "
                     "block order with _dlo_offload_plan",
                 )
