@@ -36,7 +36,7 @@ from dlo_runtime.run_stats import OffloadStats, StatsRecorder
 from dlo_runtime.on_demand import OnDemandModules
 from dlo_contract.settings import Settings, SettingsError
 from dlo_runtime.slots import DeviceSlots
-from dlo_runtime.streams import StreamSet
+from dlo_runtime.streams import HostMemory, StreamSet
 from dlo_runtime.tensors import ModelTensors, OffloadError, restore_device
 from dlo_runtime.transfer import DirectSource, ShardStore, StagedSource
 from dlo_contract.validation import select_group, validate
@@ -70,7 +70,10 @@ class DistributedLayerwiseOffloadBackend:
         device: torch.device | str,
         group: dist.ProcessGroup | None = None,
         host_plan: HostPlan | None = None,
+        host_memory: HostMemory | None = None,
     ) -> None:
+        """`host_memory` allocates the host arenas; by default page-locked at their exact size
+        on CUDA (`dlo_runtime.pinned_arena`) and pageable on the CPU."""
         self.settings = validate(settings)
         if not self.settings.offload.enabled:
             raise SettingsError(
@@ -91,7 +94,7 @@ class DistributedLayerwiseOffloadBackend:
         self._tensors: ModelTensors | None = None
         self._on_demand: OnDemandModules | None = None
         self._mapped_plan: HostPlan | None = None
-        self._streams = StreamSet(self.device)
+        self._streams = StreamSet(self.device, host_memory)
         self._order: ExecutionOrder | None = None
         self._recorder: StatsRecorder | None = None
         self._step_hooks = StepHooks(self._step_start, self._step_end)
