@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,9 +60,15 @@ class StatsRecorder:
     """Counters fed by the scheduler; `snapshot()` turns them into an `OffloadStats`."""
 
     def __init__(
-        self, streams: StreamSet, *, h2d_bytes: Sequence[int], gathered_bytes: Sequence[int]
+        self,
+        streams: StreamSet,
+        *,
+        h2d_bytes: Sequence[int],
+        gathered_bytes: Sequence[int],
+        timing_pair: Callable[[], tuple[Any, Any]] | None = None,
     ) -> None:
         self._streams = streams
+        self._timing_pair = timing_pair or _cuda_timing_pair
         self._h2d = list(h2d_bytes)
         self._gathered = list(gathered_bytes)
         self._cpu_timed = not streams.is_cuda
@@ -99,12 +105,6 @@ class StatsRecorder:
         stream.wait_event(event)
         end.record(stream)
         self._pending.append((self.forward, start, end))
-
-    @staticmethod
-    def _timing_pair() -> tuple[Any, Any]:
-        import torch
-
-        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def step_end(self) -> None:
         """A forward of the DiT returned: its counters become `last_forward`."""
@@ -148,3 +148,9 @@ class StatsRecorder:
                     self._last = self._last + waited
             self._spare.append((start, end))
         self._pending = still
+
+
+def _cuda_timing_pair() -> tuple[Any, Any]:
+    import torch
+
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
