@@ -168,3 +168,40 @@ def run_order(model: nn.Module, inputs: dict[str, Any], paths: list[str]) -> lis
         for handle in handles:
             handle.remove()
     return list(seen)
+
+
+FULL_SIZE = {
+    "latte": {"in_channels": 4, "out_channels": 8, "patch_size": 2, "num_layers": 28,
+              "num_attention_heads": 16, "attention_head_dim": 72, "caption_channels": 4096,
+              "cross_attention_dim": 1152, "norm_type": "ada_norm_single",
+              "num_embeds_ada_norm": 1000},
+}
+"""Configs of the released models where the class's defaults do not build one (Latte-1)."""
+
+
+def shares(model: nn.Module) -> tuple[float, float]:
+    """Streamed share of `model`'s weight bytes with the largest stack alone (the heuristic before
+    it took every stack) and with the lists the heuristic takes now."""
+    from dlo_runtime.offload_plan import block_lists, heuristic_plan, weight_bytes
+
+    lists = dict(block_lists(model))
+    total = weight_bytes(model)
+    return max(lists.values()) / total, sum(lists[p] for p in heuristic_plan(model).blocks) / total
+
+
+def main() -> None:
+    """Print each model's streamed share before and after, tiny and at its full default size
+    (built on the meta device, so nothing is allocated)."""
+    import diffusers
+
+    for name, entry in sorted(STACK_MODELS.items()):
+        tiny = shares(stack_model(name))
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            full = shares(getattr(diffusers, entry.cls)(**FULL_SIZE.get(name, {})))
+        print(f"{entry.cls:34s} tiny {tiny[0]:6.1%} -> {tiny[1]:6.1%}   "
+              f"full size {full[0]:6.1%} -> {full[1]:6.1%}")
+
+
+if __name__ == "__main__":
+    main()
