@@ -32,7 +32,7 @@ from dlo_runtime.hooks import BlockScheduler, DistributedLayerwiseOffloadHook
 from dlo_runtime.layout import BlockLayout, slot_sizes, views
 from dlo_runtime.misuse import MARK_ATTRIBUTE, OffloadMark, refuse_misuse
 from dlo_runtime.offload_plan import weight_bytes
-from dlo_runtime.run_stats import OffloadStats, StatsRecorder
+from dlo_runtime.run_stats import OffloadStats, StatsRecorder, load_bytes
 from dlo_runtime.on_demand import OnDemandModules
 from dlo_contract.settings import Settings, SettingsError
 from dlo_runtime.slots import DeviceSlots
@@ -97,7 +97,7 @@ class DistributedLayerwiseOffloadBackend:
         self._streams = StreamSet(self.device, host_memory)
         self._order: ExecutionOrder | None = None
         self._recorder: StatsRecorder | None = None
-        self._step_hooks = StepHooks(self._step_start, self._step_end)
+        self._step_hooks = StepHooks(self._step_end)
         self.streamed_share = 0.0
         """Share of the DiT's weight bytes (parameters and persistent buffers) that streams
         through the slots, set by `enable`; the rest stays resident or comes in on demand."""
@@ -191,9 +191,6 @@ class DistributedLayerwiseOffloadBackend:
         )
         return self
 
-    def _step_start(self) -> None:
-        return None
-
     def _step_end(self) -> None:
         """A forward of the DiT returned (see `StepHooks`)."""
         assert self._order is not None and self._recorder is not None
@@ -222,9 +219,8 @@ class DistributedLayerwiseOffloadBackend:
         self._order = ExecutionOrder(
             len(paths), learn=model.plan.source == "heuristic", paths=paths, group=self.group
         )
-        self._recorder = StatsRecorder(
-            self._streams, h2d_bytes=self._h2d_bytes(), gathered_bytes=self._gathered_bytes()
-        )
+        h2d, gathered = load_bytes(self.layouts, self._source)
+        self._recorder = StatsRecorder(self._streams, h2d_bytes=h2d, gathered_bytes=gathered)
         self._scheduler = BlockScheduler(
             tensors=tensors.streamed_tensors,
             placeholders=tensors.placeholders,
@@ -241,21 +237,6 @@ class DistributedLayerwiseOffloadBackend:
             hook = DistributedLayerwiseOffloadHook(position, self._scheduler)
             hook.attach(block.module)
             self._hooks.append(hook)
-
-    def _h2d_bytes(self) -> list[int]:
-        """Bytes one load of each block copies host-to-device (this rank's shard when sharded,
-        the padded block when staged, the tensors themselves when copied view by view)."""
-        if isinstance(self._source, DirectSource):
-            return [layout.tensor_bytes for layout in self.layouts]
-        if isinstance(self._source, StagedSource):
-            return [layout.nbytes for layout in self.layouts]
-        return [layout.nbytes // layout.shard_count for layout in self.layouts]
-
-    def _gathered_bytes(self) -> list[int]:
-        """Bytes one load of each block receives from the other ranks of the DLO group."""
-        if self.group is None:
-            return [0] * len(self.layouts)
-        return [layout.nbytes - layout.nbytes // layout.shard_count for layout in self.layouts]
 
     def _build_source(
         self,

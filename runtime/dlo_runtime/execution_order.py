@@ -16,8 +16,8 @@ than the others would issue other loads (a collective mismatch, or a hang), so b
 first runs the ranks compare which block it is, and a difference stops every rank with an error
 naming both blocks. After the first forward the order is the same on every rank by construction.
 
-Owns `StepHooks` too: one forward pre-hook and one forward hook on the DiT itself, which tell
-the order and the run statistics where a forward begins and ends. Called by the backend (attach,
+Owns `StepHooks` too: one forward hook on the DiT itself, which tells the order and the run
+statistics where a forward ends. Called by the backend (attach,
 detach) and by the hook scheduler (`observe`, `next_after`); it must not issue transfers.
 """
 
@@ -109,18 +109,14 @@ class ExecutionOrder:
 
 
 class StepHooks:
-    """Calls `on_start()` before and `on_end()` after every forward of the DiT."""
+    """Calls `on_end()` after every forward of the DiT that returns."""
 
-    def __init__(self, on_start: Callable[[], None], on_end: Callable[[], None]) -> None:
-        self._on_start = on_start
+    def __init__(self, on_end: Callable[[], None]) -> None:
         self._on_end = on_end
         self._handles: list[RemovableHandle] = []
 
     def attach(self, dit: nn.Module) -> None:
-        self._handles = [
-            dit.register_forward_pre_hook(lambda module, args: self._on_start()),
-            dit.register_forward_hook(lambda module, args, output: self._on_end()),
-        ]
+        self._handles = [dit.register_forward_hook(lambda module, args, output: self._on_end())]
 
     def detach(self) -> None:
         for handle in self._handles:

@@ -4,9 +4,9 @@ Owns `DistributedLayerwiseOffloadHook` (one per streamed block, installed as for
 post-hooks) and `BlockScheduler`, which they share. Before block i runs, its slot is made ready
 and its tensors repointed into it, and the transfer of the block that runs next (the first after
 the last; see `dlo_runtime.execution_order`) is issued into the other slot, so that it overlaps
-block i's compute. After block i runs, its
-tensors are replaced by placeholders. Called by the model's own forward through the hooks; it
-must not allocate device memory, read settings or log above DEBUG.
+block i's compute. After block i runs, its tensors are replaced by placeholders. Called by the
+model's own forward through the hooks; it must not allocate device memory, read settings or log
+above DEBUG.
 
 [Note: collective order] In AllGather mode every load is a collective. Loads are issued only
 here and at `prime`, in the order the blocks run, so ranks that run the same forward issue the

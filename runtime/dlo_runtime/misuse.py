@@ -16,8 +16,6 @@ the model.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
-
 from torch import nn
 
 from dlo_runtime.tensors import OffloadError
@@ -58,7 +56,7 @@ def refuse_misuse(dit: nn.Module, *, host_plan: bool) -> None:
             "placeholders",
             hint="load the model again, or disable with restore=True to enable it again",
         )
-    for path, module in _modules(dit):
+    for path, module in dit.named_modules():
         where = f"{name}.{path}" if path else name
         registry = getattr(module, DIFFUSERS_REGISTRY, None)
         hooks = sorted(DIFFUSERS_OFFLOAD_HOOKS & set(getattr(registry, "hooks", {})))
@@ -79,10 +77,6 @@ def refuse_misuse(dit: nn.Module, *, host_plan: bool) -> None:
             )
     if not host_plan:
         _refuse_unbacked(dit, name)
-
-
-def _modules(dit: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    return iter(dit.named_modules())
 
 
 def _refuse_unbacked(dit: nn.Module, name: str) -> None:

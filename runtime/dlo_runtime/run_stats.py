@@ -19,7 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dlo_runtime.layout import BlockLayout
 from dlo_runtime.streams import StreamSet
+from dlo_runtime.transfer import DirectSource, StagedSource
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,21 @@ class OffloadStats:
     streamed_blocks: int
     mode: str
     """`rank-local` or `allgather`."""
+
+
+def load_bytes(layouts: Sequence[BlockLayout], source: object) -> tuple[list[int], list[int]]:
+    """Per block, the bytes one load copies host-to-device (this rank's shard when sharded, the
+    padded block when staged, the tensors themselves when copied view by view) and the bytes it
+    receives from the other ranks of the DLO group."""
+    if isinstance(source, DirectSource):
+        h2d = [layout.tensor_bytes for layout in layouts]
+    elif isinstance(source, StagedSource):
+        h2d = [layout.nbytes for layout in layouts]
+    else:
+        h2d = [layout.nbytes // layout.shard_count for layout in layouts]
+    gathered = [layout.nbytes - part if layout.shard_count > 1 else 0
+                for layout, part in zip(layouts, h2d)]
+    return h2d, gathered
 
 
 class StatsRecorder:
