@@ -9,7 +9,8 @@ SHELL := /bin/bash
 # Benchmarks print a report and end with one JSON line, which is kept in bench/results/.
 LAST_LINE_TO = | tee /dev/stderr | tail -n 1 | python3 -m json.tool >
 
-.PHONY: demo test test-fast generate check-generated bench-loader bench-runtime bench-cluster bench-scale bench-coldstart lock clean
+GPU_VENV := .venv-gpu
+.PHONY: demo test test-fast generate check-generated bench-loader bench-runtime bench-cluster bench-scale bench-coldstart gpu-check lock clean
 
 $(STAMP): requirements.lock pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -72,6 +73,29 @@ bench-scale: $(STAMP)
 bench-coldstart: $(STAMP) $(MINISTACK_VENV)/.installed $(COLDSTART_VENV)/.installed
 	set -o pipefail; $(COLDSTART_VENV)/bin/python -m dlo_cli.main bench coldstart --json --ministack $(MINISTACK_VENV)/bin/ministack $(LAST_LINE_TO) bench/results/coldstart.json
 
+# The CUDA build of the pinned torch (PyPI's Linux wheel) and the rest of the lock, in a venv of
+# its own: the lock pins the CPU build that CI uses.
+$(GPU_VENV)/.installed: requirements.lock pyproject.toml
+	@test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
+	grep -v '^torch==' requirements.lock > $(GPU_VENV)/requirements.txt
+	$(GPU_VENV)/bin/pip install --quiet --disable-pip-version-check -r $(GPU_VENV)/requirements.txt \
+		"torch==$$(sed -n 's/^torch==\([0-9.]*\).*/\1/p' requirements.lock)"
+	$(GPU_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@touch $@
+
+# tests/gpu, the CUDA step-time benchmark and the compiled comparison (compiled resident vs
+# compiled DLO vs compiled group offloading); JSON into $$OUT when set, else bench/results/.
+# Without a GPU it says so and succeeds, before installing anything.
+gpu-check:
+	@if ! nvidia-smi -L >/dev/null 2>&1; then \
+		echo "gpu-check: skipped: no CUDA device on this machine (nvidia-smi lists none)"; \
+	else \
+		$(MAKE) --no-print-directory $(GPU_VENV)/.installed && \
+		$(GPU_VENV)/bin/dlo bench gpu-check --out "$${OUT:-bench/results}" && \
+		$(GPU_VENV)/bin/dlo bench runtime --compiled --json | tail -n 1 \
+			> "$${OUT:-bench/results}/runtime_compiled_cuda.json"; \
+	fi
+
 # Re-pin after changing requirements.in: resolves in a scratch venv and writes the lock.
 lock:
 	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
@@ -80,4 +104,4 @@ lock:
 	rm -rf .venv-lock
 
 clean:
-	rm -rf $(VENV) $(MINISTACK_VENV) $(COLDSTART_VENV)
+	rm -rf $(VENV) $(MINISTACK_VENV) $(COLDSTART_VENV) $(GPU_VENV)

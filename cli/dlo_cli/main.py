@@ -37,6 +37,7 @@ COMMANDS: tuple[Command, ...] = (
     Command(("operator", "run"), "dlo_operator.cli", "run the DiffusionOffloadDeployment operator"),
     Command(("render",), "dlo_operator.render", "print the manifests the operator would create"),
     Command(("bench", "runtime"), "dlo_bench.runtime", "hook overhead, step times, host memory"),
+    Command(("bench", "gpu-check"), "dlo_bench.gpu_check", "tests/gpu and the CUDA step-time benchmark (skips without CUDA)"),
     Command(("bench", "loader"), "dlo_bench.loader", "single-node fill against a parallel-GET ceiling"),
     Command(("bench", "cluster"), "dlo_bench.cluster", "simulated multi-node fill with shaped links"),
     Command(("bench", "coldstart"), "dlo_bench.coldstart", "S3 to first forward on one node vs plain and runai"),

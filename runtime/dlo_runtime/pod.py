@@ -44,7 +44,9 @@ from dlo_runtime.entry_file import (  # noqa: F401 (re-exported: the pod API)
 )
 from dlo_runtime.host_registration import register_plan
 from dlo_runtime.host_weight_plan import BackingKind, HostWeightPlan
+from dlo_runtime.misuse import refuse_misuse
 from dlo_runtime.placement import resolve_placement
+from dlo_runtime.run_stats import OffloadStats
 from dlo_runtime.runtime_weight_cache import RuntimeLayout, load_runtime_plan
 from dlo_contract.settings import GIB, Settings, load_settings
 from dlo_contract.validation import validate
@@ -100,6 +102,22 @@ class OffloadHandle:
         """Bytes of the backends' device slots (host memory when the device is the CPU)."""
         return sum(item.backend.slot_bytes for item in self._offloaded)
 
+    @property
+    def streamed_share(self) -> float:
+        """Share of the DiTs' weight bytes streamed through the device slots (the rest stays
+        resident or comes in on demand), as logged at enable."""
+        total = sum(item.backend.streamed_bytes / item.backend.streamed_share
+                    for item in self._offloaded if item.backend.streamed_share)
+        streamed = sum(item.backend.streamed_bytes for item in self._offloaded)
+        return streamed / total if total else 0.0
+
+    def stats(self, component: str = "transformer") -> OffloadStats:
+        """Run-time statistics of one DiT's backend (see `dlo_runtime.run_stats`)."""
+        for item in self._offloaded:
+            if item.component == component:
+                return item.backend.stats()
+        raise KeyError(component)
+
     def close(self) -> None:
         """Shutdown order: synchronize device work, remove hooks, unregister host pages, close
         mappings. Process groups stay; the caller destroys them afterwards."""
@@ -131,8 +149,12 @@ def enable(target: Any, *, device: str | torch.device | None = None,
     layout = layout or RuntimeLayout(tp_size=settings.parallel.tp, sp_size=settings.parallel.sp,
                                      source=entry.entry_id if entry else "")
     handle = OffloadHandle(torch_device, [])
+    dits = find_dits(target)
+    for _, dit in dits:
+        # Before any plan maps or registers anything; meta tensors are the plans' business.
+        refuse_misuse(dit, host_plan=True)
     try:
-        for component, dit in find_dits(target):
+        for component, dit in dits:
             plan = _host_plan(component, dit, settings, entry, layout, torch_device)
             backend = DistributedLayerwiseOffloadBackend(
                 dit, settings=settings, device=torch_device, host_plan=plan, placement=placement)
