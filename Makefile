@@ -3,12 +3,14 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 MINISTACK_VENV := .venv-ministack
+COLDSTART_VENV := .venv-coldstart
 PYTEST_ARGS ?=
 SHELL := /bin/bash
 # Benchmarks print a report and end with one JSON line, which is kept in bench/results/.
 LAST_LINE_TO = | tee /dev/stderr | tail -n 1 | python3 -m json.tool >
 
-.PHONY: demo test test-fast generate check-generated bench-loader bench-runtime bench-cluster bench-scale lock clean
+GPU_VENV := .venv-gpu
+.PHONY: demo test test-fast generate check-generated bench-loader bench-runtime bench-cluster bench-scale bench-coldstart gpu-check lock clean
 
 $(STAMP): requirements.lock pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +22,15 @@ $(STAMP): requirements.lock pyproject.toml
 $(MINISTACK_VENV)/.installed: requirements-ministack.lock
 	@test -x $(MINISTACK_VENV)/bin/python || $(PYTHON) -m venv $(MINISTACK_VENV)
 	$(MINISTACK_VENV)/bin/pip install --quiet --disable-pip-version-check -r requirements-ministack.lock
+	@touch $@
+
+# The cold-start benchmark's peers (accelerate, runai-model-streamer) layered over .venv: its
+# packages (torch, diffusers, boto3, dlo) stay one copy, seen through a .pth file.
+$(COLDSTART_VENV)/.installed: requirements-coldstart.lock $(STAMP)
+	@test -x $(COLDSTART_VENV)/bin/python || $(PYTHON) -m venv $(COLDSTART_VENV)
+	echo "import site; site.addsitedir('$$($(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+		> $$($(COLDSTART_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_dlo_venv.pth
+	$(COLDSTART_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps -r requirements-coldstart.lock
 	@touch $@
 
 demo: $(STAMP)
@@ -46,6 +57,7 @@ check-generated: $(STAMP)
 bench-runtime: $(STAMP)
 	set -o pipefail; $(VENV)/bin/dlo bench runtime --json $(LAST_LINE_TO) bench/results/runtime.json
 	set -o pipefail; $(VENV)/bin/dlo bench runtime --host-memory --json $(LAST_LINE_TO) bench/results/host_memory.json
+	set -o pipefail; $(VENV)/bin/dlo bench runtime --compiled --layers 4 --head-dim 32 --json $(LAST_LINE_TO) bench/results/runtime_compiled.json
 
 bench-loader: $(STAMP) $(MINISTACK_VENV)/.installed
 	set -o pipefail; $(VENV)/bin/dlo bench loader --json --ministack $(MINISTACK_VENV)/bin/ministack $(LAST_LINE_TO) bench/results/loader.json
@@ -59,6 +71,33 @@ bench-cluster: $(STAMP) $(MINISTACK_VENV)/.installed
 bench-scale: $(STAMP)
 	$(VENV)/bin/python -m dlo_bench.scale_model --results bench/results
 
+# Cold start from S3 to the first forward against the plain diffusers path and runai-model-streamer.
+bench-coldstart: $(STAMP) $(MINISTACK_VENV)/.installed $(COLDSTART_VENV)/.installed
+	set -o pipefail; $(COLDSTART_VENV)/bin/python -m dlo_cli.main bench coldstart --json --ministack $(MINISTACK_VENV)/bin/ministack $(LAST_LINE_TO) bench/results/coldstart.json
+
+# The CUDA build of the pinned torch (PyPI's Linux wheel) and the rest of the lock, in a venv of
+# its own: the lock pins the CPU build that CI uses.
+$(GPU_VENV)/.installed: requirements.lock pyproject.toml
+	@test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
+	grep -v '^torch==' requirements.lock > $(GPU_VENV)/requirements.txt
+	$(GPU_VENV)/bin/pip install --quiet --disable-pip-version-check -r $(GPU_VENV)/requirements.txt \
+		"torch==$$(sed -n 's/^torch==\([0-9.]*\).*/\1/p' requirements.lock)"
+	$(GPU_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@touch $@
+
+# tests/gpu, the CUDA step-time benchmark and the compiled comparison (compiled resident vs
+# compiled DLO vs compiled group offloading); JSON into $$OUT when set, else bench/results/.
+# Without a GPU it says so and succeeds, before installing anything.
+gpu-check:
+	@if ! nvidia-smi -L >/dev/null 2>&1; then \
+		echo "gpu-check: skipped: no CUDA device on this machine (nvidia-smi lists none)"; \
+	else \
+		$(MAKE) --no-print-directory $(GPU_VENV)/.installed && \
+		$(GPU_VENV)/bin/dlo bench gpu-check --out "$${OUT:-bench/results}" && \
+		$(GPU_VENV)/bin/dlo bench runtime --compiled --json | tail -n 1 \
+			> "$${OUT:-bench/results}/runtime_compiled_cuda.json"; \
+	fi
+
 # Re-pin after changing requirements.in: resolves in a scratch venv and writes the lock.
 lock:
 	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
@@ -67,4 +106,4 @@ lock:
 	rm -rf .venv-lock
 
 clean:
-	rm -rf $(VENV) $(MINISTACK_VENV)
+	rm -rf $(VENV) $(MINISTACK_VENV) $(COLDSTART_VENV) $(GPU_VENV)

@@ -2,10 +2,12 @@
 
 Owns the runtime benchmark. On the CPU it measures the host time the hooks spend per streamed
 block (slot bookkeeping and repointing, apart from the block copies, which on a GPU run on the
-copy stream) against the resident forward. On CUDA it also times one step resident, with DLO,
+copy stream) against the resident forward, with the run-time statistics on (the default) and
+off, in interleaved rounds. On CUDA it also times one step resident, with DLO,
 and with diffusers' own block-level group offloading (one block per group, with streams) on the
 same model and inputs. Every variant's output is compared with the resident one before any
-figure is reported. With `--host-memory ARGS...` it runs `dlo_bench.host_memory` instead.
+figure is reported. With `--compiled` it adds the same comparisons under `torch.compile`
+(`dlo_bench.runtime_compiled`). With `--host-memory ARGS...` it runs `dlo_bench.host_memory` instead.
 Must not be imported by the runtime.
 """
 
@@ -31,12 +33,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=2, help="batch size")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved rounds of the hook timing, with and without stats")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads for torch; 1 keeps other load from skewing the ratio")
     parser.add_argument("--cuda-head-dim", type=int, default=512,
                         help="head width of the CUDA step-time comparison")
     parser.add_argument("--cuda-side", type=int, default=64,
                         help="latent side of the CUDA step-time comparison")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also time every variant under torch.compile (minutes on a CPU)")
+    parser.add_argument("--compile-mode", choices=("regional", "whole"), default="regional",
+                        help="compile_repeated_blocks() or module.compile()")
     parser.add_argument("--json", action="store_true",
                         help="end the output with one JSON line holding every figure")
     parser.add_argument("--host-memory", nargs=argparse.REMAINDER, default=None,
@@ -59,8 +67,14 @@ def run(args: argparse.Namespace) -> int:
         "parameters": {k: v for k, v in vars(args).items() if k not in ("json", "host_memory")},
     }
     figures = _cpu_hooks(args)
+    if args.compiled:
+        from dlo_bench import runtime_compiled
+
+        figures |= runtime_compiled.cpu_compiled(args, _timed_steps, _settings())
     if torch.cuda.is_available():
         figures |= _cuda_steps(args)
+        if args.compiled:
+            figures |= runtime_compiled.cuda_compiled(args, _timed_steps, _settings())
     report["figures"] = figures
     failed = [name for name, value in figures.items() if name.endswith("_equal") and not value]
     for name, value in figures.items():
@@ -122,13 +136,29 @@ def _cpu_hooks(args: argparse.Namespace) -> dict[str, Any]:
     with DistributedLayerwiseOffloadBackend(model, settings=_settings(), device="cpu") as backend:
         equal = torch.equal(step(), expected)
         dlo_s = _timed_steps(step, args, lambda: None)
-        hook_s, copy_s = _instrumented(backend, step, args)
         blocks = len(backend.layouts)
-    steps_blocks = args.steps * blocks
+        steps_blocks = args.steps * blocks
+        _wrap_hooks(backend)
+        # Interleaved rounds with statistics on and off; the least of each is the one the
+        # other processes on the machine disturbed least.
+        rounds: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+        recorder = backend._scheduler.stats
+        for _ in range(args.rounds):
+            for with_stats in (True, False):
+                backend._scheduler.stats = recorder if with_stats else _NoStats()
+                rounds[with_stats].append(_instrumented(backend, step, args))
+        backend._scheduler.stats = recorder
+        recorder_us = _recorder_us_per_block(backend)
+    hook_s, copy_s = min(rounds[True], key=lambda r: r[0] - r[1])
+    bare_hook_s, bare_copy_s = min(rounds[False], key=lambda r: r[0] - r[1])
     hook_us = hook_s / steps_blocks * 1e6
     copy_us = copy_s / steps_blocks * 1e6
+    bare_overhead_us = (bare_hook_s - bare_copy_s) / steps_blocks * 1e6
     resident_block_us = resident_s / args.layers * 1e6
     return {
+        "cpu_hook_overhead_without_stats_us_per_block": bare_overhead_us,
+        "cpu_stats_cost_us_per_block": hook_us - copy_us - bare_overhead_us,
+        "cpu_stats_recorder_us_per_block": recorder_us,
         "cpu_dlo_equal": equal,
         "cpu_streamed_blocks": blocks,
         "cpu_resident_step_us": resident_s * 1e6,
@@ -142,10 +172,40 @@ def _cpu_hooks(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _instrumented(backend: Any, step: Callable[[], Any], args: argparse.Namespace
-                  ) -> tuple[float, float]:
-    """Seconds spent in the hooks, and in the block copies they issue, over `args.steps`."""
-    spent = {"hooks": 0.0, "copies": 0.0}
+class _NoStats:
+    """The recorder's interface doing nothing: the hooks' cost without statistics."""
+
+    def loaded(self, index: int) -> None:
+        return None
+
+    def copy_started(self) -> float:
+        return 0.0
+
+    def copy_ended(self, started: float) -> None:
+        return None
+
+    def wait(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+
+def _recorder_us_per_block(backend: Any, calls: int = 20000) -> float:
+    """Microseconds the statistics add to one block, timed alone: what a block's hooks call on
+    the recorder (a load counted and timed, a wait on a ready slot), in a tight loop."""
+    recorder, streams = backend._scheduler.stats, backend._streams
+    slot = backend.slots[0]
+    start = time.perf_counter()
+    for _ in range(calls):
+        recorder.loaded(0)
+        recorder.copy_ended(recorder.copy_started())
+        recorder.wait(streams.compute(), slot.ready)
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+_SPENT = {"hooks": 0.0, "copies": 0.0}
+
+
+def _wrap_hooks(backend: Any) -> None:
+    """Time the scheduler's hook entry points and the copies they issue into `_SPENT`."""
 
     def timed(function: Callable[..., Any], bucket: str) -> Callable[..., Any]:
         def wrapper(*a: Any, **kw: Any) -> Any:
@@ -153,19 +213,24 @@ def _instrumented(backend: Any, step: Callable[[], Any], args: argparse.Namespac
             try:
                 return function(*a, **kw)
             finally:
-                spent[bucket] += time.perf_counter() - start
+                _SPENT[bucket] += time.perf_counter() - start
         return wrapper
 
     scheduler, source = backend._scheduler, backend._source
     for name in ("acquire", "prefetch", "release"):
         setattr(scheduler, name, timed(getattr(scheduler, name), "hooks"))
     source.load = timed(source.load, "copies")
+
+
+def _instrumented(backend: Any, step: Callable[[], Any], args: argparse.Namespace
+                  ) -> tuple[float, float]:
+    """Seconds spent in the hooks, and in the block copies they issue, over `args.steps`."""
     for _ in range(args.warmup):
         step()
-    spent.update(hooks=0.0, copies=0.0)
+    _SPENT.update(hooks=0.0, copies=0.0)
     for _ in range(args.steps):
         step()
-    return spent["hooks"], spent["copies"]
+    return _SPENT["hooks"], _SPENT["copies"]
 
 
 def _cuda_steps(args: argparse.Namespace) -> dict[str, Any]:

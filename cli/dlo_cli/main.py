@@ -1,7 +1,10 @@
 """The `dlo` command: a table of subcommands, each imported only when it runs.
 
 `dlo --help` must never import torch, boto3 or kopf, so the table names modules as strings. Each
-command module provides `add_arguments(parser)` and `run(args) -> int`. Known errors (`DloError`)
+command module provides `add_arguments(parser)` and `run(args) -> int`; one that sets
+`EXIT_AT_ONCE = True` ends the process as soon as `run` returns, when `dlo` runs as a command
+(its output flushed, no interpreter teardown: the loader's init container exits in milliseconds,
+not after garbage-collecting every module). Known errors (`DloError`)
 become one line on stderr with a hint; tracebacks only with `--debug`.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,8 +37,10 @@ COMMANDS: tuple[Command, ...] = (
     Command(("operator", "run"), "dlo_operator.cli", "run the DiffusionOffloadDeployment operator"),
     Command(("render",), "dlo_operator.render", "print the manifests the operator would create"),
     Command(("bench", "runtime"), "dlo_bench.runtime", "hook overhead, step times, host memory"),
+    Command(("bench", "gpu-check"), "dlo_bench.gpu_check", "tests/gpu and the CUDA step-time benchmark (skips without CUDA)"),
     Command(("bench", "loader"), "dlo_bench.loader", "single-node fill against a parallel-GET ceiling"),
     Command(("bench", "cluster"), "dlo_bench.cluster", "simulated multi-node fill with shaped links"),
+    Command(("bench", "coldstart"), "dlo_bench.coldstart", "S3 to first forward on one node vs plain and runai"),
 )
 
 
@@ -76,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        return int(module.run(sub_args))
+        code = int(module.run(sub_args))
     except DloError as exc:
         if debug:
             raise
@@ -85,6 +91,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    if argv is None and getattr(module, "EXIT_AT_ONCE", False):
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """End the process without interpreter teardown, everything written first."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,15 @@ carry request headers.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import tempfile
+import threading
 import typing
 from pathlib import Path
 
-from dlo_loader.fill import FillRequest, fill
+from dlo_loader.fill import TRANSFER_MODULES, FillRequest, fill
 from dlo_loader.metrics import Endpoint
 from dlo_loader.progress import RankPrefixFilter
 from dlo_contract.documents import FillStatus, FillSummary
@@ -42,6 +44,8 @@ from dlo_contract.validation import validate
 
 log = logging.getLogger(__name__)
 
+EXIT_AT_ONCE = True
+"""`dlo cache fill` ends its process right after the summary (see `dlo_cli.main`)."""
 _QUIET_LOGGERS = ("botocore", "boto3", "urllib3", "s3transfer")
 OVERRIDES: dict[str, Leaf] = {
     leaf.meta.cli.removeprefix("--").replace("-", "_"): leaf
@@ -85,6 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     rank: int | None = None
     endpoint: Endpoint | None = None
+    preload_transfer_modules()
     try:
         rank = _int_or(args.rank, RANK_ENV, 0)
         world_size = _int_or(args.world_size, WORLD_SIZE_ENV, 1)
@@ -132,6 +137,22 @@ def load_fill_settings(args: argparse.Namespace) -> Settings:
         if value is not None:
             settings = replace_path(settings, leaf.path, value)
     return validate(settings)
+
+
+def preload_transfer_modules() -> threading.Thread:
+    """Import what the transfer needs on a thread while this one lists the source: the listing
+    waits on the network (and a fresh node reads the image's files from disk), so the two
+    overlap. An import that fails here fails again, with its error, where the fill needs it."""
+    def load() -> None:
+        for name in TRANSFER_MODULES:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 (reported by the fill's own import)
+                return
+
+    thread = threading.Thread(target=load, name="dlo-preload", daemon=True)
+    thread.start()
+    return thread
 
 
 def _int_or(value: int | None, env: str, default: int) -> int:

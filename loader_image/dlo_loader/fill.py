@@ -24,11 +24,8 @@ from typing import TYPE_CHECKING, Any
 from dlo_loader import digest as digests_of
 from dlo_loader.errors import GroupError, LoaderError, RendezvousTimeout
 from dlo_loader import metrics
-from dlo_loader.exchange import Exchange, Reader
 from dlo_loader.plan import Plan, build_plan
 from dlo_loader.progress import Progress, human_bytes, rank_prefix, repeating
-from dlo_contract.safetensors_header import read_header
-from dlo_loader.sink import EntryChunks, FileSink
 from dlo_loader.source import ObjectStore, parse_source
 from dlo_contract.cache import (
     CacheRoot,
@@ -46,7 +43,12 @@ from dlo_contract.names import DEFAULT_RENDEZVOUS_PORT
 from dlo_contract.settings import Settings
 
 if TYPE_CHECKING:  # transport imports torch: loaded only when a group is needed
+    from dlo_loader.exchange import Reader
     from dlo_loader.transport import Group
+
+TRANSFER_MODULES = ("dlo_loader.exchange", "dlo_loader.sink", "dlo_contract.safetensors_header")
+"""Imported when the transfer starts, not before the listing: `cli` imports them on a thread
+while this process lists the source (see `cli.preload_transfer_modules`)."""
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +241,9 @@ class _Fill:
     def _transfer(self, pub: Publication, plan: Plan, group: Group | None,
                   identity: dict[str, Any]) -> None:
         """Exchange, check and (unless this node holds the entry already) commit."""
+        from dlo_loader.exchange import Exchange
+        from dlo_loader.sink import EntryChunks, FileSink
+
         if group is not None:
             _agree(group, plan.fingerprint)
         rank = self.request.rank if group is not None else 0
@@ -324,6 +329,8 @@ def _conclude(group: Group | None, digests: list[str], check: Callable[[], Any])
 def _check_files(directory: Path | None, plan: Plan, digests: list[str],
                  source: str) -> tuple[list[FileRecord], int]:
     """Validate every safetensors header; build the manifest records from the chunk digests."""
+    from dlo_contract.safetensors_header import read_header
+
     assert directory is not None
     by_file: dict[int, list[str]] = {}
     for chunk in plan.chunks:

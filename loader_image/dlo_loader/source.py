@@ -1,6 +1,6 @@
 """The object store: listing a checkpoint prefix and reading byte ranges of its objects.
 
-Owns every call to S3 (this is the only module that imports boto3): the client (endpoint, region,
+Owns every call to S3 (this is the only module that imports botocore): the client (endpoint, region,
 path-style addressing, credentials from the standard chain: environment, web identity, instance
 role), listing with include globs, and ranged GETs that retry with exponential backoff and full
 jitter on throttling (503 SlowDown), other 5xx, connection resets, short bodies and bodies that
@@ -29,8 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
-import boto3
 import botocore.exceptions as bexc
+import botocore.session
 import urllib3
 import urllib3.exceptions
 from botocore.config import Config
@@ -121,8 +121,9 @@ class ObjectStore:
             connect_timeout=10,
             read_timeout=stall_timeout_s,  # per socket read: no byte for this long is a stall
         )
-        session = boto3.session.Session()
-        self._client = session.client(
+        # botocore's session, not boto3's: boto3 also imports s3transfer, a fifth of a second
+        # of start-up before the first GET for nothing the loader uses.
+        self._client = botocore.session.get_session().create_client(
             "s3", endpoint_url=endpoint_url, region_name=region, config=config
         )
 

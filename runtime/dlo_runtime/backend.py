@@ -27,13 +27,17 @@ import torch
 import torch.distributed as dist
 
 from dlo_runtime.discovery import DiscoveredModel, ModuleDiscovery
+from dlo_runtime.execution_order import ExecutionOrder, OrderState, StepHooks
 from dlo_runtime.hooks import BlockScheduler, DistributedLayerwiseOffloadHook
 from dlo_runtime.layout import BlockLayout, slot_sizes, views
+from dlo_runtime.misuse import MARK_ATTRIBUTE, OffloadMark, refuse_misuse
+from dlo_runtime.offload_plan import weight_bytes
+from dlo_runtime.run_stats import OffloadStats, StatsRecorder, load_bytes
 from dlo_runtime.on_demand import OnDemandModules
 from dlo_runtime.placement import Placement, resolve_placement
 from dlo_contract.settings import Settings, SettingsError
 from dlo_runtime.slots import DeviceSlots
-from dlo_runtime.streams import StreamSet
+from dlo_runtime.streams import HostMemory, StreamSet
 from dlo_runtime.tensors import ModelTensors, OffloadError, restore_device
 from dlo_runtime.transfer import DirectSource, ShardStore, StagedSource
 from dlo_contract.validation import validate
@@ -69,7 +73,11 @@ class DistributedLayerwiseOffloadBackend:
         host_plan: HostPlan | None = None,
         placement: Placement | None = None,
         streams: StreamSet | None = None,
+        host_memory: HostMemory | None = None,
     ) -> None:
+        """`host_memory` allocates the host arenas of the default `StreamSet` (a `streams`
+        passed in brings its own): page-locked at their exact size on CUDA
+        (`dlo_runtime.pinned_arena`), pageable on the CPU."""
         # A placement comes from `pod.enable`, which validated the settings and resolved the
         # group once for the whole process; a backend built directly decides both itself.
         self.settings = settings if placement is not None else validate(settings)
@@ -94,8 +102,14 @@ class DistributedLayerwiseOffloadBackend:
         self._tensors: ModelTensors | None = None
         self._on_demand: OnDemandModules | None = None
         self._mapped_plan: HostPlan | None = None
-        self._streams = streams if streams is not None else StreamSet(self.device)
+        self._streams = streams if streams is not None else StreamSet(self.device, host_memory)
         """The copy/communication streams and events of `device` (see `dlo_runtime.streams`)."""
+        self._order: ExecutionOrder | None = None
+        self._recorder: StatsRecorder | None = None
+        self._step_hooks = StepHooks(self._step_end)
+        self.streamed_share = 0.0
+        """Share of the DiT's weight bytes (parameters and persistent buffers) that streams
+        through the slots, set by `enable`; the rest stays resident or comes in on demand."""
 
     @property
     def mode(self) -> str:
@@ -105,7 +119,9 @@ class DistributedLayerwiseOffloadBackend:
         """Shard or map the streamed blocks, move the rest to the device and install hooks."""
         if self.enabled:
             raise OffloadError("DLO is already enabled on this model", hint="call disable() first")
+        refuse_misuse(self.dit, host_plan=self.host_plan is not None)
         model = self.discovery.discover(self.settings.offload.resident_layers)
+        total_bytes = weight_bytes(self.dit)
         tensors = ModelTensors(model)
         plan, self.host_plan = self.host_plan, None
         sources = tensors.sources(plan.take_tensors() if plan is not None else None)
@@ -139,15 +155,35 @@ class DistributedLayerwiseOffloadBackend:
         on_demand.attach([entry.module for entry in model.on_demand])
         self._tensors, self._on_demand = tensors, on_demand
         self.enabled = True
+        setattr(self.dit, MARK_ATTRIBUTE, OffloadMark.ENABLED)
         self._scheduler.prime()
         gc.collect()
+        self.streamed_share = self.streamed_bytes / total_bytes if total_bytes else 0.0
         logger.info(
-            "dlo: enabled on %s (%s plan): %d streamed, %d resident blocks, %d on-demand "
-            "modules, mode %s over %d rank(s), device slots %d bytes",
-            type(self.dit).__name__, model.plan.source, len(model.streamed), len(model.resident),
-            len(model.on_demand), self.mode, self.shard_count, self.slot_bytes,
+            "dlo: enabled on %s (%s plan, lists %s): %d streamed, %d resident blocks, "
+            "%d on-demand modules, streamed share %.1f%% of %d weight bytes, mode %s over %d "
+            "rank(s), device slots %d bytes", type(self.dit).__name__, model.plan.source,
+            ",".join(model.plan.blocks), len(model.streamed), len(model.resident),
+            len(model.on_demand), 100 * self.streamed_share, total_bytes, self.mode,
+            self.shard_count, self.slot_bytes,
         )
         return self
+
+    def _step_end(self) -> None:
+        """A forward of the DiT returned (see `StepHooks`)."""
+        assert self._order is not None and self._recorder is not None
+        self._recorder.step_end()
+        if self._order.state is OrderState.LEARNING:
+            self._order.step_end()
+            logger.info("dlo: learned the run order of %s's streamed blocks from its first "
+                        "forward: %s", type(self.dit).__name__, ",".join(self._order.run_order()))
+
+    def stats(self) -> OffloadStats:
+        """Blocks loaded, bytes copied and gathered, and time compute waited for a slot: over
+        the last complete forward and since enable (see `dlo_runtime.run_stats`)."""
+        if self._recorder is None:
+            raise OffloadError("DLO is not enabled on this model", hint="call enable() first")
+        return self._recorder.snapshot(streamed_blocks=len(self.layouts), mode=self.mode)
 
     def _install_hooks(
         self,
@@ -157,6 +193,12 @@ class DistributedLayerwiseOffloadBackend:
     ) -> None:
         """One hook per streamed block, all sharing one scheduler."""
         assert self.slots is not None and self._source is not None
+        paths = [block.path for block in model.streamed]
+        self._order = ExecutionOrder(
+            len(paths), learn=model.plan.source == "heuristic", paths=paths, group=self.group
+        )
+        h2d, gathered = load_bytes(self.layouts, self._source)
+        self._recorder = StatsRecorder(self._streams, h2d_bytes=h2d, gathered_bytes=gathered)
         self._scheduler = BlockScheduler(
             tensors=tensors.streamed_tensors,
             placeholders=tensors.placeholders,
@@ -164,7 +206,10 @@ class DistributedLayerwiseOffloadBackend:
             slots=self.slots,
             source=self._source,
             streams=self._streams,
+            order=self._order,
+            stats=self._recorder,
         )
+        self._step_hooks.attach(self.dit)
         self._hooks = []
         for position, block in enumerate(model.streamed):
             hook = DistributedLayerwiseOffloadHook(position, self._scheduler)
@@ -202,6 +247,7 @@ class DistributedLayerwiseOffloadBackend:
         self._streams.synchronize()
         for hook in self._hooks:
             hook.detach()
+        self._step_hooks.detach()
         self._on_demand.detach()
         if restore:
             self._restore()
@@ -212,7 +258,12 @@ class DistributedLayerwiseOffloadBackend:
         self._source = None
         self.slots = None
         self._tensors = None
+        self._order = self._recorder = None
         self.enabled = False
+        if restore:
+            delattr(self.dit, MARK_ATTRIBUTE)
+        else:
+            setattr(self.dit, MARK_ATTRIBUTE, OffloadMark.RELEASED)
         if self._mapped_plan is not None:
             # Mappings close only after the synchronize above: no copy reads them any more.
             self._mapped_plan.release_sources()

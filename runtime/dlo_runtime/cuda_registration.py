@@ -2,7 +2,8 @@
 
 Owns the `ctypes` calls into `libcudart`: `cudaDeviceGetAttribute` (is read-only registration
 supported?), `cudaHostRegister` with `cudaHostRegisterReadOnly`, `cudaHostUnregister`, and
-`cudaPointerGetAttributes` (the check PyTorch's `Tensor.is_pinned()` makes). `Cudart` is the
+`cudaPointerGetAttributes` (the check PyTorch's `Tensor.is_pinned()` makes); the same calls,
+without the read-only flag, page-lock the backend's host arenas (`pinned_arena`). `Cudart` is the
 bottom layer; tests replace it, and only it, with a fake. `CudaRegistrationBackend` turns return
 codes into `PlatformCallError`s for `host_registration`, which owns the lifecycle.
 
@@ -103,9 +104,13 @@ class CudaRegistrationBackend:
 
     name = "cuda"
 
-    def __init__(self, device_index: int, cudart: Cudart | None = None) -> None:
+    def __init__(self, device_index: int, cudart: Cudart | None = None, *,
+                 read_only: bool = True) -> None:
         self.device_index = device_index
         self._cudart = cudart if cudart is not None else Cudart()
+        self.flags = HOST_REGISTER_PORTABLE | (HOST_REGISTER_READ_ONLY if read_only else 0)
+        """Read-only for mapped cache pages (PROT_READ); writable for host arenas the host
+        fills (`dlo_runtime.pinned_arena`)."""
 
     def unsupported_reason(self) -> str | None:
         """Why this device cannot take read-only registrations, or None when it can."""
@@ -119,8 +124,7 @@ class CudaRegistrationBackend:
         return None
 
     def register(self, address: int, length: int) -> None:
-        code = self._cudart.host_register(
-            address, length, HOST_REGISTER_READ_ONLY | HOST_REGISTER_PORTABLE)
+        code = self._cudart.host_register(address, length, self.flags)
         if code != CUDA_SUCCESS:
             raise PlatformCallError(
                 f"cudaHostRegister({address:#x}, {length}) failed: "

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from dlo_runtime.compiled import uncompiled
 from dlo_runtime.offload_plan import OffloadPlan, OffloadPlanError, plan_for
 
 
@@ -57,13 +58,14 @@ DIT_ATTRIBUTES = ("transformer", "transformer_2")
 
 def find_dits(target: object) -> list[tuple[str, nn.Module]]:
     """The DiTs of a pipeline as (attribute, module), or `[("transformer", target)]` when
-    `target` is itself the DiT. The one rule every caller uses to find DiTs."""
-    found = [(name, getattr(target, name)) for name in DIT_ATTRIBUTES
+    `target` is itself the DiT. The one rule every caller uses to find DiTs. A DiT that
+    `torch.compile(dit)` wrapped is found as the module inside, whose tensors DLO moves."""
+    found = [(name, uncompiled(getattr(target, name))) for name in DIT_ATTRIBUTES
              if isinstance(getattr(target, name, None), nn.Module)]
     if found:
         return found
     if isinstance(target, nn.Module):
-        return [(DIT_ATTRIBUTES[0], target)]
+        return [(DIT_ATTRIBUTES[0], uncompiled(target))]
     raise OffloadPlanError(
         f"cannot find a DiT in {type(target).__name__}: expected an nn.Module or a pipeline "
         f"with one of the attributes {', '.join(DIT_ATTRIBUTES)}"

@@ -2,10 +2,12 @@
 
 Owns `DistributedLayerwiseOffloadHook` (one per streamed block, installed as forward pre- and
 post-hooks) and `BlockScheduler`, which they share. Before block i runs, its slot is made ready
-and its tensors repointed into it, and the transfer of block i+1 (block 0 after the last) is
-issued into the other slot, so that it overlaps block i's compute. After block i runs, its
-tensors are replaced by placeholders. Called by the model's own forward through the hooks; it
-must not allocate device memory, read settings or log above DEBUG.
+and its tensors repointed into it, and the transfer of the block that runs next (the first after
+the last; see `dlo_runtime.execution_order`) is issued into the other slot, so that it overlaps
+block i's compute. After block i runs, its tensors are replaced by placeholders. Both hooks run
+eagerly inside compiled regions too (see [Note: compiled graphs] in `dlo_runtime.compiled`).
+Called by the model's own forward through the hooks; it must not allocate device memory, read
+settings or log above DEBUG.
 
 [Note: collective order] In AllGather mode every load is a collective. Loads are issued only
 here and at `prime`, in the order the blocks run, so ranks that run the same forward issue the
@@ -22,6 +24,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from dlo_runtime.compiled import outside_compiled_graphs
+from dlo_runtime.execution_order import ExecutionOrder
+from dlo_runtime.run_stats import StatsRecorder
 from dlo_runtime.slots import DeviceSlot, DeviceSlots, SlotState
 from dlo_runtime.streams import StreamSet
 
@@ -44,6 +49,8 @@ class BlockScheduler:
         slots: DeviceSlots,
         source: BlockSource,
         streams: StreamSet,
+        order: ExecutionOrder,
+        stats: StatsRecorder,
     ) -> None:
         self.tensors = tensors
         """Per streamed block, the Parameter and buffer objects, in layout order."""
@@ -54,22 +61,25 @@ class BlockScheduler:
         self.slots = slots
         self.source = source
         self.streams = streams
+        self.order = order
+        self.stats = stats
         self.current: DeviceSlot | None = None
         self.count = len(tensors)
 
     def prime(self) -> None:
         """Issue the load of the first streamed block, so the first forward need not wait."""
-        self.load(0, self.slots[0])
+        self.load(self.order.first, self.slots[0])
 
     def acquire(self, index: int) -> DeviceSlot:
         """Make block `index` ready on the compute stream and point its tensors at its slot."""
+        self.order.observe(index)
         slot = self.slots.find(index)
         if slot is None:
             target = self.slots[0] if self.current is None else self.slots.other(self.current)
             slot = self.load(index, target)
         if slot.state is not SlotState.IN_USE:
             # ready: the block's kernels must not read the slot before its transfer completes.
-            self.streams.compute().wait_event(slot.ready)
+            self.stats.wait(self.streams.compute(), slot.ready)
             for tensor, view in zip(self.tensors[index], self.slot_views[slot.index][index]):
                 tensor.data = view
             slot.use()
@@ -104,7 +114,10 @@ class BlockScheduler:
             self._release(slot)
         logger.debug("dlo: loading block %d into slot %d", index, slot.index)
         slot.begin_load(index)
+        self.stats.loaded(index)
+        started = self.stats.copy_started()
         self.source.load(index, slot)
+        self.stats.copy_ended(started)
         return slot
 
 
@@ -127,10 +140,11 @@ class DistributedLayerwiseOffloadHook:
             handle.remove()
         self.handles = []
 
+    @outside_compiled_graphs
     def pre_forward(self, module: nn.Module, args: Any) -> None:
         slot = self.scheduler.acquire(self.position)
-        following = (self.position + 1) % self.scheduler.count
-        self.scheduler.prefetch(following, after=slot)
+        self.scheduler.prefetch(self.scheduler.order.next_after(self.position), after=slot)
 
+    @outside_compiled_graphs
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         self.scheduler.release(self.position)

@@ -2,7 +2,8 @@
 
 `registry.register(OffloadCollector(handle.stats))` in a server that has its own `/metrics`;
 `serve(handle.stats, port)` is the one-line helper for one that has none. `stats` is any callable
-returning the backend's statistics record (`OffloadHandle.stats`, `backend.stats`, or
+returning the backend's statistics record (`dlo_runtime.run_stats.OffloadStats`, described here
+by a protocol so this module stays torch-free: `OffloadHandle.stats`, `backend.stats`, or
 `lambda: handle.stats("transformer_2")` with `component="transformer_2"`): the totals since
 enable (forwards, blocks loaded, bytes copied host-to-device, bytes gathered, seconds compute
 waited for a slot) and the last complete forward. The record is read at scrape time, so nothing is counted twice and the

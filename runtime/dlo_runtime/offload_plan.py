@@ -24,7 +24,8 @@ modules are rank-local in AllGather mode too: each rank keeps their whole tensor
 and copies them without a collective, so they cost their full size on every rank.
 
 Precedence: the model's declaration, then the built-in plan for its class name, then the
-heuristic (the largest `nn.ModuleList` whose children all share one class).
+heuristic: every `nn.ModuleList` of same-class children among those holding the bulk of the
+weights (`BULK_SHARE`), whose run order the backend learns from the first forward.
 """
 
 from __future__ import annotations
@@ -157,21 +158,52 @@ def _paths(value: Any, owner: str, key: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def heuristic_plan(dit: nn.Module) -> OffloadPlan:
-    """The largest `nn.ModuleList` (by parameter count) of two or more same-class children."""
-    best: tuple[int, str] | None = None
+BULK_SHARE = 0.9
+"""The heuristic streams block lists, largest first, until they hold this share of the bytes of
+all candidate lists; the small lists left (a token refiner, a motion encoder) stay resident."""
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of the parameters and persistent buffers under `module` (meta ones included: their
+    shapes are known before any weight is loaded)."""
+    tensors = {id(t): t for t in module.state_dict(keep_vars=True).values()}  # tied ones once
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def block_lists(dit: nn.Module) -> list[tuple[str, int]]:
+    """`(path, weight bytes)` of every `nn.ModuleList` of two or more same-class children that
+    lies inside no other such list, in declaration order."""
+    found: list[tuple[str, int]] = []
     for path, module in dit.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) < 2:
             continue
         if len({type(child) for child in module}) != 1:
             continue
-        size = sum(p.numel() for p in module.parameters())
-        if best is None or size > best[0]:
-            best = (size, path)
-    if best is None:
+        if any(path.startswith(outer + ".") for outer, _ in found):
+            continue  # a list inside a block (attention outputs, experts) streams with its block
+        found.append((path, weight_bytes(module)))
+    return found
+
+
+def heuristic_plan(dit: nn.Module) -> OffloadPlan:
+    """Every list of same-class blocks that, taken largest first, together hold `BULK_SHARE` of
+    the bytes of all such lists, in declaration order. The order the forward runs their blocks is
+    learned from the first forward (see `dlo_runtime.execution_order`)."""
+    candidates = block_lists(dit)
+    if not candidates:
         raise OffloadPlanError(
             f"{type(dit).__name__} has no nn.ModuleList of two or more blocks of one class; "
             f"declare the block lists with a class attribute {PLAN_ATTRIBUTE} = "
             "{'blocks': ['<path>', ...]}"
         )
-    return OffloadPlan(blocks=(best[1],), source="heuristic")
+    total = sum(size for _, size in candidates)
+    chosen: set[str] = set()
+    held = 0
+    for path, size in sorted(candidates, key=lambda c: -c[1]):
+        if chosen and held >= BULK_SHARE * total:
+            break
+        chosen.add(path)
+        held += size
+    return OffloadPlan(
+        blocks=tuple(path for path, _ in candidates if path in chosen), source="heuristic"
+    )

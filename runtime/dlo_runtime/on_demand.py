@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from dlo_runtime.compiled import outside_compiled_graphs
 from dlo_runtime.layout import BlockLayout, views
 from dlo_runtime.streams import StreamSet
 from dlo_runtime.tensors import place_placeholders, restore_device
@@ -112,8 +113,10 @@ class OnDemandModules:
             for tensor, view, device in zip(tensors, views(layout, flats), devices):
                 tensor.data = view.to(restore_device(device), copy=True)
 
+    @outside_compiled_graphs
     def _before(self, index: int, module: nn.Module, args: Any) -> None:
         self.bring(index)
 
+    @outside_compiled_graphs
     def _after(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         self.release(index)

@@ -11,8 +11,10 @@ loader's entry document (`names.ENTRY_FILE_ENV`), pick each DiT's host backing (
 over the mapped entry, a runtime-cache plan, or the ordinary tensors, logging why), register a
 runtime-cache mapping when a budget allows, take the server's existing process group (or the
 default world) by `validation.select_group`, and enable `DistributedLayerwiseOffloadBackend` on
-each DiT. `OffloadHandle.close()` follows the shutdown order: synchronize, remove hooks,
-unregister, close mappings; the caller destroys its process groups afterwards.
+each DiT. `build_dit` starts warming the page cache with the entry (`prefetch`; a no-op when the
+server started it before its own imports). `OffloadHandle.close()` follows the shutdown order:
+synchronize, remove hooks, unregister, close mappings; the caller destroys its process groups
+afterwards.
 
 Must not create process groups, load pipeline components other than the DiT, or decide
 compatibility itself (the plan builders and `validation` do).
@@ -21,10 +23,8 @@ compatibility itself (the plan builders and `validation` do).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,50 +32,26 @@ from torch import nn
 
 from dlo_runtime import checkpoint_plan
 from dlo_contract.cache import open_entry
-from dlo_contract.documents import DocumentError, EntryDocument
-from dlo_contract.errors import PermanentError
-from dlo_contract.names import DEFAULT_ENTRY_FILE, ENTRY_FILE_ENV
+from dlo_runtime import prefetch
 from dlo_runtime.discovery import find_dits
+from dlo_runtime.entry_file import (  # noqa: F401 (re-exported: the pod API)
+    DEFAULT_ENTRY_FILE,
+    ENTRY_FILE_ENV,
+    EntryRef,
+    PodError,
+    entry_file_path,
+    read_entry_file,
+)
 from dlo_runtime.host_registration import register_plan
 from dlo_runtime.host_weight_plan import BackingKind, HostWeightPlan
+from dlo_runtime.misuse import refuse_misuse
 from dlo_runtime.placement import resolve_placement
+from dlo_runtime.run_stats import OffloadStats
 from dlo_runtime.runtime_weight_cache import RuntimeLayout, load_runtime_plan
 from dlo_contract.settings import GIB, Settings, load_settings
 from dlo_contract.validation import validate
 
 logger = logging.getLogger(__name__)
-
-
-
-class PodError(PermanentError):
-    """The process cannot start offloading as configured."""
-
-
-@dataclass(frozen=True)
-class EntryRef:
-    """The checkpoint entry the loader filled, as `entry.json` names it."""
-
-    entry_id: str
-    root: str
-    path: Path
-
-
-def read_entry_file(path: str | os.PathLike[str] | None = None) -> EntryRef | None:
-    """The entry named by `path` (else `$DLO_ENTRY_FILE`, else the default), or None when no
-    loader ran for this pod (no file)."""
-    where = _entry_file_path(path)
-    try:
-        document = EntryDocument.from_json(where.read_text())
-        return EntryRef(document.entry_id, document.root, Path(document.path))
-    except FileNotFoundError:
-        return None
-    except (OSError, DocumentError) as exc:
-        raise PodError(f"entry file {where} is unreadable: {exc}",
-                       hint="it is written by `dlo cache fill --entry-file`") from exc
-
-
-def _entry_file_path(path: str | os.PathLike[str] | None) -> Path:
-    return Path(path or os.environ.get(ENTRY_FILE_ENV) or DEFAULT_ENTRY_FILE)
 
 
 def build_dit(model_cls: Any, *, component: str = "transformer", dtype: torch.dtype = torch.float32,
@@ -86,8 +62,9 @@ def build_dit(model_cls: Any, *, component: str = "transformer", dtype: torch.dt
     settings = _validated(settings)
     entry = read_entry_file(entry_file)
     if entry is None:
-        raise PodError(f"no entry file at {_entry_file_path(entry_file)}",
+        raise PodError(f"no entry file at {entry_file_path(entry_file)}",
                        hint="run the loader (`dlo cache fill`) first, or load the DiT yourself")
+    prefetch.start(entry_file)
     folder = entry.path / component
     dit = checkpoint_plan.build_meta_dit(model_cls, folder, dtype)
     if settings.offload.enabled:
@@ -125,6 +102,22 @@ class OffloadHandle:
         """Bytes of the backends' device slots (host memory when the device is the CPU)."""
         return sum(item.backend.slot_bytes for item in self._offloaded)
 
+    @property
+    def streamed_share(self) -> float:
+        """Share of the DiTs' weight bytes streamed through the device slots (the rest stays
+        resident or comes in on demand), as logged at enable."""
+        total = sum(item.backend.streamed_bytes / item.backend.streamed_share
+                    for item in self._offloaded if item.backend.streamed_share)
+        streamed = sum(item.backend.streamed_bytes for item in self._offloaded)
+        return streamed / total if total else 0.0
+
+    def stats(self, component: str = "transformer") -> OffloadStats:
+        """Run-time statistics of one DiT's backend (see `dlo_runtime.run_stats`)."""
+        for item in self._offloaded:
+            if item.component == component:
+                return item.backend.stats()
+        raise KeyError(component)
+
     def close(self) -> None:
         """Shutdown order: synchronize device work, remove hooks, unregister host pages, close
         mappings. Process groups stay; the caller destroys them afterwards."""
@@ -156,8 +149,12 @@ def enable(target: Any, *, device: str | torch.device | None = None,
     layout = layout or RuntimeLayout(tp_size=settings.parallel.tp, sp_size=settings.parallel.sp,
                                      source=entry.entry_id if entry else "")
     handle = OffloadHandle(torch_device, [])
+    dits = find_dits(target)
+    for _, dit in dits:
+        # Before any plan maps or registers anything; meta tensors are the plans' business.
+        refuse_misuse(dit, host_plan=True)
     try:
-        for component, dit in find_dits(target):
+        for component, dit in dits:
             plan = _host_plan(component, dit, settings, entry, layout, torch_device)
             backend = DistributedLayerwiseOffloadBackend(
                 dit, settings=settings, device=torch_device, host_plan=plan, placement=placement)

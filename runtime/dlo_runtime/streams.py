@@ -28,6 +28,10 @@ class Event(Protocol):
     def synchronize(self) -> None: ...
 
 
+class HostMemory(Protocol):
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
+
+
 class Stream(Protocol):
     def wait_event(self, event: Event) -> None: ...
 
@@ -52,9 +56,16 @@ class _NullStream:
 class StreamSet:
     """The streams of one backend on one device."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, host_memory: HostMemory | None = None) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
+        if host_memory is None and self.is_cuda:
+            from dlo_runtime.pinned_arena import cuda_pinned_memory
+
+            host_memory = cuda_pinned_memory(device)
+        self.host_memory = host_memory
+        """Allocator of the host arenas: page-locked at their exact size on CUDA (see
+        `dlo_runtime.pinned_arena`); None allocates pageable memory (the CPU device)."""
         self.align_bytes = CUDA_ALIGN_BYTES if self.is_cuda else ALIGN_BYTES
         """Alignment of every tensor, shard and part in the flat buffers (see `layout`)."""
         self.copies_registered_views = self.is_cuda
@@ -91,4 +102,6 @@ class StreamSet:
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host buffer, page-locked on CUDA so that copies from it are asynchronous."""
-        return torch.empty(numel, dtype=dtype, pin_memory=self.is_cuda)
+        if self.host_memory is not None:
+            return self.host_memory.empty(numel, dtype)
+        return torch.empty(numel, dtype=dtype)

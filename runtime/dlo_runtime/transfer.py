@@ -14,12 +14,10 @@ Every event record and wait follows [Note: slot events] in `dlo_runtime.slots`.
 
 [Note: host arena] Host buffers are allocated as one arena per dtype (`host_arena`) holding every
 block's part at an aligned offset, with per-block views into it, never one buffer per block. On
-CUDA the arena is page-locked through PyTorch's caching host allocator, which rounds each
-allocation up to a power of two: one buffer per block would pay that rounding (up to 2x) for
-every block, an arena pays it once per dtype. The rounding of the arena itself is lifted by
-setting `pinned_max_round_threshold_mb` in `PYTORCH_ALLOC_CONF` (in the PyTorch releases the
-lock pins) below the arena's size. Storage sizes, which `host_bytes` sums, report the bytes
-requested, not the rounding.
+CUDA each arena is page-locked at its requested size rounded up to one page
+(`dlo_runtime.pinned_arena`), not through PyTorch's caching host allocator, which would round it
+up to a power of two; one buffer per block would still cost a page and a registration call per
+block. Storage sizes, which `host_bytes` sums, report the bytes requested.
 """
 
 from __future__ import annotations

@@ -177,12 +177,14 @@ def test_a_model_declaring_its_own_plan_with_heterogeneous_blocks() -> None:
     assert torch.equal(forward(model, {"x": x}), expected)
 
 
-def test_a_model_without_a_plan_streams_its_largest_block_list() -> None:
+def test_a_model_without_a_plan_streams_the_block_lists_holding_the_bulk() -> None:
     x = torch.randn(3, 16, generator=torch.Generator().manual_seed(2))
     expected = forward(seeded(UndeclaredDiT), {"x": x})
     model = seeded(UndeclaredDiT)
     with DistributedLayerwiseOffloadBackend(model, settings=RANK_LOCAL, device="cpu") as backend:
-        assert [layout.path for layout in backend.layouts] == ["layers.0", "layers.1", "layers.2"]
+        assert [layout.path for layout in backend.layouts] == [
+            "layers.0", "layers.1", "layers.2", "adapters.0", "adapters.1"]
+        assert torch.equal(forward(model, {"x": x}), expected)
         assert torch.equal(forward(model, {"x": x}), expected)
 
 

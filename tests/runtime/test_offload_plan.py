@@ -57,8 +57,23 @@ def test_a_declared_method_returning_a_plan() -> None:
     ]
 
 
-def test_the_heuristic_takes_the_largest_list_of_one_block_class() -> None:
-    assert plan_for(UndeclaredDiT()) == OffloadPlan(blocks=("layers",), source="heuristic")
+def test_the_heuristic_takes_the_lists_of_one_block_class_holding_the_bulk() -> None:
+    # layers hold 86% of the bytes in same-class lists (< BULK_SHARE), so adapters join;
+    # mixed holds two classes and is never a block list.
+    assert plan_for(UndeclaredDiT()) == OffloadPlan(
+        blocks=("layers", "adapters"), source="heuristic")
+
+
+def test_the_heuristic_leaves_small_lists_and_lists_inside_blocks_resident() -> None:
+    class Stacks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.refiner = nn.ModuleList([MlpBlock(16, 8) for _ in range(2)])
+            self.double = nn.ModuleList([DeclaredDiT() for _ in range(3)])
+            self.single = nn.ModuleList([MlpBlock(16, 256) for _ in range(4)])
+
+    # Each DeclaredDiT block holds lists of its own (stem, head): they stream with it.
+    assert plan_for(Stacks()) == OffloadPlan(blocks=("double", "single"), source="heuristic")
 
 
 def test_no_block_list_names_the_declaration_to_add() -> None:

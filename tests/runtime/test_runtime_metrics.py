@@ -5,11 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-
-from dlo_runtime import metrics
+from support.runtime_helpers import forward, offload_settings
 from support.scrape import scrape, value
+
+from dlo_bench.models import example_inputs, tiny_model
+from dlo_runtime import metrics
+from dlo_runtime.backend import DistributedLayerwiseOffloadBackend
 
 
 @dataclass(frozen=True)
@@ -76,3 +80,41 @@ def test_collector_registers_in_the_servers_own_registry_and_is_documented() -> 
     names = {f.name + ("_total" if f.type == "counter" else "") for f in families}
     assert names == set(metrics.METRICS)
     assert {s.labels["component"] for f in families for s in f.samples} == {"transformer_2"}
+
+
+def test_endpoint_scraped_during_a_cpu_forward_agrees_with_the_backend_stats() -> None:
+    model = tiny_model("flux")
+    inputs = example_inputs("flux", model)
+    with DistributedLayerwiseOffloadBackend(
+            model, settings=offload_settings(use_allgather=False), device="cpu") as backend:
+        server = metrics.serve(backend.stats, 0, addr="127.0.0.1")
+        port = server.server_port
+        mid_forward: list[dict] = []
+        hook = model.transformer_blocks[-1].register_forward_hook(
+            lambda *_: mid_forward.append(scrape(port)))
+        try:
+            before = scrape(port)
+            forward(model, inputs)
+            forward(model, inputs)
+            after = scrape(port)
+            stats = backend.stats()
+        finally:
+            hook.remove()
+            server.shutdown()
+            server.server_close()
+    labels = {"component": "transformer"}
+    blocks = "dlo_runtime_blocks_loaded_total"
+    assert len(mid_forward) == 2
+    assert value(before, blocks, **labels) < value(mid_forward[0], blocks, **labels) < value(
+        after, blocks, **labels)
+    assert value(mid_forward[0], "dlo_runtime_forwards_total", **labels) == 0  # not ended yet
+    total = stats.total
+    assert value(after, "dlo_runtime_forwards_total", **labels) == total.forwards == 2
+    assert value(after, blocks, **labels) == total.blocks_loaded
+    assert value(after, "dlo_runtime_h2d_bytes_total", **labels) == total.bytes_h2d > 0
+    assert value(after, "dlo_runtime_gathered_bytes_total", **labels) == total.bytes_gathered
+    assert value(after, "dlo_runtime_compute_wait_seconds_total", **labels) == pytest.approx(
+        total.slot_wait_s)
+    assert value(after, "dlo_runtime_last_forward_compute_wait_seconds", **labels) == (
+        pytest.approx(stats.last_forward.slot_wait_s))
+    assert value(after, "dlo_runtime_streamed_blocks", **labels) == stats.streamed_blocks

@@ -17,6 +17,7 @@ from dlo_bench.models import example_inputs
 from dlo_contract import names
 from dlo_runtime import pod
 from dlo_runtime.host_weight_plan import BackingKind
+from dlo_runtime.tensors import OffloadError
 
 
 @pytest.fixture
@@ -56,6 +57,25 @@ def test_checkpoint_plan_over_the_entry_matches_the_resident_model(
         assert torch.equal(offloaded_output(dit, flux), resident_output(flux))
         with open("/proc/self/maps") as maps:
             assert "/v1/entries/" in maps.read()
+    finally:
+        handle.close()
+
+
+def test_enabling_an_offloaded_dit_again_is_refused_and_the_handle_reports(
+        pod_files, flux: nn.Module) -> None:
+    dit = copy.deepcopy(flux)
+    handle = pod.enable(dit, device="cpu")
+    try:
+        with pytest.raises(OffloadError, match="^FluxTransformer2DModel is already offloaded "
+                                               "by dlo$"):
+            pod.enable(dit, device="cpu")
+        for _ in range(2):
+            assert torch.equal(offloaded_output(dit, flux), resident_output(flux))
+        stats = handle.stats()
+        assert (stats.total.forwards, stats.last_forward.forwards) == (2, 1)
+        assert stats.last_forward.blocks_loaded == stats.streamed_blocks == 5
+        assert stats.total.blocks_loaded == 11  # and the load primed at enable
+        assert 0.5 < handle.streamed_share < 1
     finally:
         handle.close()
 

@@ -1,0 +1,57 @@
+"""A lean loader start: the fill path imports neither boto3's transfer manager nor torch, and
+imports the transfer's own modules (on a thread, `cli.preload_transfer_modules`) while it lists, and `dlo cache fill` as a command ends at once after its summary, with everything
+it wrote flushed (the summary line and the termination-message file)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from dlo_bench.s3server import S3Server
+from support.loader_fleet import LOADER_SETTINGS, Checkpoint
+
+
+def test_the_fill_path_imports_only_what_one_node_needs() -> None:
+    probe = ("import sys, dlo_cli.main, dlo_loader.cli, dlo_loader.fill, dlo_loader.source; "
+             "print(sorted(m for m in ('boto3', 's3transfer', 'torch', 'numpy', "
+             "*dlo_loader.fill.TRANSFER_MODULES) if m in sys.modules)); "
+             "dlo_loader.cli.preload_transfer_modules().join(); "
+             "print(all(m in sys.modules for m in dlo_loader.fill.TRANSFER_MODULES))")
+    found = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                           check=True, timeout=120)
+    assert found.stdout.split() == ["[]", "True"]
+
+
+def fill_command(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dlo_cli.main", "cache", "fill", *argv],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_failing_fill_exits_with_its_summary_written(tmp_path: Path) -> None:
+    summary_file = tmp_path / "termination-log"
+    done = fill_command("--source", "gs://x/y", "--summary-file", str(summary_file),
+                        "--entry-file", str(tmp_path / "entry.json"))
+    assert done.returncode == 1
+    line = json.loads(done.stdout.strip().splitlines()[-1])
+    assert line["status"] == "error" and line == json.loads(summary_file.read_text())
+    assert "is not an s3://bucket/prefix URI" in done.stderr  # the log line, flushed too
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_a_fill_exits_with_its_entry_and_summary_written(
+        s3: S3Server, checkpoint: Checkpoint, tmp_path: Path) -> None:
+    config = tmp_path / "settings.json"
+    config.write_text(json.dumps({"loader": LOADER_SETTINGS}))
+    entry_file = tmp_path / "entry.json"
+    done = fill_command("--config", str(config), "--source", checkpoint.source,
+                        "--endpoint-url", s3.endpoint_url, "--cache-root", str(tmp_path / "c"),
+                        "--entry-file", str(entry_file),
+                        "--summary-file", str(tmp_path / "termination-log"))
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["status"] == "ok"
+    assert json.loads(entry_file.read_text())["entry_id"] == summary["entry_id"]
+    assert " plan: " in done.stderr  # the line the cold-start benchmark times the first GET by
