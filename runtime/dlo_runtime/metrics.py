@@ -6,8 +6,8 @@ returning the backend's statistics record (`dlo_runtime.run_stats.OffloadStats`,
 by a protocol so this module stays torch-free: `OffloadHandle.stats`, `backend.stats`, or
 `lambda: handle.stats("transformer_2")` with `component="transformer_2"`): the totals since
 enable (forwards, blocks loaded, bytes copied host-to-device, bytes gathered, seconds compute
-waited for a slot) and the last complete forward. The record is read at scrape time, so nothing is counted twice and the
-hot path pays nothing. Must not import torch (the server may register it before loading).
+waited for a slot) and the last complete forward. The record is read at scrape time, so nothing
+is counted twice and the hot path pays nothing. Must not import torch (the server may register it before loading).
 """
 
 from __future__ import annotations
