@@ -1,14 +1,17 @@
 """The kopf handlers: a few lines each, calling the pure builders and the status aggregation.
 
-- create / update / resume: parse and validate the spec; if valid, server-side apply the
-  ConfigMap, headless Service and StatefulSet (owned by the DOD); write the status.
-  An invalid spec gets `Valid=False` with the validator's message and no children (an update
-  to an invalid spec leaves the last valid children running).
+- create / update / resume: admit the spec (`admission`: the CRD's verdict, the settings
+  validator, the host-path allowlist); if admitted, server-side apply the children (owned by
+  the DOD); write the status. A refused spec gets `Valid=False` and a Warning Event, and no
+  children (an update to a refused spec leaves the last valid children running). An API error
+  gets `Applied=False` and a Warning Event: conflicts, throttling, 5xx and timeouts are retried
+  with exponential backoff (`ApplyRetrying`), anything else (`ApplyFailed`) waits for the next
+  change of the spec.
 - delete: nothing to remove by hand: the children carry owner references, so the garbage
   collector deletes them; node caches stay (the loader's eviction manages them). The handler
   records that in an event, and kopf then removes its finalizer.
 - pods: an index of the workload pods per DOD, and a watcher that rewrites the DOD's status
-  whenever one of its pods changes.
+  whenever one of its pods changes, with a Warning Event when a pod falls into trouble.
 
 Handlers are registered on `registry`, which `dlo operator run` and the tests pass to kopf.
 They must not build manifests or decide phases themselves.
@@ -18,17 +21,27 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import kopf
 
+from dlo_operator.admission import admit
+from dlo_operator.conditions import FALSE, Condition, find, report_event
 from dlo_operator.errors import KubeError, KubeTransientError, SpecError
-from dlo_operator.kube import KubeClient
+from dlo_operator.host_paths import DEFAULT_ALLOWED_HOST_PATHS
+from dlo_operator.kube import KubeClient, backoff_delay
 from dlo_operator.manifests import build_children
 from dlo_operator.naming import GROUP, LABEL_DEPLOYMENT, PLURAL, VERSION, Owner
-from dlo_operator.spec import parse_spec
-from dlo_operator.status import status_from_pods
+from dlo_operator.status import (
+    APPLIED,
+    APPLY_RETRYING,
+    READY,
+    TROUBLE_REASONS,
+    VALID,
+    status_from_pods,
+)
 
 registry = kopf.OperatorRegistry()
 DOD = (GROUP, VERSION, PLURAL)
@@ -45,6 +58,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.scanning.disabled = True
     settings.peering.standalone = True
     memo.kube = KubeClient.from_environment()
+    memo.reported = {}
+    memo.reports_lock = threading.Lock()
 
 
 @kopf.on.login(registry=registry)
@@ -98,9 +113,14 @@ def on_pod_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo,
         status = status_from_pods(
             list(workload_pods.get((namespace, name), ())),
             replicas=_replicas(dod.get("spec")), previous=previous, now=_now(),
-            invalid_message=_invalid_message(previous))
+            generation=previous.get("observedGeneration"),
+            problems=_carried_problems(previous))
         if any(previous.get(key) != value for key, value in status.items()):
             memo.kube.patch_deployment_status(namespace, name, status)
+        trouble = find(status, READY)
+        if trouble is not None and trouble.reason in TROUBLE_REASONS and _first_report(
+                memo, (namespace, name), trouble.message):
+            report_event(dod, trouble)
     except KubeError as exc:
         logger.error("cannot update the status of %s/%s: %s", namespace, name, exc)
     except KubeTransientError as exc:
@@ -108,29 +128,54 @@ def on_pod_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo,
                        namespace, name, exc)
 
 
-def _reconcile(*, body: kopf.Body, spec: kopf.Spec, name: str, namespace: str, meta: kopf.Meta,
-               patch: kopf.Patch, memo: kopf.Memo, workload_pods: kopf.Index,
+def _reconcile(*, body: kopf.Body, name: str, namespace: str, meta: kopf.Meta,
+               patch: kopf.Patch, memo: kopf.Memo, workload_pods: kopf.Index, retry: int,
                logger: logging.Logger, **_: Any) -> None:
-    """Validate, apply the children, write the status; API errors go back to kopf's retries."""
-    pods = list(workload_pods.get((namespace, name), ()))
-    previous = body.get("status") or {}
+    """Admit the spec, apply the children, write the status. Every failure becomes a condition
+    and a Warning Event; an API error worth retrying is retried with backoff, any other waits
+    for the next change of the spec."""
+    generation = meta.get("generation")
+    retry_in: float | None = None
     try:
-        deployment = parse_spec(spec)
+        deployment = admit(body, allowed_host_paths=_allowed_host_paths(memo))
     except SpecError as exc:
-        logger.error("invalid spec, nothing created: %s", exc)
-        status = status_from_pods(pods, replicas=_replicas(spec), previous=previous, now=_now(),
-                                  invalid_message=str(exc))
-        patch["status"] = {**status, "observedGeneration": meta.get("generation")}
-        return
+        logger.error("spec refused, nothing applied: %s", exc)
+        problem: Condition | None = Condition(VALID, FALSE, "SpecInvalid", str(exc))
+        replicas = _replicas(body.get("spec"))
+    else:
+        replicas = deployment.replicas
+        problem, retry_in = _apply(memo.kube, build_children(Owner.from_body(body), deployment),
+                                   retry)
+    pods = list(workload_pods.get((namespace, name), ()))
+    status = status_from_pods(pods, replicas=replicas, previous=body.get("status") or {},
+                              now=_now(), generation=generation,
+                              problems=[problem] if problem else [])
+    patch["status"] = {**status, "observedGeneration": generation}
+    if problem is not None:
+        report_event(body, problem)
+    if retry_in is not None:
+        raise kopf.TemporaryError(problem.message if problem else "", delay=retry_in)
+
+
+def _apply(kube: KubeClient, children: list[dict[str, Any]],
+           retry: int) -> tuple[Condition | None, float | None]:
+    """Apply every child in order. The failure, if any, as an `Applied=False` condition, and
+    the delay before the next attempt when the API error is worth retrying."""
     try:
-        for child in build_children(Owner.from_body(body), deployment):
-            memo.kube.apply(child)
+        for child in children:
+            kube.apply(child)
     except KubeTransientError as exc:
-        raise kopf.TemporaryError(str(exc), delay=exc.delay_s) from exc
+        delay = backoff_delay(retry, exc.delay_s)
+        return Condition(APPLIED, FALSE, APPLY_RETRYING,
+                         f"{exc}; attempt {retry + 2} in {delay:.0f} s"), delay
     except KubeError as exc:
-        raise kopf.PermanentError(str(exc)) from exc
-    status = status_from_pods(pods, replicas=deployment.replicas, previous=previous, now=_now())
-    patch["status"] = {**status, "observedGeneration": meta.get("generation")}
+        return Condition(APPLIED, FALSE, "ApplyFailed",
+                         f"{exc}; retried when the spec changes ({exc.hint})"), None
+    return None, None
+
+
+def _allowed_host_paths(memo: kopf.Memo) -> tuple[str, ...]:
+    return tuple(memo.get("allowed_host_paths") or DEFAULT_ALLOWED_HOST_PATHS)
 
 
 def _replicas(spec: Mapping[str, Any] | None) -> int:
@@ -138,12 +183,19 @@ def _replicas(spec: Mapping[str, Any] | None) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
 
 
-def _invalid_message(status: Mapping[str, Any]) -> str | None:
-    """A spec the last reconcile found invalid stays invalid until the next reconcile."""
-    for condition in status.get("conditions") or ():
-        if condition.get("type") == "Valid" and condition.get("status") == "False":
-            return str(condition.get("message", ""))
-    return None
+def _first_report(memo: kopf.Memo, key: tuple[str, str], message: str) -> bool:
+    """True once per new trouble of a DOD (pod events of several pods arrive concurrently)."""
+    with memo.reports_lock:
+        if memo.reported.get(key) == message:
+            return False
+        memo.reported[key] = message
+        return True
+
+
+def _carried_problems(status: Mapping[str, Any]) -> list[Condition]:
+    """A refused spec or apply stays reported until the next reconcile of the DOD."""
+    found = (find(status, VALID), find(status, APPLIED))
+    return [condition for condition in found if condition is not None and condition.failed]
 
 
 def _now() -> str:

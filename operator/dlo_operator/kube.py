@@ -4,7 +4,8 @@ Children are written with server-side apply (field manager `dlo-operator`, force
 request per child that creates it or converges it to the desired manifest, removing fields an older
 manifest set. Restarting the operator therefore cannot create duplicates. The DOD's status is
 patched through its status subresource. Responses stay plain dicts (no client models).
-API failures become `KubeTransientError` (conflicts, throttling, 5xx: kopf retries) or `KubeError`.
+API failures become `KubeTransientError` (conflicts, throttling, 5xx, timeouts and broken
+connections: retried with `backoff_delay`) or `KubeError` (anything else: reported, not retried).
 Called by `handlers`; builds no manifest and decides no status.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 
 import kubernetes.client
 import kubernetes.config
+import urllib3.exceptions
 from kubernetes.client.exceptions import ApiException
 
 from dlo_operator.errors import KubeError, KubeTransientError
@@ -27,6 +29,16 @@ logger = logging.getLogger(__name__)
 _APPLY = "application/apply-patch+yaml"
 _MERGE = "application/merge-patch+json"
 _RETRY_STATUSES = frozenset({409, 429, 500, 502, 503, 504})
+REQUEST_TIMEOUT_S = 30.0
+"""Per request: a hung API server is a timeout (retried), not a handler stuck for ever."""
+BACKOFF_BASE_S = 1.0
+BACKOFF_MAX_S = 300.0
+
+
+def backoff_delay(attempt: int, hinted_s: float = 0.0) -> float:
+    """Seconds before retry `attempt` + 1 (0-based): doubling from 1 s up to 5 minutes, never
+    sooner than the server asked (Retry-After)."""
+    return max(hinted_s, min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2.0 ** max(0, attempt)))
 
 
 class KubeClient:
@@ -82,9 +94,14 @@ class KubeClient:
 
     def _call(self, what: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
-            response = method(*args, _preload_content=False, **kwargs)
+            response = method(*args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S,
+                              **kwargs)
         except ApiException as exc:
             raise _api_error(what, exc) from exc
+        except urllib3.exceptions.HTTPError as exc:
+            message = f"Kubernetes API did not answer for {what}: {type(exc).__name__}"
+            logger.warning("%s; retrying", message)
+            raise KubeTransientError(message, delay_s=0.0) from exc
         return json.loads(response.data or b"null")
 
 
@@ -93,7 +110,7 @@ def _api_error(what: str, exc: ApiException) -> KubeError | KubeTransientError:
     message = f"Kubernetes API answered {exc.status} for {what}: {reason}"
     if exc.status in _RETRY_STATUSES or exc.status is None:
         delay = _retry_after(exc)
-        logger.warning("%s; retrying in %.0f s", message, delay)
+        logger.warning("%s; retrying", message)
         return KubeTransientError(message, delay_s=delay)
     return KubeError(message, status=exc.status,
                      hint="check the operator's RBAC and the CRD installation")
@@ -111,7 +128,8 @@ def _status_message(exc: ApiException) -> str:
 
 
 def _retry_after(exc: ApiException) -> float:
+    """The server's Retry-After in seconds, 0 when it gave none."""
     try:
-        return max(1.0, float((exc.headers or {}).get("Retry-After", 5)))
+        return max(0.0, float((exc.headers or {}).get("Retry-After", 0)))
     except (TypeError, ValueError):
-        return 5.0
+        return 0.0

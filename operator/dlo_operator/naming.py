@@ -18,6 +18,13 @@ PLURAL = "diffusionoffloaddeployments"
 API_VERSION = f"{GROUP}/{VERSION}"
 FIELD_MANAGER = "dlo-operator"
 
+MAX_NAME_LENGTH = 52
+"""Longest DOD name. The StatefulSet (named like the DOD) labels its pods
+`controller-revision-hash: <name>-<hash of up to 10 characters>`, a label value of at most 63
+characters: 63 - 1 - 10 = 52. Every other name fits below it: `<name>-peers` (a DNS-1035 Service
+name, 63), pod `<name>-<index>` (a DNS label, 63), `<name>-settings` (a ConfigMap, 253). The CRD's
+`[name-dns-1035]` rule checks the same bound at `kubectl apply`."""
+
 LABEL_DEPLOYMENT = f"{GROUP}/deployment"
 """On every child and every workload pod: the name of the owning DOD (the pod watcher's key)."""
 LABEL_POD_INDEX = "apps.kubernetes.io/pod-index"
@@ -64,8 +71,19 @@ class Owner:
     def statefulset_name(self) -> str:
         return self.name
 
+    @property
+    def inference_service_name(self) -> str:
+        """ClusterIP Service of the inference ports (clients address `<name>.<namespace>`)."""
+        return self.name
+
+    @property
+    def disruption_budget_name(self) -> str:
+        return self.name
+
     def master_addr(self) -> str:
-        return f"{self.statefulset_name}-0.{self.service_name}.{self.namespace}.svc.cluster.local"
+        """Pod 0's DNS name, relative to the pod's search domains (`<ns>.svc.<cluster-domain>`),
+        so it resolves whatever the cluster domain is."""
+        return f"{self.statefulset_name}-0.{self.service_name}.{self.namespace}.svc"
 
 
 def selector_labels(owner: Owner) -> dict[str, str]:

@@ -1,8 +1,9 @@
 """`build_service`: the headless Service that gives each workload pod a stable DNS name.
 
-The loaders rendezvous at pod 0's name (`<dod>-0.<dod>-peers.<ns>.svc.cluster.local`) while they
-are still init containers, i.e. before any pod is Ready, so the Service publishes not-ready
-addresses. Pure; called by `manifests`.
+The loaders rendezvous at pod 0's name (`<dod>-0.<dod>-peers.<ns>.svc`, completed by the pod's
+DNS search domains, so no cluster domain is assumed) while they are still init containers, i.e.
+before any pod is Ready, so the Service publishes not-ready addresses. Pure; called by
+`manifests`.
 """
 
 from __future__ import annotations

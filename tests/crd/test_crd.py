@@ -33,7 +33,7 @@ def test_names_scope_printer_columns_and_status_subresource() -> None:
     version = spec["versions"][0]
     assert (version["name"], version["subresources"]) == ("v1alpha1", {"status": {}})
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
-        "Phase", "Ready", "Cache", "Age"]
+        "Phase", "Ready", "Cache", "Age", "Message"]
 
 
 def _walk(schema: dict[str, Any], path: str):

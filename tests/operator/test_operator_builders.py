@@ -90,7 +90,7 @@ def test_loader_gets_contract_c2_rank_world_and_rendezvous() -> None:
     assert env(loader) == {
         "RANK": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}},
         "WORLD_SIZE": "4",
-        "MASTER_ADDR": "flux-0.flux-peers.ml.svc.cluster.local",
+        "MASTER_ADDR": "flux-0.flux-peers.ml.svc",
         "MASTER_PORT": "29600",
         "DLO_CONFIG": "/etc/dlo/settings.json",
     }
@@ -175,9 +175,10 @@ def test_render_reports_an_invalid_spec_in_one_line(
                                              "offload": {"useAllgather": False}}}))
     assert cli.main(["render", str(path)]) == 1
     assert capsys.readouterr().err == (
-        "dlo: error: default/bad: invalid settings: parallel.hsdp, parallel.dp, parallel.tp: "
-        "HSDP cannot combine with parallel.dp=2 or parallel.tp=1 [hsdp-with-dp-or-tp]; "
-        "fix: set parallel.dp=1 and parallel.tp=1, or parallel.hsdp=false\n")
+        "dlo: error: default/bad: spec.parallel.hsdp: [hsdp-with-dp-or-tp] HSDP cannot combine "
+        "with parallel.dp > 1 or parallel.tp > 1; set both to 1, or parallel.hsdp=false "
+        "(hint: fix the fields named; `kubectl explain diffusionoffloaddeployment.spec` "
+        "describes each)\n")
 
 
 def test_render_rejects_other_kinds(tmp_path: Path) -> None:

@@ -75,8 +75,11 @@ async def test_create_makes_owned_children_and_pods_drive_the_status(
             "exitCode": 1, "message": json.dumps({
                 "status": "error", "rank": 1, "error": "s3://models/flux/ not readable: 403"})}}})
     status = await eventually(lambda: _phase_is(cluster, "Degraded"))
-    assert status["message"] == ("loader on gpu-1 (pod flux-1, 3 restarts) failed: "
-                                 "CrashLoopBackOff: s3://models/flux/ not readable: 403")
+    assert status["message"] == (
+        "loader container of pod flux-1 on node gpu-1: LoaderFailed: "
+        "CrashLoopBackOff: s3://models/flux/ not readable: 403")
+    assert await eventually(lambda: _events(cluster, "LoaderFailed")) == [{
+        "type": "Warning", "reason": "LoaderFailed", "message": status["message"]}]
     assert condition(status, "CacheReady")["reason"] == "LoaderFailed"
     assert status["nodes"][0] | {} == {
         "pod": "flux-0", "node": "gpu-0", "rank": 0, "loader": "Cached", "restarts": 0,
@@ -100,14 +103,57 @@ async def test_invalid_spec_is_reported_and_creates_nothing(
 
     status = await eventually(lambda: live(cluster, DOD_RESOURCE, "flux")["status"])
     assert status["phase"] == "Failed"
+    message = ("spec.parallel.hsdp: [hsdp-allgather] HSDP with DLO AllGather would shard "
+               "parameters twice; set offload.useAllgather=false")
     assert condition(status, "Valid") | {"lastTransitionTime": None} == {
         "type": "Valid", "status": "False", "reason": "SpecInvalid", "lastTransitionTime": None,
-        "message": "invalid settings: parallel.hsdp, offload.use_allgather: HSDP with DLO "
-                   "AllGather would shard parameters twice [hsdp-allgather]; fix: set "
-                   "offload.use_allgather=false (HSDP then keeps rank-local tensors)"}
+        "observedGeneration": 1, "message": message}
+    assert condition(status, "Ready")["reason"] == "SpecInvalid"
+    assert await eventually(lambda: _events(cluster, "SpecInvalid")) == [{
+        "type": "Warning", "reason": "SpecInvalid", "message": message}]
     assert children(cluster, "flux") == [None, None, None]
     assert not [r for r in list(cluster) if r.resource is not None
                 and r.resource.plural in ("configmaps", "services", "statefulsets")]
+
+
+async def test_an_api_error_is_reported_and_retried_with_backoff(
+        cluster: ClusterEmulator, operator: Operator) -> None:
+    refused = cluster["patch", f"/api/v1/namespaces/{NAMESPACE}/services/flux-peers"][:2] << 503 << {
+        "kind": "Status", "code": 503, "message": "etcdserver: leader changed"}
+    await request(cluster, "POST", DOD_PATH, dod())
+
+    retrying = await eventually(lambda: _events(cluster, "ApplyRetrying"))
+    assert retrying[0]["type"] == "Warning"
+    assert retrying[0]["message"].startswith(
+        "Kubernetes API answered 503 for Service inference/flux-peers: etcdserver: leader "
+        "changed; attempt 2 in 1 s")
+    await eventually(lambda: all(children(cluster, "flux")))
+    status = await eventually(lambda: _condition_is(cluster, "Applied", "True"))
+    assert condition(status, "Applied")["reason"] == "ChildrenApplied"
+    assert len(list(refused)) == 2
+    assert [e["message"][-16:] for e in _events(cluster, "ApplyRetrying")] == [
+        "attempt 2 in 1 s", "attempt 3 in 2 s"]
+
+
+async def test_a_refused_apply_waits_for_the_next_spec_change(
+        cluster: ClusterEmulator, operator: Operator) -> None:
+    cluster["patch", f"/api/v1/namespaces/{NAMESPACE}/services/flux-peers"][:1] << 422 << {
+        "kind": "Status", "code": 422, "message": 'Service "flux-peers" is invalid'}
+    await request(cluster, "POST", DOD_PATH, dod())
+
+    status = await eventually(lambda: _condition_is(cluster, "Applied", "False"))
+    assert (status["phase"], condition(status, "Applied")["reason"]) == ("Failed", "ApplyFailed")
+    assert status["message"].startswith(
+        'Kubernetes API answered 422 for Service inference/flux-peers: Service "flux-peers" is '
+        "invalid; retried when the spec changes")
+    assert [e["type"] for e in await eventually(lambda: _events(cluster, "ApplyFailed"))] == [
+        "Warning"]
+    assert live(cluster, STATEFULSETS, "flux") is None  # nothing after the refused child
+
+    await request(cluster, "PATCH", f"{DOD_PATH}/flux", {"spec": {"replicas": 3}})
+    status = await eventually(lambda: _condition_is(cluster, "Applied", "True"))
+    assert condition(status, "Applied")["observedGeneration"] == 2
+    assert live(cluster, STATEFULSETS, "flux")["spec"]["replicas"] == 3
 
 
 async def test_update_rolls_the_statefulset(cluster: ClusterEmulator, operator: Operator) -> None:
@@ -191,6 +237,19 @@ async def _loader(cluster: ClusterEmulator, pod: str, loader_status: dict[str, A
 def _phase_is(cluster: ClusterEmulator, phase: str) -> dict[str, Any] | None:
     status = live(cluster, DOD_RESOURCE, "flux")["status"]
     return status if status["phase"] == phase else None
+
+
+def _condition_is(cluster: ClusterEmulator, kind: str, value: str) -> dict[str, Any] | None:
+    status = live(cluster, DOD_RESOURCE, "flux").get("status") or {}
+    found = [c for c in status.get("conditions", ()) if c["type"] == kind]
+    return status if found and found[0]["status"] == value else None
+
+
+def _events(cluster: ClusterEmulator, reason: str) -> list[dict[str, str]]:
+    """The Events posted about the DOD with this reason: type, reason and message."""
+    return [{"type": r.data["type"], "reason": r.data["reason"], "message": r.data["message"]}
+            for r in list(cluster) if r.resource is not None and r.resource.plural == "events"
+            and r.method == "POST" and r.data.get("reason") == reason]
 
 
 def _rolled(cluster: ClusterEmulator, old_hash: str) -> dict[str, Any] | None:
