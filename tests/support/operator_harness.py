@@ -35,6 +35,8 @@ DOD_RESOURCE = f"{GROUP}/{VERSION}/{PLURAL}"
 DOD_PATH = f"/apis/{GROUP}/{VERSION}/namespaces/{NAMESPACE}/{PLURAL}"
 PODS_PATH = f"/api/v1/namespaces/{NAMESPACE}/pods"
 _APPLY = "application/apply-patch+yaml"
+TEST_USER_AGENT = "dlo-tests"
+"""Marks the tests' own requests (playing the user, the kubelet, the StatefulSet controller)."""
 
 
 class ClusterEmulator(kmock.KubernetesEmulator):
@@ -187,7 +189,8 @@ def live(cluster: ClusterEmulator, resource: str, name: str) -> dict[str, Any] |
 
 async def request(cluster: ClusterEmulator, method: str, path: str, body: Any = None,
                   content_type: str = "application/merge-patch+json") -> dict[str, Any]:
-    headers = {"Content-Type": content_type if method == "PATCH" else "application/json"}
+    headers = {"Content-Type": content_type if method == "PATCH" else "application/json",
+               "User-Agent": TEST_USER_AGENT}
     async with cluster.request(method, path, data=json.dumps(body) if body is not None else None,
                                headers=headers) as response:
         assert response.status < 300, await response.text()

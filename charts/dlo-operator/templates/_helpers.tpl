@@ -28,24 +28,31 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
-{{/* The API rules the operator needs, nothing more: read and patch its CR and the CR's status;
-watch workload pods for the status; server-side apply its three kinds of children; post events. */}}
+{{/* The API rules the operator needs, nothing more (tests/operator/test_operator_rbac.py derives
+them from the requests the operator makes): watch and patch its CR (kopf's finalizer and
+annotations) and the CR's status; read one CR when a pod changes; watch workload pods for the
+status; server-side apply (patch) its children; post events. `update` on the finalizers
+subresource lets the children's owner references block the DOD's deletion where the API server
+enforces OwnerReferencesPermissionEnforcement. */}}
 {{- define "dlo-operator.rules" -}}
 - apiGroups: ["dlo.dev"]
   resources: ["diffusionoffloaddeployments"]
   verbs: ["get", "list", "watch", "patch"]
 - apiGroups: ["dlo.dev"]
   resources: ["diffusionoffloaddeployments/status"]
-  verbs: ["get", "patch"]
+  verbs: ["patch"]
+- apiGroups: ["dlo.dev"]
+  resources: ["diffusionoffloaddeployments/finalizers"]
+  verbs: ["update"]
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch"]
 - apiGroups: [""]
   resources: ["configmaps", "services"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["patch"]
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["patch"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
