@@ -62,7 +62,8 @@ async def test_the_chart_grants_exactly_the_verbs_the_operator_uses(
                      "inference": {"image": "server:1"}}}
     cluster["patch", f"/api/v1/namespaces/{NAMESPACE}/services/flux-peers"][:1] << 503
     await request(cluster, "POST", DOD_PATH, body)
-    await eventually(lambda: live(cluster, "apps/v1/statefulsets", "flux"))
+    await eventually(lambda: live(cluster, DOD_RESOURCE, "flux")["status"]["conditions"][1][
+        "status"] == "True")  # Applied, once the retried apply went through
     await request(cluster, "POST", PODS_PATH, workload_pod("flux", 0, "gpu-0"))
     await request(cluster, "PATCH", f"{PODS_PATH}/flux-0/status", {"status": {
         "initContainerStatuses": [{"name": "loader", "restartCount": 0,
