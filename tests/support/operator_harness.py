@@ -55,6 +55,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     def _fill_new(self, request: kmock.Request) -> None:
         meta = request.data.setdefault("metadata", {})
         meta.setdefault("namespace", request.namespace)
+        if not meta.get("name") and meta.get("generateName"):  # kopf's Events
+            meta["name"] = f"{meta['generateName']}{uuid.uuid4().hex[:5]}"
         meta["uid"] = str(uuid.uuid4())
         meta["resourceVersion"] = str(next(self._versions))
         meta["generation"] = 1
