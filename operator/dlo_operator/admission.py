@@ -22,22 +22,24 @@ from dlo_operator.host_paths import (
 )
 from dlo_operator.naming import KIND
 from dlo_operator.pod_rules import pod_problems
-from dlo_operator.spec import DeploymentSpec, parse_spec
+from dlo_operator.spec import DEFAULT_LOADER_IMAGE, DeploymentSpec, parse_spec
 
 _JUDGED = ("apiVersion", "kind", "metadata", "spec")
 """What a user writes; the status is the operator's own and `kubectl apply` does not send it."""
 
 
 def admit(document: Mapping[str, Any], *,
-          allowed_host_paths: Sequence[str] = DEFAULT_ALLOWED_HOST_PATHS) -> DeploymentSpec:
-    """The typed spec of `document`, or `SpecError` naming every refused field."""
+          allowed_host_paths: Sequence[str] = DEFAULT_ALLOWED_HOST_PATHS,
+          loader_image: str = DEFAULT_LOADER_IMAGE) -> DeploymentSpec:
+    """The typed spec of `document`, or `SpecError` naming every refused field.
+    `allowed_host_paths` and `loader_image` are the installation's (the chart's values)."""
     judged = {key: _plain(document[key]) for key in _JUDGED if key in document}
     refusals = crd_refusals(judged)
     if refusals:
         raise SpecError("; ".join(refusals),
                         hint=f"fix the fields named; `kubectl explain {KIND.lower()}.spec` "
                         "describes each")
-    spec = parse_spec(judged.get("spec"))
+    spec = parse_spec(judged.get("spec"), default_loader_image=loader_image)
     problems = host_path_problems(host_paths_of(spec), allowed=allowed_host_paths,
                                   user_mounts=user_mount_paths(spec))
     problems += pod_problems(spec)

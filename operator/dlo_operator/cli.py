@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from dlo_operator.errors import OperatorError
-from dlo_operator.render import add_allowed_host_path, allowed_host_paths
+from dlo_operator.render import add_installation_flags, allowed_host_paths
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
 
@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--liveness", default=DEFAULT_LIVENESS, metavar="URL",
                         help="liveness endpoint served by the operator "
                         f"(default {DEFAULT_LIVENESS})")
-    add_allowed_host_path(parser)
+    add_installation_flags(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
         namespaces=list(args.namespace),
         standalone=True,
         liveness_endpoint=args.liveness,
-        memo=kopf.Memo(allowed_host_paths=allowed_host_paths(args)),
+        memo=kopf.Memo(allowed_host_paths=allowed_host_paths(args),
+                       loader_image=args.loader_image),
     )
     return 0

@@ -34,6 +34,7 @@ from dlo_operator.host_paths import DEFAULT_ALLOWED_HOST_PATHS
 from dlo_operator.kube import KubeClient, backoff_delay
 from dlo_operator.manifests import build_children
 from dlo_operator.naming import GROUP, LABEL_DEPLOYMENT, PLURAL, VERSION, Owner
+from dlo_operator.spec import DEFAULT_LOADER_IMAGE
 from dlo_operator.status import (
     APPLIED,
     APPLY_RETRYING,
@@ -137,7 +138,8 @@ def _reconcile(*, body: kopf.Body, name: str, namespace: str, meta: kopf.Meta,
     generation = meta.get("generation")
     retry_in: float | None = None
     try:
-        deployment = admit(body, allowed_host_paths=_allowed_host_paths(memo))
+        deployment = admit(body, allowed_host_paths=_allowed_host_paths(memo),
+                           loader_image=memo.get("loader_image") or DEFAULT_LOADER_IMAGE)
     except SpecError as exc:
         logger.error("spec refused, nothing applied: %s", exc)
         problem: Condition | None = Condition(VALID, FALSE, "SpecInvalid", str(exc))

@@ -14,12 +14,10 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Iterable, Sequence
 
-from dlo_operator.naming import RUN_DIR, SETTINGS_MOUNT
+from dlo_operator.naming import LOADER_TMP, RUN_DIR, SETTINGS_MOUNT, SHM_PATH
 from dlo_operator.spec import DeploymentSpec
 
 DEFAULT_ALLOWED_HOST_PATHS: tuple[str, ...] = ("/var/lib/dlo",)
-LOADER_TMP = "/tmp"
-SHM_PATH = "/dev/shm"
 OWN_MOUNT_PATHS: tuple[str, ...] = (SETTINGS_MOUNT, RUN_DIR, LOADER_TMP, SHM_PATH)
 """Where the operator mounts its own volumes in the containers (settings, entry file, the
 loader's scratch space, shared memory)."""
@@ -80,4 +78,4 @@ def host_paths_of(spec: DeploymentSpec) -> list[tuple[str, str]]:
 
 def user_mount_paths(spec: DeploymentSpec) -> list[str]:
     """Where the user's own volumes are mounted in the inference container."""
-    return [str(m.get("mountPath", "")) for m in getattr(spec.inference, "volume_mounts", ())]
+    return [str(m.get("mountPath", "")) for m in spec.inference.volume_mounts]

@@ -48,6 +48,7 @@ class KubeClient:
         self._api = api_client
         self._core = kubernetes.client.CoreV1Api(api_client)
         self._apps = kubernetes.client.AppsV1Api(api_client)
+        self._policy = kubernetes.client.PolicyV1Api(api_client)
         self._custom = kubernetes.client.CustomObjectsApi(api_client)
 
     @classmethod
@@ -63,11 +64,12 @@ class KubeClient:
         self._api.close()
 
     def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
-        """Server-side apply one child (ConfigMap, Service or StatefulSet)."""
+        """Server-side apply one child (ConfigMap, Service, StatefulSet or PodDisruptionBudget)."""
         patchers: dict[str, Callable[..., Any]] = {
             "ConfigMap": self._core.patch_namespaced_config_map,
             "Service": self._core.patch_namespaced_service,
             "StatefulSet": self._apps.patch_namespaced_stateful_set,
+            "PodDisruptionBudget": self._policy.patch_namespaced_pod_disruption_budget,
         }
         kind = manifest["kind"]
         meta = manifest["metadata"]

@@ -15,16 +15,21 @@ from dlo_operator.naming import (
     INFERENCE_CONTAINER,
     LABEL_POD_INDEX,
     LOADER_CONTAINER,
+    LOADER_TMP,
     RUN_DIR,
     SETTINGS_KEY,
     SETTINGS_MOUNT,
     SETTINGS_PATH,
+    SHM_PATH,
     Owner,
     selector_labels,
 )
 from dlo_operator.spec import DeploymentSpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
+SHM_VOLUME = "dshm"
+OWN_VOLUMES = ("settings", "run", "loader-tmp", "cache", "runtime-cache", SHM_VOLUME)
+"""Volume names the operator uses; a user's `volumes` entry may not reuse one."""
 
 LOADER_SECURITY_CONTEXT: dict[str, Any] = {
     "allowPrivilegeEscalation": False,
@@ -54,8 +59,15 @@ def build_pod_template(owner: Owner, spec: DeploymentSpec,
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [copy.deepcopy(dict(s)) for s in spec.image_pull_secrets]
+    for key, value in (("priorityClassName", spec.priority_class_name),
+                       ("runtimeClassName", spec.runtime_class_name)):
+        if value:
+            pod_spec[key] = value
     return {
-        "metadata": {"labels": selector_labels(owner), "annotations": annotations},
+        "metadata": {"labels": {**spec.pod_labels, **selector_labels(owner)},
+                     "annotations": {**spec.pod_annotations, **annotations}},
         "spec": pod_spec,
     }
 
@@ -82,7 +94,11 @@ def _volumes(owner: Owner, spec: DeploymentSpec) -> list[dict[str, Any]]:
         volumes.append({"name": "runtime-cache", "hostPath": {
             "path": spec.settings.runtime_cache_root, "type": "DirectoryOrCreate",
         }})
-    return volumes
+    shm: dict[str, Any] = {"medium": "Memory"}
+    if spec.shm_size:
+        shm["sizeLimit"] = spec.shm_size
+    volumes.append({"name": SHM_VOLUME, "emptyDir": shm})
+    return volumes + [copy.deepcopy(dict(v)) for v in spec.volumes]
 
 
 def _loader_container(owner: Owner, spec: DeploymentSpec) -> dict[str, Any]:
@@ -111,7 +127,7 @@ def _loader_container(owner: Owner, spec: DeploymentSpec) -> dict[str, Any]:
         "volumeMounts": [
             {"name": "settings", "mountPath": SETTINGS_MOUNT, "readOnly": True},
             {"name": "run", "mountPath": RUN_DIR},
-            {"name": "loader-tmp", "mountPath": "/tmp"},
+            {"name": "loader-tmp", "mountPath": LOADER_TMP},
             {"name": "cache", "mountPath": spec.settings.cache.root},
         ],
     }
@@ -149,6 +165,8 @@ def _inference_container(spec: DeploymentSpec) -> dict[str, Any]:
     ]
     if _runtime_cache_separate(spec):
         mounts.append({"name": "runtime-cache", "mountPath": settings.runtime_cache_root})
+    mounts.append({"name": SHM_VOLUME, "mountPath": SHM_PATH})
+    mounts += [copy.deepcopy(dict(m)) for m in inference.volume_mounts]
     env = [copy.deepcopy(dict(e)) for e in inference.env] + [
         {"name": "DLO_CONFIG", "value": SETTINGS_PATH},
         {"name": "DLO_ENTRY_FILE", "value": ENTRY_FILE},
@@ -160,6 +178,7 @@ def _inference_container(spec: DeploymentSpec) -> dict[str, Any]:
         "imagePullPolicy": inference.image_pull_policy,
         "env": env,
         "resources": _inference_resources(spec),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": mounts,
     }
     if inference.command:
@@ -168,8 +187,11 @@ def _inference_container(spec: DeploymentSpec) -> dict[str, Any]:
         container["args"] = list(inference.args)
     if inference.ports:
         container["ports"] = [copy.deepcopy(dict(p)) for p in inference.ports]
-    if inference.readiness_probe:
-        container["readinessProbe"] = copy.deepcopy(dict(inference.readiness_probe))
+    for key, probe in (("readinessProbe", inference.readiness_probe),
+                       ("startupProbe", inference.startup_probe),
+                       ("livenessProbe", inference.liveness_probe)):
+        if probe:
+            container[key] = copy.deepcopy(dict(probe))
     return container
 
 

@@ -12,7 +12,8 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from dlo_operator.pod import GPU_RESOURCE
+from dlo_operator.naming import Owner, selector_labels
+from dlo_operator.pod import GPU_RESOURCE, OWN_VOLUMES
 from dlo_operator.spec import DeploymentSpec
 
 LOADER_BACKEND_MESSAGE = (
@@ -21,7 +22,9 @@ LOADER_BACKEND_MESSAGE = (
 
 
 def pod_problems(spec: DeploymentSpec) -> list[str]:
-    return [p for p in (_gpu_limit(spec), _ranks(spec), _loader_memory(spec), _backend(spec)) if p]
+    found = (_gpu_limit(spec), _ranks(spec), _loader_memory(spec), _backend(spec),
+             _reserved_labels(spec), _volume_names(spec), _mounts(spec))
+    return [problem for problem in found if problem]
 
 
 def ranks_per_pod(spec: DeploymentSpec) -> int:
@@ -73,6 +76,32 @@ _SUFFIX = {None: Decimal(1), "m": Decimal("0.001"), "k": Decimal(10) ** 3,
            "P": Decimal(10) ** 15, "E": Decimal(10) ** 18, "Ki": Decimal(2) ** 10,
            "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30, "Ti": Decimal(2) ** 40,
            "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60}
+
+
+def _reserved_labels(spec: DeploymentSpec) -> str | None:
+    owned = sorted(set(spec.pod_labels) & set(selector_labels(Owner(name="x", namespace="x"))))
+    if not owned:
+        return None
+    return (f"[pod-labels-reserved] spec.podLabels sets {', '.join(owned)}, which the operator "
+            "uses to select the DOD's pods; remove them")
+
+
+def _volume_names(spec: DeploymentSpec) -> str | None:
+    names = [str(v.get("name", "")) for v in spec.volumes]
+    taken = sorted({n for n in names if n in OWN_VOLUMES or names.count(n) > 1})
+    if not taken:
+        return None
+    return (f"[volume-names] spec.volumes names {', '.join(map(repr, taken))} more than once or "
+            f"as one of the operator's own volumes ({', '.join(OWN_VOLUMES)}); rename them")
+
+
+def _mounts(spec: DeploymentSpec) -> str | None:
+    names = {str(v.get("name", "")) for v in spec.volumes}
+    unknown = sorted({str(m.get("name", "")) for m in spec.inference.volume_mounts} - names)
+    if not unknown:
+        return None
+    return (f"[volume-mounts-known] spec.inference.volumeMounts mounts {', '.join(map(repr, unknown))},"
+            " which spec.volumes does not define; add the volume or remove the mount")
 
 
 def _quantity(value: Any) -> Decimal | None:

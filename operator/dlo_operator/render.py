@@ -20,6 +20,7 @@ import yaml
 from dlo_operator.errors import SpecError
 from dlo_operator.manifests import build_children
 from dlo_operator.naming import API_VERSION, KIND, Owner
+from dlo_operator.spec import DEFAULT_LOADER_IMAGE
 from dlo_operator.admission import admit
 from dlo_operator.host_paths import DEFAULT_ALLOWED_HOST_PATHS
 
@@ -28,21 +29,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", type=Path, help="YAML file with DiffusionOffloadDeployment(s)")
     parser.add_argument("-n", "--namespace", default="default",
                         help="namespace for documents that name none (default: default)")
-    add_allowed_host_path(parser)
+    add_installation_flags(parser)
 
 
-def add_allowed_host_path(parser: argparse.ArgumentParser) -> None:
-    """The host-path allowlist flag, shared with `dlo operator run`."""
+def add_installation_flags(parser: argparse.ArgumentParser) -> None:
+    """What an installation decides (the chart's values), shared with `dlo operator run`."""
     parser.add_argument("--allowed-host-path", action="append", default=[], metavar="DIR",
                         dest="allowed_host_paths",
                         help="a node directory under which cache.hostPath and "
                         "offload.runtimeCacheRoot may lie (repeatable; default "
                         f"{', '.join(DEFAULT_ALLOWED_HOST_PATHS)})")
+    parser.add_argument("--loader-image", default=DEFAULT_LOADER_IMAGE, metavar="IMAGE",
+                        help="loader image of DODs that name none in spec.loader.image "
+                        f"(default {DEFAULT_LOADER_IMAGE})")
 
 
 def run(args: argparse.Namespace) -> int:
     sys.stdout.write(render_file(args.file, namespace=args.namespace,
-                                 allowed_host_paths=allowed_host_paths(args)))
+                                 allowed_host_paths=allowed_host_paths(args),
+                                 loader_image=args.loader_image))
     return 0
 
 
@@ -51,13 +56,14 @@ def allowed_host_paths(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def render_file(path: Path, *, namespace: str = "default",
-                allowed_host_paths: Sequence[str] = DEFAULT_ALLOWED_HOST_PATHS) -> str:
+                allowed_host_paths: Sequence[str] = DEFAULT_ALLOWED_HOST_PATHS,
+                loader_image: str = DEFAULT_LOADER_IMAGE) -> str:
     try:
         documents = list(yaml.safe_load_all(path.read_text()))
     except (OSError, yaml.YAMLError) as exc:
         raise SpecError(f"cannot read {path}: {exc}") from exc
     manifests = [m for doc in documents if doc is not None
-                 for m in render_document(doc, namespace, allowed_host_paths)]
+                 for m in render_document(doc, namespace, allowed_host_paths, loader_image)]
     return yaml.dump_all(manifests, Dumper=_Dumper, sort_keys=False)
 
 
@@ -75,7 +81,7 @@ _Dumper.add_representer(str, _str)
 
 def render_document(document: Any, namespace: str,
                     allowed_host_paths: Sequence[str] = DEFAULT_ALLOWED_HOST_PATHS,
-                    ) -> Iterable[dict[str, Any]]:
+                    loader_image: str = DEFAULT_LOADER_IMAGE) -> Iterable[dict[str, Any]]:
     if not isinstance(document, dict) or (document.get("apiVersion"), document.get("kind")) != (
             API_VERSION, KIND):
         found = document.get("kind") if isinstance(document, dict) else type(document).__name__
@@ -85,7 +91,7 @@ def render_document(document: Any, namespace: str,
     if not owner.name:
         raise SpecError(f"a {KIND} needs metadata.name")
     try:
-        spec = admit(document, allowed_host_paths=allowed_host_paths)
+        spec = admit(document, allowed_host_paths=allowed_host_paths, loader_image=loader_image)
     except SpecError as exc:
         raise SpecError(f"{owner.namespace}/{owner.name}: {exc}", hint=exc.hint) from exc
     return build_children(owner, spec)

@@ -62,6 +62,8 @@ _EMPTY_MEANS_NONE = frozenset({
 """Optional strings: the CRD defaults them to "" (structural schemas have no null default)."""
 
 DEFAULT_LOADER_IMAGE = "dlo-loader:0.1.0"
+"""The loader image when neither the DOD nor the operator (`--loader-image`, the chart's
+`loaderImage`) names one."""
 DEFAULT_LOADER_RESOURCES: dict[str, Any] = {
     "requests": {"cpu": "1", "memory": "2Gi"},
     "limits": {"memory": "4Gi"},
@@ -106,6 +108,20 @@ class InferenceConfig:
     ports: tuple[Mapping[str, Any], ...] = ()
     readiness_probe: Mapping[str, Any] = field(default_factory=dict)
     """Empty means no probe: the pod is Ready once its containers run."""
+    startup_probe: Mapping[str, Any] = field(default_factory=dict)
+    """Holds off the liveness probe while the server maps the cache and warms up."""
+    liveness_probe: Mapping[str, Any] = field(default_factory=dict)
+    volume_mounts: tuple[Mapping[str, Any], ...] = ()
+    """Mounts of the user's `volumes` (core/v1 VolumeMount)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DisruptionBudgetConfig:
+    """An optional PodDisruptionBudget over the workload pods (voluntary evictions, drains)."""
+
+    enabled: bool = False
+    max_unavailable: int | str = 1
+    """Pods that a drain may evict at once: a count or a percentage such as "25%"."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,10 +140,22 @@ class DeploymentSpec:
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
     affinity: Mapping[str, Any] = field(default_factory=dict)
+    image_pull_secrets: tuple[Mapping[str, Any], ...] = ()
+    priority_class_name: str = ""
+    runtime_class_name: str = ""
+    pod_labels: Mapping[str, str] = field(default_factory=dict)
+    pod_annotations: Mapping[str, str] = field(default_factory=dict)
+    volumes: tuple[Mapping[str, Any], ...] = ()
+    """The user's own pod volumes (core/v1 Volume), mounted by `inference.volume_mounts`."""
+    shm_size: str = ""
+    """Size limit of the memory-backed /dev/shm; empty: no limit beyond the pod's memory."""
+    disruption_budget: DisruptionBudgetConfig = field(default_factory=DisruptionBudgetConfig)
 
 
-def parse_spec(spec: Mapping[str, Any] | None) -> DeploymentSpec:
-    """Turn a CR spec into a `DeploymentSpec`; raise `SpecError` with the validator's message."""
+def parse_spec(spec: Mapping[str, Any] | None, *,
+               default_loader_image: str = DEFAULT_LOADER_IMAGE) -> DeploymentSpec:
+    """Turn a CR spec into a `DeploymentSpec`; raise `SpecError` with the validator's message.
+    An empty `loader.image` takes `default_loader_image` (the chart's `loaderImage`)."""
     spec = spec or {}
     settings = _settings(spec)
     replicas = _int(spec, "replicas", 1, minimum=1)
@@ -149,7 +177,7 @@ def parse_spec(spec: Mapping[str, Any] | None) -> DeploymentSpec:
             session_token_key=_get(spec, "model.credentials.sessionTokenKey", "AWS_SESSION_TOKEN"),
         ),
         loader=LoaderPodConfig(
-            image=_get(spec, "loader.image", DEFAULT_LOADER_IMAGE),
+            image=_get(spec, "loader.image", "") or default_loader_image,
             image_pull_policy=_get(spec, "loader.imagePullPolicy", "IfNotPresent"),
             port=_int(spec, "loader.port", DEFAULT_MASTER_PORT, minimum=1),
             resources=_get(spec, "loader.resources", DEFAULT_LOADER_RESOURCES),
@@ -163,12 +191,26 @@ def parse_spec(spec: Mapping[str, Any] | None) -> DeploymentSpec:
             resources=_get(spec, "inference.resources", {}),
             ports=tuple(_get(spec, "inference.ports", ())),
             readiness_probe=_get(spec, "inference.readinessProbe", {}),
+            startup_probe=_get(spec, "inference.startupProbe", {}),
+            liveness_probe=_get(spec, "inference.livenessProbe", {}),
+            volume_mounts=tuple(_get(spec, "inference.volumeMounts", ())),
         ),
         service_account_name=_get(spec, "serviceAccountName", ""),
         automount_service_account_token=bool(_get(spec, "automountServiceAccountToken", False)),
         node_selector=_get(spec, "nodeSelector", {}),
         tolerations=tuple(_get(spec, "tolerations", ())),
         affinity=_get(spec, "affinity", {}),
+        image_pull_secrets=tuple(_get(spec, "imagePullSecrets", ())),
+        priority_class_name=_get(spec, "priorityClassName", ""),
+        runtime_class_name=_get(spec, "runtimeClassName", ""),
+        pod_labels=_get(spec, "podLabels", {}),
+        pod_annotations=_get(spec, "podAnnotations", {}),
+        volumes=tuple(_get(spec, "volumes", ())),
+        shm_size=str(_get(spec, "shmSize", "")),
+        disruption_budget=DisruptionBudgetConfig(
+            enabled=bool(_get(spec, "disruptionBudget.enabled", False)),
+            max_unavailable=_count_or_percent(_get(spec, "disruptionBudget.maxUnavailable", 1)),
+        ),
     )
 
 
@@ -210,6 +252,12 @@ def _get(spec: Mapping[str, Any], dotted: str, default: Any) -> Any:
             return default
         value = value[part]
     return value
+
+
+def _count_or_percent(value: Any) -> int | str:
+    """PodDisruptionBudget's int-or-string: "25%" stays a string, "1" becomes the count 1."""
+    text = str(value)
+    return int(text) if text.isdigit() else text
 
 
 def _int(spec: Mapping[str, Any], dotted: str, default: int, *, minimum: int) -> int:

@@ -27,6 +27,7 @@ NON_DEFAULT = {
     "debug": True,
     "livenessPort": 9090,
     "allowedHostPaths": ["/mnt/nvme/dlo", "/var/lib/dlo"],
+    "loaderImage": {"repository": "registry.example.com/dlo-loader", "tag": "1.2.3"},
     "podAnnotations": {"scrape": "false"},
     "nodeSelector": {"pool": "system"},
     "tolerations": [{"key": "system", "operator": "Exists", "effect": "NoSchedule"}],
@@ -79,6 +80,7 @@ def test_defaults_watch_every_namespace_with_a_cluster_role() -> None:
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["args"] == ["operator", "run", "--all-namespaces",
                                  "--liveness=http://0.0.0.0:8080/healthz",
+                                 "--loader-image=dlo-loader:0.1.0",
                                  "--allowed-host-path=/var/lib/dlo"]
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}
     assert container["resources"]["requests"] == {"cpu": "100m", "memory": "128Mi"}
@@ -98,6 +100,7 @@ def test_watching_namespaces_uses_namespaced_roles_only() -> None:
     args = kinds["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args == ["--debug", "operator", "run", "--namespace=inference", "--namespace=batch",
                     "--liveness=http://0.0.0.0:9090/healthz",
+                    "--loader-image=registry.example.com/dlo-loader:1.2.3",
                     "--allowed-host-path=/mnt/nvme/dlo", "--allowed-host-path=/var/lib/dlo"]
 
 
@@ -113,6 +116,8 @@ def test_operator_command_line_in_the_deployment_is_accepted_by_dlo() -> None:
         assert parsed.all_namespaces == (values is None)
         assert parsed.allowed_host_paths == ((values or {}).get("allowedHostPaths")
                                              or ["/var/lib/dlo"])
+        assert parsed.loader_image == ("dlo-loader:0.1.0" if values is None
+                                       else "registry.example.com/dlo-loader:1.2.3")
 
 
 def test_values_schema_is_closed() -> None:

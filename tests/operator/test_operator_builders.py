@@ -134,7 +134,9 @@ def test_inference_container_gets_contract_c3_and_a_read_only_cache() -> None:
                               "DLO_ENTRY_FILE": "/run/dlo/entry.json",
                               "DLO_CACHE_ROOT": "/var/lib/dlo/cache"}
     assert mounts(inference) == {"settings": ("/etc/dlo", True), "run": ("/run/dlo", True),
-                                 "cache": ("/var/lib/dlo/cache", True)}
+                                 "cache": ("/var/lib/dlo/cache", True),
+                                 "dshm": ("/dev/shm", False)}
+    assert inference["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert inference["resources"] == {"limits": {"memory": "10Gi", "nvidia.com/gpu": "8"}}
 
 
@@ -159,10 +161,12 @@ def test_a_settings_change_changes_the_pod_template() -> None:
 def test_render_prints_the_children_of_every_example(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["render", str(EXAMPLES[0])]) == 0
     documents = list(yaml.safe_load_all(capsys.readouterr().out))
-    assert [d["kind"] for d in documents] == ["ConfigMap", "Service", "StatefulSet"]
+    assert [d["kind"] for d in documents] == ["ConfigMap", "Service", "StatefulSet", "Service",
+                                              "PodDisruptionBudget"]
     assert all("ownerReferences" not in d["metadata"] for d in documents)
     for example in EXAMPLES:
-        assert len(list(yaml.safe_load_all(render_file(example)))) == 3
+        kinds = [d["kind"] for d in yaml.safe_load_all(render_file(example))]
+        assert kinds[:3] == ["ConfigMap", "Service", "StatefulSet"], example.name
 
 
 def test_render_reports_an_invalid_spec_in_one_line(

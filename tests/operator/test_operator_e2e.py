@@ -201,9 +201,8 @@ async def test_delete_leaves_children_to_owner_references(
 
     await eventually(lambda: live(cluster, DOD_RESOURCE, "flux") is None)
     assert all(children(cluster, "flux"))  # the cluster's garbage collector removes them
-    events = [r.data for r in list(cluster) if r.resource is not None
-              and r.resource.plural == "events" and r.method == "POST"]
-    assert any(e.get("reason") == "Deleted" for e in events)
+    deleted = await eventually(lambda: _events(cluster, "Deleted"))  # posted in the background
+    assert deleted[0]["type"] == "Normal"
 
 
 async def test_liveness_endpoint_answers(cluster: ClusterEmulator) -> None:

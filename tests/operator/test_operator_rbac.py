@@ -59,11 +59,14 @@ async def test_the_chart_grants_exactly_the_verbs_the_operator_uses(
     body = {"apiVersion": "dlo.dev/v1alpha1", "kind": "DiffusionOffloadDeployment",
             "metadata": {"name": "flux", "namespace": NAMESPACE},
             "spec": {"model": {"source": "s3://models/flux/"},
-                     "inference": {"image": "server:1"}}}
+                     "inference": {"image": "server:1", "ports": [{"containerPort": 8000}]},
+                     "disruptionBudget": {"enabled": True}}}
     cluster["patch", f"/api/v1/namespaces/{NAMESPACE}/services/flux-peers"][:1] << 503
     await request(cluster, "POST", DOD_PATH, body)
     await eventually(lambda: live(cluster, DOD_RESOURCE, "flux")["status"]["conditions"][1][
         "status"] == "True")  # Applied, once the retried apply went through
+    assert live(cluster, "policy/v1/poddisruptionbudgets", "flux")
+    assert live(cluster, "v1/services", "flux")
     await request(cluster, "POST", PODS_PATH, workload_pod("flux", 0, "gpu-0"))
     await request(cluster, "PATCH", f"{PODS_PATH}/flux-0/status", {"status": {
         "initContainerStatuses": [{"name": "loader", "restartCount": 0,
