@@ -1,4 +1,4 @@
-"""`admit`: the one verdict on a DiffusionOffloadDeployment, shared by the operator and `dlo render`.
+"""`admit`: the one verdict on a DiffusionOffloadDeployment, for the operator and `dlo render`.
 
 In order: what the API server would refuse (`crd_verdict`: unknown fields, schema, CEL rules,
 the name), then the settings validator (`spec.parse_spec`), then the installation's host-path

@@ -114,8 +114,18 @@ def _api_error(what: str, exc: ApiException) -> KubeError | KubeTransientError:
         delay = _retry_after(exc)
         logger.warning("%s; retrying", message)
         return KubeTransientError(message, delay_s=delay)
-    return KubeError(message, status=exc.status,
-                     hint="check the operator's RBAC and the CRD installation")
+    return KubeError(message, status=exc.status, hint=_HINTS.get(
+        exc.status, "check the operator's RBAC and the CRD installation"))
+
+
+_HINTS = {
+    400: "the API server refused a manifest the operator built from the spec; change the field "
+         "the message names",
+    422: "the API server refused a manifest the operator built from the spec; change the field "
+         "the message names",
+    404: "the namespace or the resource kind does not exist; check the namespace and the CRD "
+         "installation",
+}
 
 
 def _status_message(exc: ApiException) -> str:

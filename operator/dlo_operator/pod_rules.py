@@ -100,8 +100,9 @@ def _mounts(spec: DeploymentSpec) -> str | None:
     unknown = sorted({str(m.get("name", "")) for m in spec.inference.volume_mounts} - names)
     if not unknown:
         return None
-    return (f"[volume-mounts-known] spec.inference.volumeMounts mounts {', '.join(map(repr, unknown))},"
-            " which spec.volumes does not define; add the volume or remove the mount")
+    names = ", ".join(map(repr, unknown))
+    return (f"[volume-mounts-known] spec.inference.volumeMounts mounts {names}, which "
+            "spec.volumes does not define; add the volume or remove the mount")
 
 
 def _quantity(value: Any) -> Decimal | None:

@@ -135,8 +135,8 @@ def _conditions(phase: str, reason: str, message: str, ready: int, cached: int, 
     failed = {p.type: p for p in problems}
     valid = failed.get(VALID) or Condition(VALID, TRUE, "SpecValid",
                                            "the spec passed the schema and settings validation")
-    applied = failed.get(APPLIED) or Condition(APPLIED, TRUE, "ChildrenApplied",
-                                               "the ConfigMap, Services and StatefulSet are applied")
+    applied = failed.get(APPLIED) or Condition(
+        APPLIED, TRUE, "ChildrenApplied", "the ConfigMap, Services and StatefulSet are applied")
     loader_trouble = next((t for t in troubles if t.container == LOADER_CONTAINER), None)
     if cached >= replicas:
         cache = Condition("CacheReady", TRUE, "AllNodesCached",

@@ -118,7 +118,8 @@ async def test_invalid_spec_is_reported_and_creates_nothing(
 
 async def test_an_api_error_is_reported_and_retried_with_backoff(
         cluster: ClusterEmulator, operator: Operator) -> None:
-    refused = cluster["patch", f"/api/v1/namespaces/{NAMESPACE}/services/flux-peers"][:2] << 503 << {
+    peers = f"/api/v1/namespaces/{NAMESPACE}/services/flux-peers"
+    refused = cluster["patch", peers][:2] << 503 << {
         "kind": "Status", "code": 503, "message": "etcdserver: leader changed"}
     await request(cluster, "POST", DOD_PATH, dod())
 
