@@ -20,11 +20,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dlo_contract.errors import PermanentError
+from dlo_contract.names import CONFIG_ENV, DEFAULT_CACHE_ROOT, DEFAULT_CONFIG_PATH
 
 SCHEMA_VERSION = 1
-CONFIG_ENV = "DLO_CONFIG"
-DEFAULT_CONFIG_PATH = "/etc/dlo/settings.json"
-DEFAULT_CACHE_ROOT = "/var/lib/dlo/cache"
 MIB = 1 << 20
 GIB = 1 << 30
 

@@ -1,6 +1,7 @@
 """`dlo cache fill`: the init container's command line (contract C2).
 
-Owns flags, the environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), and the outputs
+Owns flags, the environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`; names in
+`dlo_contract.names`), and the outputs
 a pod relies on: the entry file for the main container, and a one-line JSON summary as the last
 line of stdout and in the termination-message file. Settings come from `--config`, else
 `$DLO_CONFIG`, else defaults; each flag overrides one field. Called by `dlo_cli.main`. Must not
@@ -11,24 +12,31 @@ carry request headers.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from dlo_loader.fill import FillRequest, fill
 from dlo_loader.progress import RankPrefixFilter
+from dlo_contract.documents import FillStatus, FillSummary
 from dlo_contract.errors import DloError
-from dlo_contract.settings import CONFIG_ENV, Settings, SettingsError, load_settings, replace_path
+from dlo_contract.names import (
+    CONFIG_ENV,
+    DEFAULT_ENTRY_FILE,
+    DEFAULT_RENDEZVOUS_PORT,
+    DEFAULT_SUMMARY_FILE,
+    ENTRY_FILE_ENV,
+    MASTER_ADDR_ENV,
+    MASTER_PORT_ENV,
+    RANK_ENV,
+    WORLD_SIZE_ENV,
+)
+from dlo_contract.settings import Settings, SettingsError, load_settings, replace_path
 from dlo_contract.validation import validate
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ENTRY_FILE = "/run/dlo/entry.json"
-DEFAULT_SUMMARY_FILE = "/dev/termination-log"
-DEFAULT_MASTER_PORT = 29500
 _QUIET_LOGGERS = ("botocore", "boto3", "urllib3", "s3transfer")
 # flag destination -> settings field it overrides
 _OVERRIDES = {
@@ -53,14 +61,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--readers", type=int, help="concurrent ranged GETs per loader")
     add("--chunk-bytes", type=int, help="bytes per chunk (planning, reads, hashing, exchange)")
     add("--cache-root", help="node cache root (the hostPath)")
-    add("--rank", type=int, help="this loader's rank (default: $RANK, else 0)")
-    add("--world-size", type=int, help="number of loaders (default: $WORLD_SIZE, else 1)")
-    add("--master-addr", help="rank 0's address (default: $MASTER_ADDR)")
-    add("--master-port", type=int, help=f"rank 0's port (default: $MASTER_PORT, else "
-                                         f"{DEFAULT_MASTER_PORT})")
+    add("--rank", type=int, help=f"this loader's rank (default: ${RANK_ENV}, else 0)")
+    add("--world-size", type=int, help=f"number of loaders (default: ${WORLD_SIZE_ENV}, else 1)")
+    add("--master-addr", help=f"rank 0's address (default: ${MASTER_ADDR_ENV})")
+    add("--master-port", type=int, help=f"rank 0's port (default: ${MASTER_PORT_ENV}, else "
+                                         f"{DEFAULT_RENDEZVOUS_PORT})")
     add("--rendezvous-timeout", type=float, metavar="S", help="seconds to wait for all loaders")
     add("--on-rendezvous-timeout", choices=("independent", "fail"))
-    add("--entry-file", default=os.environ.get("DLO_ENTRY_FILE", DEFAULT_ENTRY_FILE),
+    add("--entry-file", default=os.environ.get(ENTRY_FILE_ENV, DEFAULT_ENTRY_FILE),
         help="where to write the entry document (default: %(default)s)")
     add("--summary-file", help=f"termination-message file (default: {DEFAULT_SUMMARY_FILE} "
                                "when it is writable)")
@@ -69,18 +77,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     rank: int | None = None
     try:
-        rank = _int_or(args.rank, "RANK", 0)
-        world_size = _int_or(args.world_size, "WORLD_SIZE", 1)
+        rank = _int_or(args.rank, RANK_ENV, 0)
+        world_size = _int_or(args.world_size, WORLD_SIZE_ENV, 1)
         _install_log_filters(rank, world_size)
         _check_topology(rank, world_size)
         request = FillRequest(
             settings=load_fill_settings(args), rank=rank, world_size=world_size,
-            master_addr=args.master_addr or os.environ.get("MASTER_ADDR"),
-            master_port=_int_or(args.master_port, "MASTER_PORT", DEFAULT_MASTER_PORT),
+            master_addr=args.master_addr or os.environ.get(MASTER_ADDR_ENV),
+            master_port=_int_or(args.master_port, MASTER_PORT_ENV, DEFAULT_RENDEZVOUS_PORT),
             emit=_print_line,
         )
         result = fill(request)
-        _write_atomically(Path(args.entry_file), json.dumps(result.entry_document()) + "\n")
+        _write_atomically(Path(args.entry_file), result.entry_document().to_json() + "\n")
     except Exception as exc:  # every failure becomes the one-line summary and exit status 1
         return _report_failure(args, rank, exc)
     _finish(args, result.summary())
@@ -137,12 +145,12 @@ def _report_failure(args: argparse.Namespace, rank: int | None, exc: Exception) 
     else:
         message = f"{type(exc).__name__}: {message}"
         log.exception("fill failed unexpectedly")
-    _finish(args, {"status": "error", "rank": rank, "error": " ".join(message.split())})
+    _finish(args, FillSummary(status=FillStatus.ERROR, rank=rank, error=" ".join(message.split())))
     return 1
 
 
-def _finish(args: argparse.Namespace, summary: dict[str, Any]) -> None:
-    line = json.dumps(summary)
+def _finish(args: argparse.Namespace, summary: FillSummary) -> None:
+    line = summary.to_json()
     target = args.summary_file
     if target is None and os.access(DEFAULT_SUMMARY_FILE, os.W_OK):
         target = DEFAULT_SUMMARY_FILE

@@ -1,8 +1,8 @@
 """`build_configmap`: the normalized settings document every container of the pod mounts.
 
 The document is `Settings.to_json()` of the validated settings, so the loader and the runtime read
-exactly what the operator accepted (contract C3: key `settings.json`, mounted at
-`/etc/dlo/settings.json`). Pure; called by `manifests`.
+exactly what the operator accepted (contract C3: key `names.SETTINGS_FILE`, mounted at
+`names.DEFAULT_CONFIG_PATH`). Pure; called by `manifests`.
 """
 
 from __future__ import annotations

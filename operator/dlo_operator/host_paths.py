@@ -14,7 +14,8 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Iterable, Sequence
 
-from dlo_operator.naming import LOADER_TMP, RUN_DIR, SETTINGS_MOUNT, SHM_PATH
+from dlo_contract.names import RUN_DIR, SETTINGS_MOUNT
+from dlo_operator.naming import LOADER_TMP, SHM_PATH
 from dlo_operator.spec import DeploymentSpec
 
 DEFAULT_ALLOWED_HOST_PATHS: tuple[str, ...] = ("/var/lib/dlo",)

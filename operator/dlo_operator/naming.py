@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dlo_contract.names import SETTINGS_FILE
+
 GROUP = "dlo.dev"
 VERSION = "v1alpha1"
 KIND = "DiffusionOffloadDeployment"
@@ -32,13 +34,11 @@ LABEL_POD_INDEX = "apps.kubernetes.io/pod-index"
 ANNOTATION_SETTINGS_HASH = f"{GROUP}/settings-sha256"
 """On the pod template: changes with the settings document, so an update rolls the pods."""
 
-SETTINGS_MOUNT = "/etc/dlo"
-SETTINGS_KEY = "settings.json"
-SETTINGS_PATH = f"{SETTINGS_MOUNT}/{SETTINGS_KEY}"
-RUN_DIR = "/run/dlo"
+SETTINGS_KEY = SETTINGS_FILE
+"""The settings ConfigMap's key, mounted at `DEFAULT_CONFIG_PATH`."""
 LOADER_TMP = "/tmp"
+"""The loader's scratch space (an emptyDir: its root filesystem is read-only)."""
 SHM_PATH = "/dev/shm"
-ENTRY_FILE = f"{RUN_DIR}/entry.json"
 LOADER_CONTAINER = "loader"
 INFERENCE_CONTAINER = "inference"
 

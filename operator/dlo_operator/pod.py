@@ -10,16 +10,24 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from dlo_contract.names import (
+    CONFIG_ENV,
+    DEFAULT_CONFIG_PATH,
+    DEFAULT_ENTRY_FILE,
+    ENTRY_FILE_ENV,
+    MASTER_ADDR_ENV,
+    MASTER_PORT_ENV,
+    RANK_ENV,
+    RUN_DIR,
+    SETTINGS_MOUNT,
+    WORLD_SIZE_ENV,
+)
 from dlo_operator.naming import (
-    ENTRY_FILE,
     INFERENCE_CONTAINER,
     LABEL_POD_INDEX,
     LOADER_CONTAINER,
     LOADER_TMP,
-    RUN_DIR,
     SETTINGS_KEY,
-    SETTINGS_MOUNT,
-    SETTINGS_PATH,
     SHM_PATH,
     Owner,
     selector_labels,
@@ -104,13 +112,13 @@ def _volumes(owner: Owner, spec: DeploymentSpec) -> list[dict[str, Any]]:
 def _loader_container(owner: Owner, spec: DeploymentSpec) -> dict[str, Any]:
     """Contract C2: `dlo cache fill` with rank, world and rendezvous from the environment."""
     env: list[dict[str, Any]] = [
-        {"name": "RANK", "valueFrom": {"fieldRef": {
+        {"name": RANK_ENV, "valueFrom": {"fieldRef": {
             "fieldPath": f"metadata.labels['{LABEL_POD_INDEX}']",
         }}},
-        {"name": "WORLD_SIZE", "value": str(spec.replicas)},
-        {"name": "MASTER_ADDR", "value": owner.master_addr()},
-        {"name": "MASTER_PORT", "value": str(spec.loader.port)},
-        {"name": "DLO_CONFIG", "value": SETTINGS_PATH},
+        {"name": WORLD_SIZE_ENV, "value": str(spec.replicas)},
+        {"name": MASTER_ADDR_ENV, "value": owner.master_addr()},
+        {"name": MASTER_PORT_ENV, "value": str(spec.loader.port)},
+        {"name": CONFIG_ENV, "value": DEFAULT_CONFIG_PATH},
     ]
     env += _credential_env(spec)
     return {
@@ -118,7 +126,7 @@ def _loader_container(owner: Owner, spec: DeploymentSpec) -> dict[str, Any]:
         "image": spec.loader.image,
         "imagePullPolicy": spec.loader.image_pull_policy,
         "command": ["dlo", "cache", "fill"],
-        "args": ["--config", SETTINGS_PATH, "--entry-file", ENTRY_FILE],
+        "args": ["--config", DEFAULT_CONFIG_PATH, "--entry-file", DEFAULT_ENTRY_FILE],
         "env": env,
         "ports": [{"name": "rendezvous", "containerPort": spec.loader.port, "protocol": "TCP"}],
         "resources": copy.deepcopy(dict(spec.loader.resources)),
@@ -153,7 +161,7 @@ def _credential_env(spec: DeploymentSpec) -> list[dict[str, Any]]:
 
 
 def _inference_container(spec: DeploymentSpec) -> dict[str, Any]:
-    """Contract C3: settings, entry file and cache root in `DLO_*`; the cache is read-only
+    """Contract C3: settings and entry file in `DLO_*` (the entry file names the cache root); the cache is read-only
     unless the runtime cache publishes entries from this container."""
     inference = spec.inference
     settings = spec.settings
@@ -168,9 +176,8 @@ def _inference_container(spec: DeploymentSpec) -> dict[str, Any]:
     mounts.append({"name": SHM_VOLUME, "mountPath": SHM_PATH})
     mounts += [copy.deepcopy(dict(m)) for m in inference.volume_mounts]
     env = [copy.deepcopy(dict(e)) for e in inference.env] + [
-        {"name": "DLO_CONFIG", "value": SETTINGS_PATH},
-        {"name": "DLO_ENTRY_FILE", "value": ENTRY_FILE},
-        {"name": "DLO_CACHE_ROOT", "value": settings.cache.root},
+        {"name": CONFIG_ENV, "value": DEFAULT_CONFIG_PATH},
+        {"name": ENTRY_FILE_ENV, "value": DEFAULT_ENTRY_FILE},
     ]
     container: dict[str, Any] = {
         "name": INFERENCE_CONTAINER,

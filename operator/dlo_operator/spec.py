@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dlo_operator.errors import SpecError
+from dlo_contract.names import DEFAULT_RENDEZVOUS_PORT
 from dlo_contract.settings import Settings, SettingsError
 from dlo_contract.validation import validate
 
@@ -69,7 +70,6 @@ DEFAULT_LOADER_RESOURCES: dict[str, Any] = {
     "limits": {"memory": "4Gi"},
 }
 """Room for the loader's chunk buffers (`loader.memoryLimitBytes`, 1 GiB by default) plus torch."""
-DEFAULT_MASTER_PORT = 29500
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,7 +90,7 @@ class LoaderPodConfig:
 
     image: str = DEFAULT_LOADER_IMAGE
     image_pull_policy: str = "IfNotPresent"
-    port: int = DEFAULT_MASTER_PORT
+    port: int = DEFAULT_RENDEZVOUS_PORT
     """TCP port of the torch.distributed rendezvous on pod 0."""
     resources: Mapping[str, Any] = field(default_factory=lambda: dict(DEFAULT_LOADER_RESOURCES))
 
@@ -179,7 +179,7 @@ def parse_spec(spec: Mapping[str, Any] | None, *,
         loader=LoaderPodConfig(
             image=_get(spec, "loader.image", "") or default_loader_image,
             image_pull_policy=_get(spec, "loader.imagePullPolicy", "IfNotPresent"),
-            port=_int(spec, "loader.port", DEFAULT_MASTER_PORT, minimum=1),
+            port=_int(spec, "loader.port", DEFAULT_RENDEZVOUS_PORT, minimum=1),
             resources=_get(spec, "loader.resources", DEFAULT_LOADER_RESOURCES),
         ),
         inference=InferenceConfig(

@@ -20,10 +20,10 @@ The `Ready` condition carries the reason and message of the phase, so `kubectl w
 from __future__ import annotations
 
 import enum
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from dlo_contract.documents import DocumentError, FillSummary
 from dlo_operator.conditions import FALSE, TRUE, Condition, merge_conditions
 from dlo_operator.naming import LABEL_POD_INDEX, LOADER_CONTAINER
 from dlo_operator.pod_troubles import Trouble, TroubleReason, pod_troubles
@@ -68,11 +68,11 @@ def node_entry(pod: Mapping[str, Any]) -> dict[str, Any]:
     }
     if message:
         entry["message"] = message
-    for key, name in (("entry_id", "entryId"), ("mode", "mode"),
-                      ("bytes_from_store", "bytesFromStore"),
-                      ("bytes_from_peers", "bytesFromPeers"), ("seconds", "seconds")):
-        if key in summary:
-            entry[name] = summary[key]
+    if summary is not None:
+        figures = {"entryId": summary.entry_id, "mode": summary.mode,
+                   "bytesFromStore": summary.bytes_from_store,
+                   "bytesFromPeers": summary.bytes_from_peers, "seconds": summary.seconds}
+        entry.update((name, value) for name, value in figures.items() if value is not None)
     return entry
 
 
@@ -160,10 +160,12 @@ def _conditions(phase: str, reason: str, message: str, ready: int, cached: int, 
     return [valid, applied, cache, available, progressing, ready_condition]
 
 
-def _loader_state(loader: Mapping[str, Any] | None) -> tuple[LoaderState, str, dict[str, Any]]:
-    """State, one-line message and parsed C2 summary of the loader container status."""
+def _loader_state(
+    loader: Mapping[str, Any] | None,
+) -> tuple[LoaderState, str, FillSummary | None]:
+    """State, one-line message and parsed fill summary of the loader container status."""
     if not loader:
-        return LoaderState.WAITING, "", {}
+        return LoaderState.WAITING, "", None
     state = loader.get("state") or {}
     if "terminated" in state:
         term = state["terminated"] or {}
@@ -172,31 +174,30 @@ def _loader_state(loader: Mapping[str, Any] | None) -> tuple[LoaderState, str, d
             return LoaderState.CACHED, "", summary
         return LoaderState.FAILED, _failure_text(term, summary), summary
     if "running" in state:
-        return LoaderState.RUNNING, "", {}
+        return LoaderState.RUNNING, "", None
     waiting = state.get("waiting") or {}
     if waiting.get("reason") in _FAILING_WAIT_REASONS:
         last = (loader.get("lastState") or {}).get("terminated") or {}
         detail = _failure_text(last, _summary(last.get("message"))) if last else (
             waiting.get("message") or "")
-        return LoaderState.FAILED, f"{waiting['reason']}: {detail}".strip(": "), {}
-    return LoaderState.WAITING, "", {}
+        return LoaderState.FAILED, f"{waiting['reason']}: {detail}".strip(": "), None
+    return LoaderState.WAITING, "", None
 
 
-def _failure_text(term: Mapping[str, Any], summary: Mapping[str, Any]) -> str:
-    if summary.get("status") == "error" and summary.get("error"):
-        return str(summary["error"])[:_MESSAGE_LIMIT]
+def _failure_text(term: Mapping[str, Any], summary: FillSummary | None) -> str:
+    if summary is not None and not summary.ok and summary.error:
+        return summary.error[:_MESSAGE_LIMIT]
     text = _last_line(term.get("message"))
     return text or f"exit code {term.get('exitCode')} ({term.get('reason', 'Error')})"
 
 
-def _summary(message: Any) -> dict[str, Any]:
-    """The loader's one-line JSON summary; anything else (a log tail) parses to {}."""
+def _summary(message: Any) -> FillSummary | None:
+    """The loader's one-line fill summary; anything else (a log tail) is None."""
     line = _last_line(message)
     try:
-        data = json.loads(line) if line else {}
-    except json.JSONDecodeError:
-        return {}
-    return data if isinstance(data, dict) else {}
+        return FillSummary.from_json(line) if line else None
+    except DocumentError:
+        return None
 
 
 def _last_line(message: Any) -> str:

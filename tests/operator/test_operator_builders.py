@@ -131,8 +131,7 @@ def test_inference_container_gets_contract_c3_and_a_read_only_cache() -> None:
         "image": "server:1", "env": [{"name": "A", "value": "1"}],
         "resources": {"limits": {"memory": "10Gi"}}}}))
     assert env(inference) == {"A": "1", "DLO_CONFIG": "/etc/dlo/settings.json",
-                              "DLO_ENTRY_FILE": "/run/dlo/entry.json",
-                              "DLO_CACHE_ROOT": "/var/lib/dlo/cache"}
+                              "DLO_ENTRY_FILE": "/run/dlo/entry.json"}
     assert mounts(inference) == {"settings": ("/etc/dlo", True), "run": ("/run/dlo", True),
                                  "cache": ("/var/lib/dlo/cache", True),
                                  "dshm": ("/dev/shm", False)}

@@ -116,17 +116,6 @@ def test_settings_are_frozen() -> None:
         Settings().quantization = "x"  # type: ignore[misc]
 
 
-def test_contract_modules_import_without_torch_boto3_kopf() -> None:
-    code = (
-        "import sys\n"
-        "for name in ('torch', 'boto3', 'kopf'): sys.modules[name] = None\n"
-        "import dlo_contract.settings, dlo_contract.validation, dlo_contract.errors, dlo_cli.main\n"
-        "print('ok')\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "ok"
-
-
 def test_document_is_plain_json() -> None:
     data = json.loads(_custom().to_json())
     assert data["loader"]["include"] == ["transformer/*"]
