@@ -149,8 +149,8 @@ def crd_refusals(document: dict[str, Any]) -> list[str]:
     schema = root_schema(load_crd())
     unknown = unknown_fields(schema, document)
     if unknown:
-        return [f"{path[1:]}: unknown field (not in the {document.get('kind')} schema; "
-                "see `kubectl explain dod.spec`)" for path in unknown]
+        return [f"{path[1:]}: unknown field (not in the {document.get('kind')} schema)"
+                for path in unknown]
     defaulted = apply_defaults(schema, document)
     validator = jsonschema.Draft4Validator(schema)
     refusals = [_schema_refusal(error)
