@@ -2,7 +2,8 @@
 
 The document is `Settings.to_json()` of the validated settings, so the loader and the runtime read
 exactly what the operator accepted (contract C3: key `names.SETTINGS_FILE`, mounted at
-`names.DEFAULT_CONFIG_PATH`). Pure; called by `manifests`.
+`names.DEFAULT_CONFIG_PATH`). Its `origin` names the DOD, so that a reader's error names the CR's
+fields as the user wrote them. Pure; called by `manifests`.
 """
 
 from __future__ import annotations
@@ -10,17 +11,18 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from dlo_operator.naming import SETTINGS_KEY, Owner, child_metadata
+from dlo_operator.naming import KIND, SETTINGS_KEY, Owner, child_metadata
 from dlo_operator.spec import DeploymentSpec
 
 
-def settings_document(spec: DeploymentSpec) -> str:
-    return spec.settings.to_json()
+def settings_document(owner: Owner, spec: DeploymentSpec) -> str:
+    origin = f"{KIND} {owner.namespace}/{owner.name}"
+    return spec.settings.model_copy(update={"origin": origin}).to_json()
 
 
-def settings_hash(spec: DeploymentSpec) -> str:
+def settings_hash(owner: Owner, spec: DeploymentSpec) -> str:
     """SHA-256 of the document; the pod template carries it so a settings change rolls pods."""
-    return hashlib.sha256(settings_document(spec).encode()).hexdigest()
+    return hashlib.sha256(settings_document(owner, spec).encode()).hexdigest()
 
 
 def build_configmap(owner: Owner, spec: DeploymentSpec) -> dict[str, Any]:
@@ -28,5 +30,5 @@ def build_configmap(owner: Owner, spec: DeploymentSpec) -> dict[str, Any]:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": child_metadata(owner, owner.configmap_name),
-        "data": {SETTINGS_KEY: settings_document(spec)},
+        "data": {SETTINGS_KEY: settings_document(owner, spec)},
     }

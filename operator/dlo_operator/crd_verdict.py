@@ -8,17 +8,16 @@ It returns one message per refusal, so that `dlo render` refuses what the cluste
 operator reports it with the same words. Called by `admission`; the tests use it as their model
 of the API server. It must not talk to the cluster.
 
-The CRD is read from `$DLO_CRD` (the operator image sets it), else from the repository's `crds/`.
+The CRD is the one `make generate` writes to `crds/`, built in process from the contract's
+declarations (`dlo_contract.generate.crd_text`), so an installed operator needs no file.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import os
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import celpy
@@ -26,29 +25,16 @@ import jsonschema
 import yaml
 from celpy import celtypes
 
-from dlo_operator.errors import SpecError
+from dlo_contract.generate import CRD_NAME, crd_text
 
-CRD_ENV = "DLO_CRD"
-CRD_FILE = "dlo.dev_diffusionoffloaddeployments.yaml"
+CRD_FILE = CRD_NAME
 _RULE_ID = re.compile(r"^\[([a-z0-9-]+)\] ")
 _SELF_PATH = re.compile(r"self((?:\.[A-Za-z]+)+)")
 
 
-def crd_path() -> Path:
-    configured = os.environ.get(CRD_ENV)
-    if configured:
-        return Path(configured)
-    return Path(__file__).resolve().parents[2] / "crds" / CRD_FILE
-
-
 @functools.cache
 def load_crd() -> dict[str, Any]:
-    path = crd_path()
-    try:
-        return yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise SpecError(f"cannot read the CRD {path}: {exc.strerror}",
-                        hint=f"set {CRD_ENV} to the path of crds/{CRD_FILE}") from exc
+    return yaml.safe_load(crd_text())
 
 
 def root_schema(crd: dict[str, Any]) -> dict[str, Any]:

@@ -21,7 +21,13 @@ def build_disruption_budget(owner: Owner, spec: DeploymentSpec) -> dict[str, Any
         "kind": "PodDisruptionBudget",
         "metadata": child_metadata(owner, owner.disruption_budget_name),
         "spec": {
-            "maxUnavailable": spec.disruption_budget.max_unavailable,
+            "maxUnavailable": _count_or_percent(spec.disruption_budget.max_unavailable),
             "selector": {"matchLabels": selector_labels(owner)},
         },
     }
+
+
+def _count_or_percent(value: str) -> int | str:
+    """The API's int-or-string: "25%" stays a string, "1" becomes the count 1 (a string that is
+    not a percentage is refused)."""
+    return int(value) if value.isdigit() else value

@@ -14,7 +14,7 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Iterable, Sequence
 
-from dlo_contract.names import RUN_DIR, SETTINGS_MOUNT
+from dlo_contract.names import DEFAULT_CACHE_ROOT, RUN_DIR, SETTINGS_MOUNT
 from dlo_operator.naming import LOADER_TMP, SHM_PATH
 from dlo_operator.spec import DeploymentSpec
 
@@ -47,7 +47,7 @@ def host_path_problems(paths: Sequence[tuple[str, str]], *, allowed: Sequence[st
         if not normalized(path):
             problems.append(
                 f"spec.{field}={path!r} must be an absolute, normalized path "
-                f"(e.g. {posixpath.normpath('/' + path.strip('/')) or '/var/lib/dlo/cache'!r})")
+                f"(e.g. {DEFAULT_CACHE_ROOT!r})")
             continue
         if not any(within(path, root) for root in allowed):
             problems.append(

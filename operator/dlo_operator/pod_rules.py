@@ -17,8 +17,8 @@ from dlo_operator.pod import GPU_RESOURCE, OWN_VOLUMES
 from dlo_operator.spec import DeploymentSpec
 
 LOADER_BACKEND_MESSAGE = (
-    "[loader-backend-gloo] loader.backend=nccl needs a GPU, but the loader is a CPU-only init "
-    "container; set loader.backend=gloo")
+    "[loader-backend-gloo] spec.loader.backend=nccl needs a GPU, but the loader is a CPU-only "
+    "init container; fix: set spec.loader.backend=gloo")
 
 
 def pod_problems(spec: DeploymentSpec) -> list[str]:

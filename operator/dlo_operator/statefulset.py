@@ -16,7 +16,7 @@ from dlo_operator.spec import DeploymentSpec
 
 
 def build_statefulset(owner: Owner, spec: DeploymentSpec) -> dict[str, Any]:
-    template = build_pod_template(owner, spec, {ANNOTATION_SETTINGS_HASH: settings_hash(spec)})
+    template = build_pod_template(owner, spec, {ANNOTATION_SETTINGS_HASH: settings_hash(owner, spec)})
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",

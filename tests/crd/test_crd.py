@@ -9,9 +9,16 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from support.crd_schema import EXAMPLES, apply_defaults, load_crd, root_schema, unknown_fields
+from support.crd_schema import (
+    CRD_PATH,
+    EXAMPLES,
+    apply_defaults,
+    load_crd,
+    root_schema,
+    unknown_fields,
+)
 
-from dlo_operator.spec import SETTINGS_FIELDS, parse_spec, settings_from_spec
+from dlo_operator.spec import CR_LEAVES, parse_spec, settings_from_spec
 from dlo_contract.settings import Settings
 from dlo_contract.validation import range_errors
 
@@ -69,10 +76,10 @@ def test_crd_defaults_are_the_operator_defaults() -> None:
         {"loader": {"source": "s3://models/m/"}})
 
 
-def test_every_settings_field_has_its_place_in_the_schema() -> None:
-    for cr_path, _ in SETTINGS_FIELDS:
+def test_every_declared_field_has_its_place_in_the_schema() -> None:
+    for leaf in CR_LEAVES:
         node = SPEC_SCHEMA
-        for part in cr_path.split("."):
+        for part in leaf.meta.crd.split("."):
             node = node["properties"][part]
         assert node["description"]
 
@@ -106,3 +113,7 @@ def test_schema_bounds_reject_what_the_validator_rejects(cr_path: str, value: An
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft4Validator(SPEC_SCHEMA).validate(spec)
     assert range_errors(settings_from_spec(spec))
+
+
+def test_the_crd_render_and_the_operator_judge_by_is_the_installed_one() -> None:
+    assert load_crd() == yaml.safe_load(CRD_PATH.read_text())

@@ -52,7 +52,8 @@ def test_configmap_holds_the_normalized_settings_document() -> None:
     spec = parse_spec({**MINIMAL, "offload": {"layerwiseCpuOffload": True}})
     configmap = build_children(OWNER, spec)[0]
     document = json.loads(configmap["data"]["settings.json"])
-    assert document == spec.settings.to_dict()
+    assert document == {**spec.settings.to_dict(),
+                        "origin": f"DiffusionOffloadDeployment {OWNER.namespace}/{OWNER.name}"}
     assert document["offload"]["layerwise_cpu_offload"] is False
 
 
@@ -179,7 +180,8 @@ def test_render_reports_an_invalid_spec_in_one_line(
     assert cli.main(["render", str(path)]) == 1
     assert capsys.readouterr().err == (
         "dlo: error: default/bad: spec.parallel.hsdp: [hsdp-with-dp-or-tp] HSDP cannot combine "
-        "with parallel.dp > 1 or parallel.tp > 1; set both to 1, or parallel.hsdp=false "
+        "with spec.parallel.dp > 1 or spec.parallel.tp > 1; fix: set spec.parallel.dp=1 and "
+        "spec.parallel.tp=1, or spec.parallel.hsdp=false "
         "(hint: fix the fields named; `kubectl explain diffusionoffloaddeployment.spec` "
         "describes each)\n")
 

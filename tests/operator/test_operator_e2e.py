@@ -104,7 +104,8 @@ async def test_invalid_spec_is_reported_and_creates_nothing(
     status = await eventually(lambda: live(cluster, DOD_RESOURCE, "flux")["status"])
     assert status["phase"] == "Failed"
     message = ("spec.parallel.hsdp: [hsdp-allgather] HSDP with DLO AllGather would shard "
-               "parameters twice; set offload.useAllgather=false")
+               "parameters twice; fix: set spec.offload.useAllgather=false (HSDP then keeps "
+               "rank-local tensors)")
     assert condition(status, "Valid") | {"lastTransitionTime": None} == {
         "type": "Valid", "status": "False", "reason": "SpecInvalid", "lastTransitionTime": None,
         "observedGeneration": 1, "message": message}

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
 
+import pydantic
 import pytest
 
 from dlo_contract.settings import (
@@ -112,7 +112,7 @@ def test_replace_path_checks_the_new_value() -> None:
 
 
 def test_settings_are_frozen() -> None:
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
         Settings().quantization = "x"  # type: ignore[misc]
 
 
