@@ -8,7 +8,7 @@ SHELL := /bin/bash
 # Benchmarks print a report and end with one JSON line, which is kept in bench/results/.
 LAST_LINE_TO = | tee /dev/stderr | tail -n 1 | python3 -m json.tool >
 
-.PHONY: demo test test-fast generate check-generated bench-loader bench-runtime bench-cluster lock clean
+.PHONY: demo test test-fast generate check-generated bench-loader bench-runtime bench-cluster bench-scale lock clean
 
 $(STAMP): requirements.lock pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -48,8 +48,14 @@ bench-runtime: $(STAMP)
 bench-loader: $(STAMP) $(MINISTACK_VENV)/.installed
 	set -o pipefail; $(VENV)/bin/dlo bench loader --json --ministack $(MINISTACK_VENV)/bin/ministack $(LAST_LINE_TO) bench/results/loader.json
 
+# Namespaces and shaped links (root, iproute2): N = 2..8 at peer/store 10x and 40x; then the scale
+# model, fed with what this run and bench-loader measured.
 bench-cluster: $(STAMP) $(MINISTACK_VENV)/.installed
 	$(VENV)/bin/dlo bench cluster --json --ministack $(MINISTACK_VENV)/bin/ministack --out bench/results
+	$(MAKE) bench-scale
+
+bench-scale: $(STAMP)
+	$(VENV)/bin/python -m dlo_bench.scale_model --results bench/results
 
 # Re-pin after changing requirements.in: resolves in a scratch venv and writes the lock.
 lock:

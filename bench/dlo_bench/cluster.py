@@ -48,14 +48,16 @@ class ClusterBenchError(PermanentError):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nodes", default="2,3,4",
+    parser.add_argument("--nodes", default="2,3,4,5,6,7,8",
                         help="comma-separated node counts to run (default: %(default)s)")
     parser.add_argument("--modes", default=",".join(cluster_report.MODES),
                         help="comma-separated loader modes (default: %(default)s)")
     parser.add_argument("--store-mbit", type=float, default=50.0,
                         help="each node's link to the object store, Mbit/s (default: %(default)s)")
-    parser.add_argument("--peer-mbit", type=float, default=2000.0,
-                        help="each node's link to the other nodes, Mbit/s (default: %(default)s)")
+    parser.add_argument("--peer-ratios", default="10,40",
+                        help="comma-separated peer/store link ratios, each a run of its own: 10 "
+                             "is what clusters have, 40 the flattering one (default: "
+                             "%(default)s)")
     parser.add_argument("--head-dim", type=int, default=384,
                         help="width of the generated Flux model; 384 gives ~143 MB in bfloat16")
     parser.add_argument("--chunk-bytes", type=int, default=2 * MIB,
@@ -80,20 +82,29 @@ def run(args: argparse.Namespace) -> int:
         raise ClusterBenchError(f"--nodes {args.nodes!r} / --modes {args.modes!r} invalid",
                                 hint="node counts >= 1; modes from "
                                      + ", ".join(cluster_report.MODES))
-    links = netns.LinkConfig(store_mbit=args.store_mbit, peer_mbit=args.peer_mbit)
+    ratios = [r.strip() for r in args.peer_ratios.split(",") if r.strip()]
+    reports = {}
     try:
         reason = netns.unavailable_reason()
         if reason is not None:
             raise netns.NetnsUnavailable(reason)
-        report = _measure(args, nodes, modes, links)
+        for ratio in ratios:
+            links = netns.LinkConfig(store_mbit=args.store_mbit,
+                                     peer_mbit=args.store_mbit * float(ratio))
+            reports[ratio] = _measure(args, nodes, modes, links)
+            print(f"peer/store {ratio}x:")
+            print("\n".join(cluster_report.format_table(reports[ratio])))
     except netns.NetnsUnavailable as exc:
         return _skip(str(exc), as_json=args.json)
-    print("\n".join(cluster_report.format_table(report)))
+    report = {"benchmark": "cluster", "peer_ratios": ratios, "by_peer_ratio": reports}
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "cluster.json").write_text(json.dumps(report, indent=2) + "\n")
-        cluster_report.plot(report, args.out / "cluster.png")
-        print(f"wrote {args.out / 'cluster.json'} and {args.out / 'cluster.png'}")
+        for ratio, one in reports.items():
+            name = "cluster.png" if ratio == ratios[0] else f"cluster-{ratio}x.png"
+            cluster_report.plot(one, args.out / name)
+            print(f"wrote {args.out / name}")
+        print(f"wrote {args.out / 'cluster.json'}")
     if args.json:
         print(json.dumps(report, separators=(",", ":")))
     return 0
@@ -300,4 +311,5 @@ def _check_rank(root: Path, rank: int, code: int, mode: str, digests: dict[str, 
         bytes_from_peers=int(summary["bytes_from_peers"]),
         bytes_to_peers=int(summary["bytes_to_peers"]),
         wire_from_store=traffic.from_store, wire_from_peers=traffic.from_peers,
+        stage_seconds=dict(summary.get("stage_seconds", {})),
     )

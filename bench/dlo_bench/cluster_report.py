@@ -20,13 +20,13 @@ nodes, are no part of it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 MODES = ("multi-reader", "single-reader", "independent")
-GOAL_NODES = 4
-GOAL_TO_BOUND = 1.3
+GOAL_NODES = 8
+GOAL_TO_BOUND = 1.2
 """At GOAL_NODES, multi-reader fill time at most this multiple of the bound."""
 GOAL_TO_INDEPENDENT = 0.4
 """At GOAL_NODES, multi-reader fill time below this fraction of independent fill time."""
@@ -43,6 +43,8 @@ class RankResult:
     bytes_to_peers: int
     wire_from_store: int
     wire_from_peers: int
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    """Where the rank's time went (the summary's `stage_seconds`: GET, digest, write, exchange)."""
 
 
 @dataclass(frozen=True, kw_only=True)

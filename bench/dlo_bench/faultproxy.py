@@ -4,8 +4,9 @@ Owns the evidence for the loader's claims: every object read (a GET with a `Rang
 passes through is counted in bytes actually sent to the client, so a test can check how many
 object-store bytes each loader rank read without trusting the loader (one proxy per rank). A
 `FaultPlan` turns chosen object reads into the failures real object stores produce: 503 SlowDown,
-500 InternalError, a connection reset in the middle of the body, and a truncated body (a short
-but well-formed response); it can also slow every read down. Listing and other requests pass
+500 InternalError, a connection reset in the middle of the body, a truncated body (a short
+but well-formed response) and a stall (half the body, then silence for `stall_s`); it can also
+slow every read down, and act as a store that ignores `If-Match` (`ignore_if_match`). Listing and other requests pass
 through untouched.
 
 Runs in threads of the calling process (`with FaultProxy(upstream) as proxy: proxy.url`). Used by
@@ -25,6 +26,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 FAULT_KINDS = ("slowdown", "internal", "reset", "truncate")
+"""Faults a retry recovers from quickly; `stall` (below) waits out the client's stall timeout."""
+STALL = "stall"
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te",
                "trailer", "upgrade", "content-length"}
 _ERROR_BODIES = {
@@ -43,9 +46,13 @@ class FaultPlan:
     every: int = 1
     limit: int | None = None
     delay_s: float = 0.0
+    stall_s: float = 30.0
+    """How long a `stall` fault holds the connection silent after half the body."""
+    ignore_if_match: bool = False
+    """Drop `If-Match` before the server sees it (stores that do not implement it)."""
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.kinds) - set(FAULT_KINDS))
+        unknown = sorted(set(self.kinds) - {*FAULT_KINDS, STALL})
         if unknown or self.every < 1:
             raise ValueError(f"FaultPlan kinds must be among {FAULT_KINDS} and every >= 1; "
                              f"got kinds={self.kinds}, every={self.every}")
@@ -149,13 +156,20 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         if fault == "reset":
             self._reset_after(payload[: len(payload) // 2])
             return
+        if fault == STALL:
+            self.wfile.write(payload[: len(payload) // 2])
+            self.wfile.flush()
+            time.sleep(self.owner.plan.stall_s)
+            self.close_connection = True
+            return
         if self.command != "HEAD":
             self.wfile.write(payload)
         if is_object_read:
             self.owner._count(len(payload))
 
     def _upstream_call(self, body: bytes | None) -> tuple[int, str, list[tuple[str, str]], bytes]:
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+        dropped = _HOP_BY_HOP | ({"if-match"} if self.owner.plan.ignore_if_match else set())
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in dropped}
         reconnected = False
         while True:
             if self._upstream is None:

@@ -137,7 +137,7 @@ class LoaderConfig(Section):
     memory_limit_bytes: int = setting(
         1 * GIB, crd="loader.memoryLimitBytes", above=0, int64=True,
         description="Upper bound on in-flight chunk buffers (fetch plus exchange) per loader "
-        "(bytes); must hold two chunks.")
+        "(bytes); with N loaders it must hold 2N - 1 chunks.")
     backend: DistBackend = setting(
         "gloo", crd="loader.backend",
         description="torch.distributed backend of the peer exchange; a DOD's loader is a "
@@ -146,6 +146,10 @@ class LoaderConfig(Section):
     max_retries: int = setting(
         8, crd="loader.maxRetries", above=0,
         description="Attempts per ranged GET on throttling, 5xx, resets and short bodies.")
+    stall_timeout_s: float = setting(
+        30.0, crd="loader.stallTimeoutSeconds", cli="--stall-timeout", above=0,
+        description="Seconds without a byte after which a ranged GET is abandoned and asked "
+        "again at once on a new connection.")
     timeout_s: float = setting(
         3600.0, crd="loader.timeoutSeconds", above=0,
         description="Whole-fill deadline in seconds; any rank past it fails every rank.")

@@ -21,6 +21,15 @@ class SourceError(LoaderError):
     """The object store refused or lacks what the fill needs (denied, missing, changed)."""
 
 
+class SourceChanged(SourceError):
+    """An object is no longer the one listed (ETag, range or length differ): nothing publishes."""
+
+
+class LocalResourceError(LoaderError):
+    """This node ran out of something (descriptors, disk, memory): not the store's failure,
+    never retried as one."""
+
+
 class GroupError(LoaderError):
     """Another loader of the group failed or vanished; this one stops too, publishing nothing."""
 

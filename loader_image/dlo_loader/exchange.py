@@ -5,14 +5,23 @@ Owns the pipeline and its bounds. `fetch.Fetcher` reads this rank's chunks (many
 once, in the shape `schedule.fetch_shape` gives) and hashes each; a few writer threads write every
 chunk at its offset (hashing the ones received from peers). Alone, chunks are written in the
 order they complete. With a group, the main thread walks the plan's rounds: a status exchange
-(who failed, who is ready), then one broadcast per chunk of the round. Called by `fill`. Must not
+(who failed, who is ready), then the round's chunks go round the ring (see [Note: ring]). Called by `fill`. Must not
 decide policy (modes, fallback, publication) or touch the object store directly (it gets a
 `read` callable).
 
-[Note: memory bound] `memory_limit_bytes // chunk_bytes` buffers exist at most: with a group, one
-or two receive buffers (double buffering: the next chunk arrives while the last one is written)
-and the rest for fetched chunks, which a reader takes a buffer for before it opens a chunk and
-the writer returns once the chunk is on disk (and broadcast). Readers open chunks in plan order,
+[Note: ring] Round `k` holds the `k`-th chunk of each rank that has one, and is one all-gather:
+gloo runs it as a ring (in N - 1 steps every rank passes the chunk it got last to rank + 1 while
+receiving the next from rank - 1), so every link carries a chunk in every step, and each rank
+sends and receives about (N - 1)/N of the model in all, at the peer link's rate, whatever N is;
+the broadcast from one root it replaces cost N - 1 transfers per chunk on the root's link. Every
+rank contributes the round's longest chunk length (a rank without a chunk, or with a shorter
+last chunk, sends padding, dropped on receipt): only the last round of a file is short. One call
+per round keeps the per-step work in gloo's threads, not the interpreter's.
+
+[Note: memory bound] `memory_limit_bytes // chunk_bytes` buffers exist at most: with a group,
+`2 (N - 1)` receive buffers (one round arriving while the last one is written) and the rest for
+fetched chunks (gloo also stages one round, N chunks, while it runs), which a reader takes a buffer for before it opens a chunk and
+the writer returns once the chunk is on disk (and forwarded). Readers open chunks in plan order,
 so the chunk the main thread waits for always holds a buffer or is done: no deadlock.
 
 [Note: failing together] Every failure (a read that gave up, a write error, the deadline) is
@@ -22,7 +31,6 @@ dies instead closes its sockets, which fails the others' next collective at once
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 import queue
@@ -31,6 +39,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from dlo_loader.digest import chunk_digest
 from dlo_loader.errors import GroupError, LoaderError
 from dlo_loader.fetch import POLL_S, BufferPool, Fetcher, Reader
 from dlo_loader.plan import Chunk, Plan
@@ -44,7 +53,7 @@ if TYPE_CHECKING:  # transport imports torch: only fills with a group load it
 
 __all__ = ["Exchange", "Reader"]
 _WRITER_THREADS = max(2, min(4, os.cpu_count() or 1))
-"""Hashing (hashlib releases the GIL) and positioned writes of several chunks at once."""
+"""Hashing (the digest releases the GIL) and positioned writes of several chunks at once."""
 
 _WriteTask = tuple[Chunk, mmap.mmap, Callable[[mmap.mmap], None], str | None]
 
@@ -76,9 +85,15 @@ class _Writer:
             try:
                 view = memoryview(data)[:chunk.length]
                 if self.error is None:
-                    self.digests[chunk.index] = digest or hashlib.sha256(view).hexdigest()
+                    if digest is None:
+                        began = time.monotonic()
+                        digest = chunk_digest(view)
+                        self._progress.timed("digest", time.monotonic() - began)
+                    self.digests[chunk.index] = digest
                     if self._sink is not None:
+                        began = time.monotonic()
                         self._sink.write(chunk, view)
+                        self._progress.timed("write", time.monotonic() - began)
                     self._progress.add(written=chunk.length)
             except BaseException as exc:  # reported by the main thread at the next round
                 self.error = self.error or exc
@@ -88,7 +103,7 @@ class _Writer:
 
 
 class Exchange:
-    """One fill's data path. `run()` returns the SHA-256 of every chunk, by chunk index."""
+    """One fill's data path. `run()` returns the digest of every chunk, by chunk index."""
 
     def __init__(self, plan: Plan, *, rank: int, group: Group | None, read: Reader,
                  sink: FileSink | None, progress: Progress, config: LoaderConfig,
@@ -97,13 +112,19 @@ class Exchange:
         self.rank = rank if group is not None else 0
         self.deadline, self.stop, self.timeout_s = deadline, stop, config.timeout_s
         buffers = max(config.memory_limit_bytes // plan.chunk_bytes, 2)
-        receive = min(2, buffers - 1) if group is not None else 0
+        receive = 2 * (plan.world_size - 1) if group is not None else 0
+        if group is not None and buffers - receive < 1:
+            raise LoaderError(
+                f"loader.memory_limit_bytes={config.memory_limit_bytes} holds {buffers} chunks "
+                f"of {plan.chunk_bytes} bytes; {plan.world_size} loaders need at least "
+                f"{receive + 1}", hint="raise loader.memory_limit_bytes or lower chunk_bytes")
         self._receive = BufferPool(receive, plan.chunk_bytes)
         self._writer = _Writer(plan, sink, progress)
         shape = fetch_shape(chunk_bytes=plan.chunk_bytes, readers=config.readers,
                             buffers=buffers - receive, ordered=group is not None)
         self._fetcher = Fetcher(plan.owned(self.rank), read, shape=shape, stop=stop,
-                                pool=BufferPool(buffers - receive, plan.chunk_bytes))
+                                pool=BufferPool(buffers - receive, plan.chunk_bytes),
+                                timed=progress.timed)
 
     def run(self) -> list[str]:
         try:
@@ -131,22 +152,38 @@ class Exchange:
         self._raise_problem()
 
     def _run_group(self) -> None:
-        peers = self.plan.world_size - 1
         for number, round_chunks in enumerate(self.plan.rounds):
-            self._await_round(number, any(c.owner == self.rank for c in round_chunks))
-            for chunk in round_chunks:
-                if chunk.owner == self.rank:
-                    _, data, digest = self._fetcher.take(number)
-                    self.group.broadcast(memoryview(data)[:chunk.length], src=self.rank)
-                    self.progress.add(to_peers=chunk.length * peers)
-                    self._writer.submit(chunk, data, self._fetcher.give_back, digest)
-                else:
-                    data = self._receive_buffer()
-                    self.group.broadcast(memoryview(data)[:chunk.length], src=chunk.owner)
-                    self.progress.add(from_peers=chunk.length)
-                    self._writer.submit(chunk, data, self._receive.give_back)
+            by_owner = {chunk.owner: chunk for chunk in round_chunks}
+            self._await_round(number, self.rank in by_owner)
+            began = time.monotonic()
+            self._ring(number, by_owner)
+            self.progress.timed("exchange", time.monotonic() - began)
         self._writer.drain()
         self._await_round(None, False)  # the last writes' outcome, agreed by every rank
+
+    def _ring(self, number: int, by_owner: dict[int, Chunk]) -> None:
+        """One round: every rank's chunk to every rank at once (see [Note: ring])."""
+        assert self.group is not None
+        span = max(chunk.length for chunk in by_owner.values())
+        slots: list[tuple[mmap.mmap, Callable[[mmap.mmap], None], str | None]] = []
+        for origin in range(self.plan.world_size):
+            if origin == self.rank and origin in by_owner:
+                _, data, digest = self._fetcher.take(number)
+                slots.append((data, self._fetcher.give_back, digest))
+            else:
+                slots.append((self._receive_buffer(), self._receive.give_back, None))
+        views = [memoryview(buffer)[:span] for buffer, _, _ in slots]
+        self.group.all_gather(views[self.rank], views)
+        for origin, (buffer, give_back, digest) in enumerate(slots):
+            chunk = by_owner.get(origin)
+            if chunk is None:
+                give_back(buffer)  # no chunk from that rank this round: padding only
+                continue
+            if origin == self.rank:
+                self.progress.add(to_peers=chunk.length * (self.plan.world_size - 1))
+            else:
+                self.progress.add(from_peers=chunk.length)
+            self._writer.submit(chunk, buffer, give_back, digest)
 
     def _await_round(self, number: int | None, has_chunk: bool) -> None:
         """Status exchanges until every rank is ready for round `number` (this rank: its

@@ -1,4 +1,4 @@
-"""Fetching one rank's chunks: reader threads, the chunk buffers, and the SHA-256 of each chunk.
+"""Fetching one rank's chunks: reader threads, the chunk buffers, and the digest of each chunk.
 
 Owns the threads that read (through a `Reader`, so the object store and a cached entry look the
 same), the pool of chunk buffers, and hashing each chunk once it is complete. Which part a free
@@ -14,11 +14,12 @@ chunks are in flight or waiting to be consumed: the memory bound.
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import threading
+import time
 from collections.abc import Callable
 
+from dlo_loader.digest import chunk_digest
 from dlo_loader.plan import Chunk
 from dlo_loader.schedule import FetchOrder, FetchShape, Part
 
@@ -66,11 +67,13 @@ class BufferPool:
 
 class Fetcher:
     """Reads `chunks` on daemon threads in the shape `shape`; `take` hands out complete chunks
-    with their SHA-256 (in order with `position`, else whichever is ready)."""
+    with their digest (in order with `position`, else whichever is ready)."""
 
     def __init__(self, chunks: tuple[Chunk, ...], read: Reader, *, shape: FetchShape,
-                 pool: BufferPool, stop: threading.Event) -> None:
+                 pool: BufferPool, stop: threading.Event,
+                 timed: Callable[[str, float], None] = lambda stage, seconds: None) -> None:
         self._chunks, self._read, self._pool, self._stop = chunks, read, pool, stop
+        self._timed = timed
         self._order = FetchOrder([c.length for c in chunks], part_bytes=shape.part_bytes,
                                  open_limit=shape.open_chunks)
         self._cond = threading.Condition()
@@ -97,7 +100,7 @@ class Fetcher:
             return self._cond.wait_for(ready, timeout)
 
     def take(self, position: int | None = None) -> tuple[Chunk, mmap.mmap, str]:
-        """A complete chunk (`position`, else the lowest ready one), its buffer and SHA-256."""
+        """A complete chunk (`position`, else the lowest ready one), its buffer and digest."""
         with self._cond:
             key = min(self._ready) if position is None else position
             buffer, digest = self._ready.pop(key)
@@ -116,7 +119,9 @@ class Fetcher:
             chunk = self._chunks[part.position]
             view = memoryview(buffer)[part.start:part.start + part.length]
             try:
+                began = time.monotonic()
                 self._read(chunk.file, chunk.offset + part.start, view)
+                self._timed("get", time.monotonic() - began)
             except BaseException as exc:  # handed to the consumer, which reports it
                 with self._cond:
                     self.error = self.error or exc
@@ -129,7 +134,9 @@ class Fetcher:
                 self._cond.notify_all()  # a slot for a new chunk may be free now
             if complete:
                 # Hashed here, by the thread that finished the chunk, while the others read on.
-                digest = hashlib.sha256(memoryview(buffer)[:chunk.length]).hexdigest()
+                began = time.monotonic()
+                digest = chunk_digest(memoryview(buffer)[:chunk.length])
+                self._timed("digest", time.monotonic() - began)
                 with self._cond:
                     self._ready[part.position] = (buffer, digest)
                     self._cond.notify_all()

@@ -12,7 +12,7 @@ rank). Must not parse flags or print: it returns a `FillResult`.
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import logging
 import threading
 import time
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dlo_loader import digest as digests_of
 from dlo_loader.errors import GroupError, LoaderError, RendezvousTimeout
 from dlo_loader.exchange import Exchange, Reader
 from dlo_loader.plan import Plan, build_plan
@@ -49,6 +50,8 @@ if TYPE_CHECKING:  # transport imports torch: loaded only when a group is needed
 log = logging.getLogger(__name__)
 
 PRODUCER = "dlo-loader"
+WAIT_LINE_INTERVAL_S = 5.0
+"""How often a loader waiting for another loader's publication of the same entry says so."""
 _COLLECTIVE_TIMEOUT_S = 60.0
 """Longest wait inside one collective; ranks poll in status rounds, so only a hung peer hits it."""
 
@@ -78,6 +81,11 @@ class FillResult:
     bytes_to_peers: int
     seconds: float
     cached: bool
+    store_checksums: str = "none"
+    """`all`/`some`/`none`: whether the bytes were checked against the store's own whole-object
+    checksums (see `digest`); `none` also for a fill that read nothing."""
+    stage_seconds: dict[str, float] | None = None
+    """Thread-seconds per stage (`progress.STAGES`); None for a cached entry."""
 
     def summary(self) -> FillSummary:
         """The one-line JSON summary the operator reads from the termination message."""
@@ -86,6 +94,8 @@ class FillResult:
             world_size=self.world_size, bytes_from_store=self.bytes_from_store,
             bytes_from_peers=self.bytes_from_peers, bytes_to_peers=self.bytes_to_peers,
             seconds=round(self.seconds, 3), cached=self.cached,
+            store_checksums=self.store_checksums,
+            stage_seconds={k: round(v, 3) for k, v in (self.stage_seconds or {}).items()},
         )
 
     def entry_document(self) -> EntryDocument:
@@ -113,10 +123,15 @@ class _Fill:
             self.uri, endpoint_url=self.loader.endpoint_url, region=self.loader.region,
             path_style=self.loader.path_style, readers=self.loader.readers,
             attempts=self.loader.max_retries, stop=self.stop,
+            stall_timeout_s=self.loader.stall_timeout_s, on_stall=self._stalled,
         )
         self.root = CacheRoot(self.cache.root)
+        self.store_check: digests_of.StoreCheck | None = None
         self.progress = Progress(total_bytes=0, emit=request.emit,
                                  prefix=rank_prefix(request.rank, request.world_size))
+
+    def _stalled(self, what: str) -> None:
+        self.progress.stall(what)
 
     def run(self) -> FillResult:
         try:
@@ -135,8 +150,14 @@ class _Fill:
             log.info("entry %s is cached already at %s; nothing to read", eid, existing)
             return self._result(eid, existing, self.loader.mode, cached=True)
         lock_timeout_s = max(self.deadline - time.monotonic(), 1.0)
-        with begin_publication(self.root, eid, expected_bytes=total, lock_timeout_s=lock_timeout_s,
-                               min_free_bytes=self.cache.min_free_bytes) as pub:
+        publication = begin_publication(self.root, eid, expected_bytes=total,
+                                        lock_timeout_s=lock_timeout_s,
+                                        min_free_bytes=self.cache.min_free_bytes)
+        with contextlib.ExitStack() as held:
+            # Taking the lock waits while another loader on this node publishes the entry.
+            with repeating(self.request.emit or log.info, lambda waited: self._publication_line(
+                    eid, waited), interval_s=WAIT_LINE_INTERVAL_S, at_once=False):
+                pub = held.enter_context(publication)
             group, mode = self._join_group()
             if group is None and pub.existing is not None:
                 return self._result(eid, pub.existing, mode, cached=True)
@@ -151,8 +172,14 @@ class _Fill:
         assert final is not None
         return self._result(eid, final, mode, cached=pub.existing is not None)
 
+    def _publication_line(self, eid: str, waited_s: float) -> str:
+        return (f"{self.progress.prefix} waiting {waited_s:.0f} s for another loader on this node "
+                f"to publish entry {eid} ({self.uri}); this loader uses it once published")
+
     def _result(self, eid: str, path: Path, mode: str, *, cached: bool) -> FillResult:
         return FillResult(
+            store_checksums=self.store_check.summary if self.store_check else "none",
+            stage_seconds=None if cached else dict(self.progress.stage_seconds),
             entry_id=eid, root=str(self.root.path), path=str(path), source=str(self.uri),
             mode=mode, rank=self.request.rank, world_size=self.request.world_size, cached=cached,
             bytes_from_store=self.progress.bytes_from_store,
@@ -225,9 +252,23 @@ class _Fill:
         if pub.existing is not None:
             _conclude(group, digests, lambda: None)
             return
-        records, tensors = _conclude(
-            group, digests, lambda: _check_files(pub.tmp_dir, plan, digests, str(self.uri)))
+        records, tensors = _conclude(group, digests, lambda: self._check(pub.tmp_dir, plan, digests))
         pub.commit("checkpoint", identity, records, tensor_count=tensors, producer=PRODUCER)
+
+    def _check(self, directory: Path | None, plan: Plan,
+               digests: list[str]) -> tuple[list[FileRecord], int]:
+        """Headers, then the store's whole-object checksums, then the manifest records."""
+        checked = _check_files(directory, plan, digests, str(self.uri))
+        files = []
+        for index, obj in enumerate(plan.files):
+            chunks = [c for c in plan.chunks if c.file == index]
+            files.append((obj.key, [c.length for c in chunks], [digests[c.index] for c in chunks]))
+        published = self.store.checksums(plan.files, min_bytes=plan.chunk_bytes)
+        self.store_check = digests_of.check_store(files, published, str(self.uri))
+        log.info("store checksums: %d object(s) match the store's %s, %d without one",
+                 self.store_check.checked, "/".join(digests_of.STORE_ALGORITHMS),
+                 self.store_check.unavailable)
+        return checked
 
     def _reader(self, plan: Plan) -> Reader:
         def read(file: int, offset: int, into: memoryview) -> None:
@@ -287,9 +328,10 @@ def _check_files(directory: Path | None, plan: Plan, digests: list[str],
 
 
 def _record(obj: ObjectIdentity, chunk_bytes: int, chunk_digests: list[str]) -> FileRecord:
-    """Small files carry one SHA-256 (their single chunk's); larger ones the chunk list."""
+    """Small files carry one digest (their single chunk's); larger ones the chunk list."""
     if obj.size > chunk_bytes:
         return FileRecord(obj.key, obj.size, chunk_bytes=chunk_bytes,
-                          chunk_sha256=tuple(chunk_digests))
-    single = chunk_digests[0] if chunk_digests else hashlib.sha256(b"").hexdigest()
-    return FileRecord(obj.key, obj.size, sha256=single)
+                          chunk_digests=tuple(chunk_digests), algorithm=digests_of.ALGORITHM)
+    single = chunk_digests[0] if chunk_digests else digests_of.chunk_digest(b"")
+    return FileRecord(obj.key, obj.size, digest=single, algorithm=digests_of.ALGORITHM)
+

@@ -7,7 +7,7 @@ multiples of `chunk_bytes` (the same chunks the manifest hashes), never at tenso
 large tensor is spread over several ranks. Modes: `multi-reader` balances bytes over all ranks
 (largest chunks first, each to the least-loaded rank: no rank ends more than one chunk above the
 mean); `single-reader` gives rank 0 everything; `independent` is a group of one. Round `k` of the
-exchange broadcasts the `k`-th chunk of every rank that has one, in rank order. Called by `fill`
+exchange moves the `k`-th chunk of every rank that has one round the ring. Called by `fill`
 and `exchange`. Must not do I/O.
 """
 

@@ -2,7 +2,7 @@
 
 Owns the loader's counters (bytes from the object store, from peers, to peers, written) and the
 line a person watching `kubectl logs` reads: `[rank r/w] 1.2 GiB of 4.0 GiB (30%), 410.5 MiB/s,
-ETA 7 s`. A daemon thread emits the line through a callable the CLI provides (stdout), so a
+ETA 7 s` (`stalled (...)` instead of the ETA while a read gets no bytes). A daemon thread emits the line through a callable the CLI provides (stdout), so a
 stalled fill keeps reporting; `repeating` does the same for a wait (the rendezvous). Also owns
 the `[rank r/w]` prefix for the loader's log records. Called by `fill`, `exchange` and `cli`.
 Must not decide anything about the fill.
@@ -17,6 +17,9 @@ import time
 from collections.abc import Callable, Iterator
 
 DEFAULT_INTERVAL_S = 5.0
+STAGES = ("get", "digest", "write", "exchange")
+"""Where a fill's time goes: ranged GETs (summed over reader threads), chunk digests, local
+writes (summed over writer threads) and the peer exchange (the main thread's collectives)."""
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
@@ -51,6 +54,10 @@ class Progress:
         self.bytes_from_store = 0
         self.bytes_from_peers = 0
         self.bytes_to_peers = 0
+        self.stage_seconds: dict[str, float] = {stage: 0.0 for stage in STAGES}
+        """Thread-seconds spent per stage (see `STAGES`): where the time of a fill goes."""
+        self.stalled: str | None = None
+        """What a read is stalled on, until the next bytes arrive."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -62,20 +69,34 @@ class Progress:
             self.bytes_from_store += from_store
             self.bytes_from_peers += from_peers
             self.bytes_to_peers += to_peers
+            if written or from_store or from_peers:
+                self.stalled = None
+
+    def timed(self, stage: str, seconds: float) -> None:
+        """Add `seconds` to `stage` (one of `STAGES`)."""
+        with self._lock:
+            self.stage_seconds[stage] += seconds
+
+    def stall(self, what: str) -> None:
+        """A read got no bytes for the stall timeout: the line says so until bytes arrive."""
+        with self._lock:
+            self.stalled = what
 
     def line(self) -> str:
         """The progress line for now."""
         with self._lock:
-            done = self.bytes_written
+            done, stalled = self.bytes_written, self.stalled
         elapsed = max(self.clock() - self.started, 1e-9)
         rate = done / elapsed
         share = 100.0 * done / self.total_bytes if self.total_bytes else 100.0
-        if rate > 0:
-            eta = f"{(self.total_bytes - done) / rate:.0f} s"
+        if stalled is not None:
+            tail = f"stalled ({stalled})"
+        elif rate > 0:
+            tail = f"ETA {(self.total_bytes - done) / rate:.0f} s"
         else:
-            eta = "unknown"
+            tail = "ETA unknown"
         return (f"{self.prefix} {human_bytes(done)} of {human_bytes(self.total_bytes)} "
-                f"({share:.0f}%), {human_bytes(rate)}/s, ETA {eta}")
+                f"({share:.0f}%), {human_bytes(rate)}/s, {tail}")
 
     def start(self) -> None:
         if self.emit is None or self._thread is not None:
@@ -100,13 +121,15 @@ class Progress:
 
 @contextlib.contextmanager
 def repeating(emit: Callable[[str], None], line: Callable[[float], str], *,
-              interval_s: float = DEFAULT_INTERVAL_S,
+              interval_s: float = DEFAULT_INTERVAL_S, at_once: bool = True,
               clock: Callable[[], float] = time.monotonic) -> Iterator[None]:
-    """Emit `line(seconds waited)` now and every `interval_s` until the block ends, so a wait
-    that blocks its thread (the rendezvous) still says what it waits for."""
+    """Emit `line(seconds waited)` now (unless not `at_once`) and every `interval_s` until the
+    block ends, so a wait that blocks its thread (the rendezvous, another loader's publication)
+    still says what it waits for."""
     started = clock()
     done = threading.Event()
-    emit(line(0.0))
+    if at_once:
+        emit(line(0.0))
 
     def run() -> None:
         while not done.wait(interval_s):

@@ -2,7 +2,9 @@
 
 Owns file descriptors and positioned I/O. `FileSink` creates every file of the checkpoint in the
 publication's tmp dir at its final size up front (so a full disk fails before any byte is
-fetched) and writes chunks at their offsets from any thread. `EntryChunks` reads byte ranges of
+fetched) and writes chunks at their offsets from any thread. A descriptor is open only for one
+write (a checkpoint of thousands of files must not need one per file for the whole fill under a
+1024 open-file limit). `EntryChunks` reads byte ranges of
 an entry this node already holds, so a rank that has the checkpoint serves its share from disk.
 Called by `fill` and `exchange`. Must not publish (that is `dlo_contract.cache`), hash or talk to
 peers.
@@ -38,35 +40,26 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 class FileSink:
-    """Every file of `files` created under `directory`, sized, and open for positioned writes."""
+    """Every file of `files` created under `directory`, sized, then written chunk by chunk."""
 
     def __init__(self, directory: Path, files: Sequence[ObjectIdentity]) -> None:
         self.paths = [directory / safe_relpath(obj.key) for obj in files]
-        self._fds: list[int] = []  # every descriptor opened, closed only by `close`
-        self._buffered: list[int] = []
-        self._direct: list[int | None] = []
-        try:
-            for path, obj in zip(self.paths, files):
-                path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-                self._fds.append(fd)
-                self._buffered.append(fd)
+        self._direct = [bool(_O_DIRECT) and obj.size >= ALIGN for obj in files]
+        """Per file: direct writes still allowed (until the filesystem refuses them)."""
+        for path, obj in zip(self.paths, files):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
                 _preallocate(fd, obj.size)
-                direct_fd = _open_direct(path) if obj.size >= ALIGN else None
-                if direct_fd is not None:
-                    self._fds.append(direct_fd)
-                self._direct.append(direct_fd)
-        except BaseException:
-            self.close()
-            raise
+            finally:
+                os.close(fd)
 
     def write(self, chunk: Chunk, data: memoryview) -> None:
         """Write `data` (exactly `chunk.length` bytes) at the chunk's offset."""
-        direct = self._direct[chunk.file]
         aligned = len(data) - len(data) % ALIGN if chunk.offset % ALIGN == 0 else 0
-        if direct is not None and aligned:
+        if self._direct[chunk.file] and aligned:
             try:
-                _pwrite_all(direct, data[:aligned], chunk.offset)
+                _write_at(self.paths[chunk.file], data[:aligned], chunk.offset, direct=True)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
@@ -74,33 +67,26 @@ class FileSink:
                 aligned = 0
         else:
             aligned = 0
-        _pwrite_all(self._buffered[chunk.file], data[aligned:], chunk.offset + aligned)
+        if aligned < len(data):
+            _write_at(self.paths[chunk.file], data[aligned:], chunk.offset + aligned, direct=False)
 
     def close(self) -> None:
-        fds, self._fds = self._fds, []
-        for fd in fds:
-            os.close(fd)
+        """Nothing stays open between writes; kept for the callers' `finally`."""
 
     def _refuse_direct(self, file: int, exc: OSError) -> None:
-        # The descriptor stays open until `close`: another writer thread may be using it, and a
-        # number closed under it could be reused by an unrelated file.
-        if self._direct[file] is not None:
-            self._direct[file] = None
+        if self._direct[file]:
+            self._direct[file] = False
             log.info("%s: direct writes refused (%s); writing through the page cache",
                      self.paths[file], exc.strerror)
 
 
-def _open_direct(path: Path) -> int | None:
-    """A second descriptor with O_DIRECT, or None where the platform or filesystem has none."""
-    if not _O_DIRECT:
-        return None
+def _write_at(path: Path, data: memoryview, offset: int, *, direct: bool) -> None:
+    """One positioned write on a descriptor opened for it (`O_DIRECT` when `direct`)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | (_O_DIRECT if direct else 0))
     try:
-        return os.open(path, os.O_WRONLY | os.O_CLOEXEC | _O_DIRECT)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        log.info("%s: no direct writes on this filesystem; writing through the page cache", path)
-        return None
+        _pwrite_all(fd, data, offset)
+    finally:
+        os.close(fd)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

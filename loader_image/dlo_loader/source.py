@@ -4,20 +4,28 @@ Owns every call to S3 (this is the only module that imports boto3): the client (
 path-style addressing, credentials from the standard chain: environment, web identity, instance
 role), listing with include globs, and ranged GETs that retry with exponential backoff and full
 jitter on throttling (503 SlowDown), other 5xx, connection resets, short bodies and bodies that
-fail the store's checksum. Every read names the listed ETag (`If-Match`) and checks the length it
-got, so an object replaced mid-fill is an error, never a mixed file; bodies go straight into the
-caller's buffer (see [Note: one copy]). Called by `fill`. Must not log or raise anything that
+fail the store's checksum. Every read names the listed ETag (`If-Match`) and compares the
+response's ETag, Content-Range and length with the listing (a store may ignore `If-Match`), so
+an object replaced mid-fill is an error, never a mixed file; bodies go straight into the caller's
+buffer (see [Note: one copy]). A body that sends no bytes for `stall_timeout_s` is abandoned and
+its range asked again at once on a new connection. Running out of descriptors or disk
+(`EMFILE`, `ENOSPC`) is this node's problem, not the store's: raised as `LocalResourceError` at
+once, never retried. `checksums` asks the store for its whole-object checksums (HEAD with
+`ChecksumMode=ENABLED`). Called by `fill`. Must not log or raise anything that
 carries a credential, and must not write files.
 """
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import http.client
 import logging
 import random
+import base64
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -28,7 +36,8 @@ import urllib3.exceptions
 from botocore.config import Config
 from botocore.response import StreamingBody
 
-from dlo_loader.errors import SourceError, SourceUnavailable
+from dlo_loader.digest import StoreChecksum
+from dlo_loader.errors import LocalResourceError, SourceChanged, SourceError, SourceUnavailable
 from dlo_contract.cache import ObjectIdentity
 
 log = logging.getLogger(__name__)
@@ -46,8 +55,23 @@ _RETRYABLE = (bexc.ConnectionError, bexc.IncompleteReadError, bexc.ResponseStrea
               TimeoutError)
 
 
+_LOCAL_ERRNOS = {errno.EMFILE: "too many open files", errno.ENFILE: "too many open files",
+                 errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+                 errno.ENOMEM: "out of memory"}
+_LOCAL_HINTS = {errno.EMFILE: "raise the loader container's open-file limit (ulimit -n)",
+                errno.ENFILE: "the node's open-file table is full (fs.file-max)",
+                errno.ENOSPC: "free space on the node, or lower loader.readers",
+                errno.ENOMEM: "lower loader.memory_limit_bytes or give the loader more memory"}
+"""Errors of this node, whatever call they surface in (botocore wraps a socket's EMFILE in an
+`EndpointConnectionError`): a retry against the store cannot fix them."""
+
+
 class _ShortBody(Exception):
     """The server sent fewer (or more) bytes than the range asked for."""
+
+
+class _Stalled(Exception):
+    """The body sent no bytes for the stall timeout."""
 
 
 @dataclass(frozen=True)
@@ -80,9 +104,13 @@ class ObjectStore:
     def __init__(
         self, uri: SourceURI, *, endpoint_url: str | None, region: str | None, path_style: bool,
         readers: int, attempts: int, stop: threading.Event | None = None,
+        stall_timeout_s: float = 30.0, on_stall: Callable[[str], None] | None = None,
     ) -> None:
         self.uri = uri
         self.attempts = attempts
+        self.readers = readers
+        self.stall_timeout_s = stall_timeout_s
+        self.on_stall = on_stall or (lambda what: None)
         self.stop = stop or threading.Event()
         config = Config(
             s3={"addressing_style": "path" if path_style else "auto"},
@@ -90,7 +118,7 @@ class ObjectStore:
             retries={"total_max_attempts": 1},
             max_pool_connections=readers,
             connect_timeout=10,
-            read_timeout=60,
+            read_timeout=stall_timeout_s,  # per socket read: no byte for this long is a stall
         )
         session = boto3.session.Session()
         self._client = session.client(
@@ -105,7 +133,7 @@ class ObjectStore:
         """Objects under the prefix whose relative key matches a glob (`*` also matches `/`)."""
         patterns = tuple(include)
         found = []
-        for page in self._retrying("listing", lambda: self._pages()):
+        for page in self._retrying(f"listing {self.uri}", lambda: self._pages()):
             for item in page:
                 rel = item["Key"][len(self.uri.prefix):]
                 wanted = any(fnmatch.fnmatchcase(rel, p) for p in patterns)
@@ -123,6 +151,28 @@ class ObjectStore:
         pages = paginator.paginate(Bucket=self.uri.bucket, Prefix=self.uri.prefix)
         return [page.get("Contents", []) for page in pages]
 
+    def checksums(self, files: Sequence[ObjectIdentity], *,
+                  min_bytes: int) -> dict[str, StoreChecksum]:
+        """The store's whole-object checksum of every object of at least `min_bytes` (the
+        others are single chunks, compared across ranks only), by key."""
+        large = [obj for obj in files if obj.size >= min_bytes]
+        if not large:
+            return {}
+        with ThreadPoolExecutor(max_workers=max(1, min(self.readers, len(large)))) as pool:
+            found = pool.map(lambda obj: self._retrying(
+                f"{self.uri}{obj.key} checksum", lambda: self._checksum(obj)), large)
+            return {obj.key: checksum for obj, checksum in zip(large, found)}
+
+    def _checksum(self, obj: ObjectIdentity) -> StoreChecksum:
+        head = self._client.head_object(Bucket=self.uri.bucket, Key=self.uri.prefix + obj.key,
+                                        IfMatch=f'"{obj.etag}"', ChecksumMode="ENABLED")
+        value = head.get("ChecksumCRC64NVME")
+        if not value or head.get("ChecksumType", "FULL_OBJECT") != "FULL_OBJECT":
+            others = [k[len("Checksum"):].lower() for k in head if k.startswith("Checksum")
+                      and k != "ChecksumType"]
+            return StoreChecksum(others[0] if others else None)
+        return StoreChecksum("crc64nvme", base64.b64decode(value).hex())
+
     def read(self, obj: ObjectIdentity, start: int, into: memoryview) -> None:
         """Fill `into` with bytes `[start, start+len(into))` of `obj`, exactly, or raise after
         the retries."""
@@ -137,7 +187,10 @@ class ObjectStore:
         )
         body = response["Body"]
         try:
+            _check_response(response, obj, start, length, f"{self.uri}{obj.key}")
             got, extra = _read_body(body, into)
+        except (urllib3.exceptions.ReadTimeoutError, bexc.ReadTimeoutError, TimeoutError) as exc:
+            raise _Stalled(f"no bytes for {self.stall_timeout_s:g} s") from exc
         finally:
             body.close()  # returns nothing to the pool unless the body was read to its end
         if got != length or extra:
@@ -158,20 +211,82 @@ class ObjectStore:
                 ) from exc
             except _ShortBody as exc:
                 reason = f"short body: {exc}"
+            except _Stalled as exc:
+                reason = f"stalled: {exc}"
+                self.on_stall(f"{what}: {exc}; asked again")
             except _RETRYABLE as exc:
+                _raise_if_local(exc, what)
                 reason = f"{type(exc).__name__}: {exc}"
+            except OSError as exc:
+                _raise_if_local(exc, what)
+                raise
             if attempt == self.attempts or self.stop.is_set():
                 break
+            if reason.startswith("stalled"):
+                log.warning("%s: %s; asking again at once on a new connection (%d/%d)",
+                            what, reason, attempt, self.attempts - 1)
+                continue
             delay = random.uniform(0, min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2 ** attempt))
             log.warning("%s: %s; retry %d/%d in %.2f s",
                         what, reason, attempt, self.attempts - 1, delay)
             if self.stop.wait(delay):
                 break
+        if reason.startswith("stalled"):
+            hint = ("the object store (or the network to it) stops sending mid-object; check "
+                    "its health and the path to it, then rerun (more retries only wait longer)")
+        else:
+            hint = ("the object store is throttling or failing; raise loader.max_retries or "
+                    "retry later")
         raise SourceUnavailable(
-            f"{what}: gave up after {attempt} attempt(s); last error: {reason}",
-            hint="the object store is throttling or failing; raise loader.max_retries or "
-                 "retry later",
+            f"{what}: gave up after {attempt} attempt(s); last error: {reason}", hint=hint)
+
+
+def _check_response(response: dict, obj: ObjectIdentity, start: int, length: int,
+                    where: str) -> None:
+    """The response must be the listed object's bytes asked for: a store that ignores `If-Match`
+    would otherwise mix an overwritten object's new bytes into the old entry. Another ETag or
+    object size is a changed object (`SourceChanged`); another span of the same object is a
+    broken response, retried like a short body."""
+    etag = str(response.get("ETag", "")).strip('"')
+    content_range = response.get("ContentRange")
+    span, _, size = (content_range or "").rpartition("/")
+    asked = f"bytes {start}-{start + length - 1}"
+    changed = None
+    if etag and etag != obj.etag:
+        changed = f"ETag {etag}, listed {obj.etag}"
+    elif content_range is not None and size != str(obj.size):
+        changed = f"size {size} in Content-Range {content_range!r}, listed {obj.size}"
+    if changed:
+        raise SourceChanged(
+            f"{where}: the object changed since it was listed ({changed}); nothing was "
+            "published",
+            hint="do not overwrite a checkpoint while it is being loaded; rerun the fill",
         )
+    got_length = response.get("ContentLength")
+    if content_range is not None and span != asked:
+        raise _ShortBody(f"Content-Range {content_range!r}, asked for {asked!r}")
+    if got_length is not None and int(got_length) != length:
+        raise _ShortBody(f"Content-Length {got_length}, asked for {length}")
+
+
+def _raise_if_local(exc: BaseException, what: str) -> None:
+    """Raise `LocalResourceError` when `exc` (or what it wraps) is an error of this node."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        code = getattr(current, "errno", None)
+        if code in _LOCAL_ERRNOS:
+            raise LocalResourceError(
+                f"{what}: {_LOCAL_ERRNOS[code]} on this node ({errno.errorcode[code]}); not "
+                "an object store failure, so not retried", hint=_LOCAL_HINTS.get(code),
+            ) from exc
+        wrapped = getattr(current, "kwargs", None)  # botocore keeps the cause in kwargs
+        wrapped = wrapped.get("error") if isinstance(wrapped, dict) else None
+        if isinstance(wrapped, BaseException):
+            current = wrapped
+        else:
+            current = current.__cause__ or current.__context__
 
 
 def _read_body(body: StreamingBody, into: memoryview) -> tuple[int, bool]:
@@ -221,7 +336,7 @@ def _client_error_reason(exc: bexc.ClientError, what: str) -> str:
     if status >= 500 or status == 429 or code in _THROTTLE_CODES:
         return f"{code or 'HTTP'} ({status})"
     if status == 412 or code == "PreconditionFailed":
-        raise SourceError(
+        raise SourceChanged(
             f"{what}: the object changed since it was listed (ETag no longer matches)",
             hint="do not overwrite a checkpoint while it is being loaded; rerun the fill",
         ) from exc

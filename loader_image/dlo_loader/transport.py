@@ -3,9 +3,9 @@
 Owns every call to torch.distributed. `rendezvous` joins the N loaders at the master's TCP store
 with a deadline (the store barrier waits for all N, so a late loader is found out before any
 collective starts); past it, `RendezvousTimeout`, and the caller applies its fallback policy.
-`Group` offers the three collectives the exchange needs: a per-round status exchange (who failed,
-who is ready), a broadcast of one chunk, and an all-gather of small objects (plan fingerprints,
-chunk digest lists). Collectives use a short timeout; a peer that dies closes its sockets, which
+`Group` offers what the exchange needs: a per-round status exchange (who failed, who is ready),
+an all-gather of one chunk per rank (gloo's ring), and an all-gather of small objects (plan
+fingerprints, chunk digest lists). Collectives use a short timeout; a peer that dies closes its sockets, which
 fails the others' next collective at once. Backend `gloo` works on CPU buffers; `nccl` stages
 each chunk through the current CUDA device. Called by `fill` and `exchange`. Must not read the
 object store or write the cache.
@@ -62,21 +62,19 @@ class Group:
         all_ready = sum(values[self.world_size:]) == self.world_size
         return RoundStatus(failed=failed_ranks, all_ready=all_ready)
 
-    def broadcast(self, buffer: memoryview, src: int) -> None:
-        """Send `buffer` (writable bytes) from `src` to every rank; receivers' buffers are
-        filled in place."""
-        what = f"a chunk broadcast from rank {src}"
-        tensor = torch.frombuffer(buffer, dtype=torch.uint8)
+    def all_gather(self, send: memoryview, receive: list[memoryview]) -> None:
+        """Every rank's `send` (all the same length) into `receive[rank]` on every rank; gloo
+        runs it as a ring, every link busy in every step."""
+        what = "a chunk all-gather"
+        outgoing = torch.frombuffer(send, dtype=torch.uint8)
+        incoming = [torch.frombuffer(view, dtype=torch.uint8) for view in receive]
         if self.device.type == "cpu":
-            self._call(what, dist.broadcast, tensor, src=src)
+            self._call(what, dist.all_gather, incoming, outgoing)
             return
-        if self.rank == src:
-            staged = tensor.to(self.device)
-        else:
-            staged = torch.empty_like(tensor, device=self.device)
-        self._call(what, dist.broadcast, staged, src=src)
-        if self.rank != src:
-            tensor.copy_(staged)
+        staged = [torch.empty_like(t, device=self.device) for t in incoming]
+        self._call(what, dist.all_gather, staged, outgoing.to(self.device))
+        for target, source in zip(incoming, staged):
+            target.copy_(source)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
@@ -88,9 +86,9 @@ class Group:
             dist.destroy_process_group()
         self._store = None
 
-    def _call(self, what: str, function: Any, *args: Any, **kwargs: Any) -> None:
+    def _call(self, what: str, function: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            function(*args, **kwargs)
+            return function(*args, **kwargs)
         except (RuntimeError, dist.DistError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise GroupError(

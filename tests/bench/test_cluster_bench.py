@@ -52,34 +52,34 @@ def test_fill_time_is_the_slowest_rank() -> None:
 
 
 def test_report_ratios_and_goal() -> None:
-    model = 10**9  # bound at N=4: 10 s; one link: 40 s
-    runs = [_run(4, "multi-reader", 12.0, 12.5, 11.0, 12.0), _run(4, "single-reader", 41, 40, 40, 40),
-            _run(4, "independent", 40.0, 44.0, 42.0, 41.0), _run(2, "multi-reader", 21.0, 22.0)]
+    model = 10**9  # bound at N=8: 5 s; one link: 40 s
+    runs = [_run(8, "multi-reader", 5.5, 5.9, 5.0, 5.5), _run(8, "single-reader", 41, 40, 40, 40),
+            _run(8, "independent", 40.0, 44.0, 42.0, 41.0), _run(2, "multi-reader", 21.0, 22.0)]
     report = cluster_report.build_report(
         model_bytes=model, files=3, runs=runs, parameters={"store_mbit": 200, "peer_mbit": 2000},
         probe={"store_to_node_mbit": 191.0}, commit="abc", machine={"cores": 2},
     )
-    two, four = report["results"]
+    two, eight = report["results"]
     assert two["nodes"] == 2 and two["bound_s"] == 20.0
     assert two["multi_reader_to_bound_ratio"] == 1.1
     assert two["independent_s"] is None and two["multi_reader_to_independent_ratio"] is None
-    assert four["multi_reader_s"] == 12.5
-    assert four["multi_reader_to_bound_ratio"] == 1.25
-    assert four["multi_reader_to_independent_ratio"] == round(12.5 / 44.0, 3)
-    assert four["single_reader_to_one_link_bound_ratio"] == round(41 / 40, 3)
+    assert eight["multi_reader_s"] == 5.9
+    assert eight["multi_reader_to_bound_ratio"] == 1.18
+    assert eight["multi_reader_to_independent_ratio"] == round(5.9 / 44.0, 3)
+    assert eight["single_reader_to_one_link_bound_ratio"] == round(41 / 40, 3)
     assert report["goal"]["bound_met"] is True and report["goal"]["independent_met"] is True
-    assert report["runs"][0]["ranks"][1]["seconds"] == 12.5
+    assert report["runs"][0]["ranks"][1]["seconds"] == 5.9
     assert report["commit"] == "abc" and report["machine"] == {"cores": 2}
     json.dumps(report)  # every figure is JSON-ready
     lines = cluster_report.format_table(report)
     assert lines[2] == " 2   22.00       -       -   20.00         1.1        None"
-    assert lines[3] == " 4   12.50   41.00   44.00   10.00        1.25       0.284"
-    assert lines[-1] == ("goal at N=4: multi-reader/bound 1.25 (<= 1.3: True), "
-                         "multi-reader/independent 0.284 (< 0.4: True)")
+    assert lines[3] == " 8    5.90   41.00   44.00    5.00        1.18       0.134"
+    assert lines[-1] == ("goal at N=8: multi-reader/bound 1.18 (<= 1.2: True), "
+                         "multi-reader/independent 0.134 (< 0.4: True)")
 
 
 def test_goal_missed_and_goal_unmeasured() -> None:
-    rows = cluster_report.summarize(10**9, [_run(4, "multi-reader", 14.0), _run(4, "independent", 30.0)],
+    rows = cluster_report.summarize(10**9, [_run(8, "multi-reader", 14.0), _run(8, "independent", 30.0)],
                                     store_mbit=200, peer_mbit=2000)
     missed = cluster_report.goal(rows)
     assert missed["bound_met"] is False and missed["independent_met"] is False
@@ -120,7 +120,7 @@ def test_without_namespaces_it_says_why_and_exits_zero(
 def test_unknown_mode_is_refused() -> None:
     with pytest.raises(cluster.ClusterBenchError) as info:
         cluster.run(_args(modes="multi-reader,broadcast"))
-    assert str(info.value) == "--nodes '2,3,4' / --modes 'multi-reader,broadcast' invalid"
+    assert str(info.value) == "--nodes '2,3,4,5,6,7,8' / --modes 'multi-reader,broadcast' invalid"
     with pytest.raises(cluster.ClusterBenchError) as info:
         cluster.run(_args(nodes="2,four"))
     assert str(info.value).startswith("--nodes '2,four' / --modes")

@@ -49,7 +49,7 @@ def test_every_declared_override_is_a_flag_with_the_fields_type_and_choices() ->
                         "--readers": "loader.readers", "--chunk-bytes": "loader.chunk_bytes",
                         "--rendezvous-timeout": "loader.rendezvous_timeout_s",
                         "--on-rendezvous-timeout": "loader.on_rendezvous_timeout",
-                        "--cache-root": "cache.root"}
+                        "--stall-timeout": "loader.stall_timeout_s", "--cache-root": "cache.root"}
     assert actions["mode"].choices == ("multi-reader", "single-reader", "independent")
     assert actions["on_rendezvous_timeout"].choices == ("independent", "fail")
     assert (actions["readers"].type, actions["rendezvous_timeout"].type) == (int, float)
@@ -115,7 +115,8 @@ def test_success_writes_the_entry_file_and_summary(
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary == json.loads((tmp_path / "termination-log").read_text())
     assert set(summary) == {"status", "entry_id", "mode", "rank", "world_size", "bytes_from_store",
-                            "bytes_from_peers", "bytes_to_peers", "seconds", "cached"}
+                            "bytes_from_peers", "bytes_to_peers", "seconds", "cached",
+                            "store_checksums", "stage_seconds"}
     document = json.loads(entry_file.read_text())
     assert document["entry_id"] == summary["entry_id"]
     assert Path(document["path"]).is_dir()

@@ -3,11 +3,11 @@ link all of a rank's GETs share the first chunk arrives early whatever `readers`
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from fractions import Fraction
 
 import pytest
+from dlo_loader.digest import chunk_digest
 from dlo_loader.fetch import BufferPool, Fetcher
 from dlo_loader.plan import build_plan
 from dlo_loader.schedule import FetchOrder, FetchShape, Part, fetch_shape
@@ -118,7 +118,7 @@ def test_fetcher_delivers_every_chunk_in_parts_with_its_digest() -> None:
             expected = content[chunk.file][chunk.offset:chunk.offset + chunk.length]
             assert taken == chunk
             assert bytes(memoryview(buffer)[:chunk.length]) == expected
-            assert digest == hashlib.sha256(expected).hexdigest()
+            assert digest == chunk_digest(expected)
             fetcher.give_back(buffer)
     finally:
         stop.set()

@@ -31,14 +31,15 @@ def test_every_camel_case_field_reaches_the_settings_document() -> None:
         "loader": {"mode": "single-reader", "readers": 4, "chunkBytes": 1024,
                    "rendezvousTimeoutSeconds": 9, "onRendezvousTimeout": "fail",
                    "memoryLimitBytes": 4096, "backend": "nccl", "maxRetries": 2,
-                   "timeoutSeconds": 60},
+                   "stallTimeoutSeconds": 7, "timeoutSeconds": 60},
     })
     doc = spec.settings.to_dict()
     assert doc["loader"] == {
         "source": "s3://b/p/", "include": ["*.safetensors"], "endpoint_url": "http://s3",
         "region": "eu-west-1", "path_style": True, "mode": "single-reader", "readers": 4,
         "chunk_bytes": 1024, "rendezvous_timeout_s": 9.0, "on_rendezvous_timeout": "fail",
-        "memory_limit_bytes": 4096, "backend": "nccl", "max_retries": 2, "timeout_s": 60.0}
+        "memory_limit_bytes": 4096, "backend": "nccl", "max_retries": 2, "stall_timeout_s": 7.0,
+        "timeout_s": 60.0}
     assert doc["parallel"] == {"dp": 1, "sp": 4, "tp": 1, "hsdp": True, "cfg_parallel": 2,
                                "pp": 1, "ep": 1}
     assert (doc["offload"]["resident_layers"], doc["quantization"], doc["cache"]["root"]) == (

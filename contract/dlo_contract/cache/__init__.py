@@ -2,7 +2,8 @@
 
 This package is the contract between the loader (which publishes checkpoint entries), the runtime
 (which maps them and publishes runtime entries) and the `dlo cache` commands. It uses the standard
-library only: no torch, boto3 or kopf. Layout and protocol: DESIGN.md section 4.
+library only (awscrt or xxhash only to hash entries that name those digests): no torch,
+boto3 or kopf. Layout and protocol: DESIGN.md section 4.
 
     entry = entry_id(identity)
     path = publish_entry(root, entry, "checkpoint", identity, write, expected_bytes=n,
@@ -16,7 +17,10 @@ from dlo_contract.cache.digest import (
     CHUNKED_THRESHOLD,
     DEFAULT_CHUNK_BYTES,
     chunk_digests,
+    combine_crc64nvme,
+    file_digest,
     file_record,
+    hexdigest,
     sha256_file,
 )
 from dlo_contract.cache.entry import EntryHandle, find_entry, open_entry, verify_entry
@@ -59,10 +63,13 @@ __all__ = [
     "canonical_json",
     "checkpoint_identity",
     "chunk_digests",
+    "combine_crc64nvme",
     "entry_id",
     "evict",
+    "file_digest",
     "file_record",
     "find_entry",
+    "hexdigest",
     "list_entries",
     "open_entry",
     "publish_entry",

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from dlo_contract.cache.digest import HASH_WORKERS, chunk_count, chunk_digests, sha256_file
+from dlo_contract.cache.digest import HASH_WORKERS, chunk_count, chunk_digests, file_digest
 from dlo_contract.cache.identity import entry_id as identity_entry_id
 from dlo_contract.cache.layout import MANIFEST_NAME
 from dlo_contract.cache.manifest import FileRecord, Manifest
@@ -93,7 +93,7 @@ def _check_digests(entry_dir: Path, records: tuple[FileRecord, ...]) -> list[Pro
     problems: list[Problem] = []
     reported: set[str] = set()
     for (record, chunk), actual in zip(tasks, digests, strict=True):
-        expected = record.sha256 if chunk is None else record.chunk_sha256[chunk]
+        expected = record.digest if chunk is None else record.chunk_digests[chunk]
         if actual == expected or record.name in reported:
             continue
         reported.add(record.name)
@@ -104,16 +104,17 @@ def _check_digests(entry_dir: Path, records: tuple[FileRecord, ...]) -> list[Pro
 def _digest(entry_dir: Path, record: FileRecord, chunk: int | None) -> str:
     path = entry_dir / record.name
     if chunk is None or record.chunk_bytes is None:
-        return sha256_file(path)
-    digests = chunk_digests(path, record.chunk_bytes, chunk, chunk + 1)
+        return file_digest(path, record.algorithm)
+    digests = chunk_digests(path, record.chunk_bytes, chunk, chunk + 1, record.algorithm)
     return digests[0] if digests else ""
 
 
 def _mismatch(record: FileRecord, chunk: int | None, actual: str, expected: str | None) -> str:
     if chunk is None or record.chunk_bytes is None:
-        return f"sha256 {actual} does not match the manifest's {expected}"
+        return f"{record.algorithm} {actual} does not match the manifest's {expected}"
     start = chunk * record.chunk_bytes
     stop = min(record.size, start + record.chunk_bytes)
     return (
-        f"bytes {start}-{stop - 1}: sha256 {actual} does not match the manifest's {expected}"
+        f"bytes {start}-{stop - 1}: {record.algorithm} {actual} does not match the manifest's "
+        f"{expected}"
     )

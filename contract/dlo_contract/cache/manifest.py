@@ -19,26 +19,35 @@ from dlo_contract.cache.layout import relpath_problem
 
 MANIFEST_SCHEMA_VERSION = 1
 KINDS = ("checkpoint", "runtime")
-_HEX64 = frozenset("0123456789abcdef")
+_HEX = frozenset("0123456789abcdef")
+DIGEST_HEX_DIGITS = {"sha256": 64, "crc64nvme": 16, "xxh3-128": 32}
+"""The digest algorithms a manifest may name, with the length of their lowercase hex digests.
+`sha256` records use the format's first keys (`sha256`, `chunk_sha256`) and need no
+`algorithm`; every other algorithm is named in the record (`algorithm`, `digest`,
+`chunk_digests`)."""
+DEFAULT_ALGORITHM = "sha256"
 
 
-def _is_sha256(value: object) -> bool:
-    return isinstance(value, str) and len(value) == 64 and set(value) <= _HEX64
+def _is_digest(value: object, algorithm: str) -> bool:
+    return (isinstance(value, str) and len(value) == DIGEST_HEX_DIGITS[algorithm]
+            and set(value) <= _HEX)
 
 
 @dataclass(frozen=True, kw_only=False)
 class FileRecord:
-    """One file of an entry. Small files carry `sha256`; large ones `chunk_bytes` and one digest
-    per chunk (the last chunk may be short). A record with neither gets digests at commit."""
+    """One file of an entry. Small files carry one `digest`; large ones `chunk_bytes` and one
+    digest per chunk (the last chunk may be short), all of `algorithm`. A record with neither
+    gets digests at commit."""
 
     name: str
     size: int
-    sha256: str | None = None
+    digest: str | None = None
     chunk_bytes: int | None = None
-    chunk_sha256: tuple[str, ...] = ()
+    chunk_digests: tuple[str, ...] = ()
+    algorithm: str = DEFAULT_ALGORITHM
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "chunk_sha256", tuple(self.chunk_sha256))
+        object.__setattr__(self, "chunk_digests", tuple(self.chunk_digests))
         problem = self._problem()
         if problem:
             raise CacheCorruptError(f"file record {self.name!r}: {problem}")
@@ -49,49 +58,66 @@ class FileRecord:
             return f"name not allowed: {name_problem}"
         if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 0:
             return f"size {self.size!r} is not a byte count"
-        if self.sha256 is not None and not _is_sha256(self.sha256):
-            return f"sha256 {self.sha256!r} is not 64 lowercase hex digits"
+        if self.algorithm not in DIGEST_HEX_DIGITS:
+            return (f"digest algorithm {self.algorithm!r} is not one of "
+                    f"{sorted(DIGEST_HEX_DIGITS)}")
+        digits = DIGEST_HEX_DIGITS[self.algorithm]
+        if self.digest is not None and not _is_digest(self.digest, self.algorithm):
+            return f"{self.algorithm} {self.digest!r} is not {digits} lowercase hex digits"
         if self.chunk_bytes is None:
-            return "chunk_sha256 given without chunk_bytes" if self.chunk_sha256 else None
-        if self.sha256 is not None:
-            return "carries both sha256 and a chunk list; expected one"
+            return "chunk digests given without chunk_bytes" if self.chunk_digests else None
+        if self.digest is not None:
+            return "carries both a digest and a chunk list; expected one"
         if not isinstance(self.chunk_bytes, int) or self.chunk_bytes <= 0:
             return f"chunk_bytes {self.chunk_bytes!r} is not a positive byte count"
         expected = -(-self.size // self.chunk_bytes)
-        if len(self.chunk_sha256) != expected:
+        if len(self.chunk_digests) != expected:
             return (
-                f"{len(self.chunk_sha256)} chunk digests for {self.size} bytes in chunks of "
+                f"{len(self.chunk_digests)} chunk digests for {self.size} bytes in chunks of "
                 f"{self.chunk_bytes}; expected {expected}"
             )
-        if not all(_is_sha256(d) for d in self.chunk_sha256):
-            return "a chunk digest is not 64 lowercase hex digits"
+        if not all(_is_digest(d, self.algorithm) for d in self.chunk_digests):
+            return f"a chunk digest is not {digits} lowercase hex digits"
         return None
 
     @property
     def has_digests(self) -> bool:
-        return self.sha256 is not None or self.chunk_bytes is not None
+        return self.digest is not None or self.chunk_bytes is not None
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"name": self.name, "size": self.size}
-        if self.sha256 is not None:
-            data["sha256"] = self.sha256
+        sha256 = self.algorithm == "sha256"
+        if not sha256:
+            data["algorithm"] = self.algorithm
+        if self.digest is not None:
+            data["sha256" if sha256 else "digest"] = self.digest
         if self.chunk_bytes is not None:
             data["chunk_bytes"] = self.chunk_bytes
-            data["chunk_sha256"] = list(self.chunk_sha256)
+            data["chunk_sha256" if sha256 else "chunk_digests"] = list(self.chunk_digests)
         return data
 
     @classmethod
     def from_dict(cls, data: Any) -> FileRecord:
         if not isinstance(data, dict):
             raise CacheCorruptError(f"manifest file record is not an object: {data!r}")
-        _reject_unknown(data, {"name", "size", "sha256", "chunk_bytes", "chunk_sha256"}, "file")
+        algorithm = data.get("algorithm", DEFAULT_ALGORITHM)
+        if algorithm == "sha256":
+            digest_key, chunks_key = "sha256", "chunk_sha256"
+            allowed = {"name", "size", "sha256", "chunk_bytes", "chunk_sha256", "algorithm"}
+        else:
+            digest_key, chunks_key = "digest", "chunk_digests"
+            allowed = {"name", "size", "digest", "chunk_bytes", "chunk_digests", "algorithm"}
+        _reject_unknown(data, allowed, "file")
         try:
             return cls(
-                name=data["name"], size=data["size"], sha256=data.get("sha256"),
-                chunk_bytes=data.get("chunk_bytes"), chunk_sha256=data.get("chunk_sha256", ()),
+                name=data["name"], size=data["size"], digest=data.get(digest_key),
+                chunk_bytes=data.get("chunk_bytes"), chunk_digests=data.get(chunks_key, ()),
+                algorithm=algorithm,
             )
         except KeyError as exc:
             raise CacheCorruptError(f"manifest file record lacks {exc.args[0]!r}") from exc
+        except TypeError as exc:
+            raise CacheCorruptError(f"manifest file record is malformed: {exc}") from exc
 
 
 def utc_now_iso() -> str:

@@ -145,20 +145,20 @@ class Publication:
         try:
             if self.tmp_dir is not None:
                 written = tree_bytes(self.tmp_dir)
+                free = free_bytes(self.root.tmp)  # measured while the partial files still hold it
                 remove_tree(self.tmp_dir)
                 self.tmp_dir = None
                 if isinstance(exc, OSError):
-                    raise self._write_error(exc, written) from exc
+                    raise self._write_error(exc, written, free) from exc
         finally:
             if self._lock is not None:
                 self._lock.release()  # only after the tmp dir is gone: no one may see it live
 
-    def _write_error(self, exc: OSError, written: int) -> CacheError:
+    def _write_error(self, exc: OSError, written: int, free: int) -> CacheError:
         reason = exc.strerror or str(exc)
         if exc.errno not in SPACE_ERRNOS:
             return CacheError(f"writing cache entry {self.entry_id} failed: {reason}")
         needed = max(self.expected_bytes, written) + self.min_free_bytes
-        free = free_bytes(self.root.tmp)
         return CacheSpaceError(
             f"writing cache entry {self.entry_id} failed: {reason}; it needs {needed} bytes, "
             f"{free} bytes are free in {self.root.path}",

@@ -26,8 +26,8 @@ def _manifest() -> Manifest:
         entry_id=entry_id(ident),
         identity=ident,
         files=(
-            FileRecord("a.safetensors", 5, sha256="00" * 32),
-            FileRecord("b.safetensors", 10, chunk_bytes=4, chunk_sha256=("11" * 32,) * 3),
+            FileRecord("a.safetensors", 5, digest="00" * 32),
+            FileRecord("b.safetensors", 10, chunk_bytes=4, chunk_digests=("11" * 32,) * 3),
         ),
         tensor_count=7,
         content_digest="ef" * 32,
@@ -55,7 +55,7 @@ def test_a_newer_schema_version_is_refused_with_a_hint() -> None:
 
 def test_file_records_must_describe_their_chunks_consistently() -> None:
     with pytest.raises(CacheCorruptError) as info:
-        FileRecord("b", 10, chunk_bytes=4, chunk_sha256=("11" * 32,) * 2)
+        FileRecord("b", 10, chunk_bytes=4, chunk_digests=("11" * 32,) * 2)
     assert str(info.value) == (
         "file record 'b': 2 chunk digests for 10 bytes in chunks of 4; expected 3"
     )
@@ -81,7 +81,7 @@ def test_file_record_uses_a_chunk_list_only_above_one_chunk(tmp_path: Path) -> N
     small.write_bytes(b"x" * 1000)
     large.write_bytes(b"y" * 1001)
     assert file_record(small, "small", chunk_bytes=1000) == FileRecord(
-        "small", 1000, sha256=hashlib.sha256(b"x" * 1000).hexdigest()
+        "small", 1000, digest=hashlib.sha256(b"x" * 1000).hexdigest()
     )
     record = file_record(large, "large", chunk_bytes=1000)
-    assert (record.sha256, record.chunk_bytes, len(record.chunk_sha256)) == (None, 1000, 2)
+    assert (record.digest, record.chunk_bytes, len(record.chunk_digests)) == (None, 1000, 2)

@@ -31,7 +31,7 @@ def _publish_big(root: CacheRoot) -> str:
         "weights/w.safetensors",
         len(BIG),
         chunk_bytes=CHUNK,
-        chunk_sha256=tuple(_chunks(BIG)),
+        chunk_digests=tuple(_chunks(BIG)),
     )
     return publish_files(root, "s3://b/m/", files, **{"weights/w.safetensors": big})
 

@@ -1,0 +1,201 @@
+"""What real stores and real checkpoints do to a fill: many objects under a low open-file limit,
+local errors, objects replaced under a store that ignores If-Match, stalled bodies, a loader
+waiting for another's publication, listing errors, store checksums."""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import boto3
+import botocore.exceptions as bexc
+import pytest
+from dlo_bench.faultproxy import STALL, FaultPlan, FaultProxy
+from dlo_bench.s3server import DUMMY_CREDENTIALS, S3Server
+from dlo_loader import fill as fill_module
+from dlo_loader.errors import LocalResourceError, SourceChanged, SourceError, SourceUnavailable
+from dlo_loader.fill import FillRequest, fill
+from dlo_loader.progress import Progress
+from dlo_loader.source import ObjectStore, parse_source
+from dlo_contract.cache import checkpoint_identity, entry_id
+from dlo_contract.cache import open_entry, verify_entry
+from dlo_contract.settings import CacheConfig, LoaderConfig, Settings
+from support.loader_fleet import BUCKET, LOADER_SETTINGS, Checkpoint, upload_files
+
+pytestmark = pytest.mark.usefixtures("aws_env")
+KEY = "transformer/model-00001-of-00002.safetensors"
+
+
+def store_for(source: str, endpoint: str, **options: object) -> ObjectStore:
+    fields = {"readers": 4, "attempts": 3, **options}
+    return ObjectStore(parse_source(source), endpoint_url=endpoint, region="us-east-1",
+                       path_style=True, **fields)
+
+
+def settings_for(source: str, endpoint: str, root: Path, **loader: object) -> Settings:
+    fields = {**LOADER_SETTINGS, "source": source, "endpoint_url": endpoint, **loader}
+    return Settings(loader=LoaderConfig(**fields), cache=CacheConfig(root=str(root)))
+
+
+def _client(s3: S3Server):  # noqa: ANN202 (boto3 client type)
+    return boto3.client("s3", endpoint_url=s3.endpoint_url, region_name="us-east-1")
+
+
+def test_more_objects_than_the_open_file_limit_fill(s3: S3Server, tmp_path: Path) -> None:
+    """The 1024 limit with thousands of objects, scaled down: 200 objects of 4 KiB (two
+    descriptors each while a whole fill held them) under a limit of 256."""
+    files = {f"tokenizer/part-{i:04d}.json": bytes([i % 251]) * 4096 for i in range(200)}
+    source = upload_files(s3, "many", files, tmp_path / "src")
+    env = {**os.environ, **DUMMY_CREDENTIALS}
+    limit = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))  # noqa: E731
+    done = subprocess.run(
+        [sys.executable, "-m", "dlo_cli.main", "cache", "fill", "--source", source,
+         "--endpoint-url", s3.endpoint_url, "--path-style", "--region", "us-east-1",
+         "--include", "*.json", "--cache-root", str(tmp_path / "cache"),
+         "--entry-file", str(tmp_path / "entry.json"),
+         "--summary-file", str(tmp_path / "termination-log")],
+        env=env, text=True, capture_output=True, preexec_fn=limit, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert '"status": "ok"' in done.stdout.splitlines()[-1]
+
+
+def test_running_out_of_descriptors_is_a_local_error_not_retried() -> None:
+    store = store_for("s3://models/tiny/", "http://127.0.0.1:9", attempts=8)
+    calls = []
+
+    def connect() -> None:
+        calls.append(1)
+        cause = OSError(errno.EMFILE, "Too many open files")
+        raise bexc.EndpointConnectionError(endpoint_url="http://127.0.0.1:9", error=cause)
+
+    with pytest.raises(LocalResourceError) as caught:
+        store._retrying("s3://models/tiny/a bytes 0-9", connect)
+    assert len(calls) == 1
+    assert "too many open files on this node (EMFILE); not an object store failure" in str(
+        caught.value)
+    assert "ulimit -n" in (caught.value.hint or "")
+
+
+def test_an_object_replaced_under_a_store_ignoring_if_match_is_never_mixed_in(
+    s3: S3Server, tmp_path: Path
+) -> None:
+    files = {"m/a.json": b"x" * 5000}
+    source = upload_files(s3, "replaced-unguarded", files, tmp_path / "src")
+    with FaultProxy(s3.endpoint_url, FaultPlan(ignore_if_match=True)) as proxy:
+        store = store_for(source, proxy.url)
+        [listed] = store.list(["*.json"])
+        _client(s3).put_object(Bucket=BUCKET, Key="replaced-unguarded/m/a.json", Body=b"y" * 5000)
+        with pytest.raises(SourceChanged) as caught:
+            store.read(listed, 0, memoryview(bytearray(1000)))
+        store.close()
+    assert "the object changed since it was listed (ETag" in str(caught.value)
+
+
+def test_a_stalled_body_is_asked_again_at_once_and_the_line_says_stalled(
+    s3: S3Server, checkpoint: Checkpoint
+) -> None:
+    progress = Progress(total_bytes=100, prefix="[rank 0/1]")
+    plan = FaultPlan(kinds=(STALL,), limit=1, stall_s=20.0)
+    with FaultProxy(s3.endpoint_url, plan) as proxy:
+        store = store_for(checkpoint.source, proxy.url, stall_timeout_s=0.5,
+                          on_stall=progress.stall)
+        obj = next(o for o in store.list(["*.safetensors"]) if o.key == KEY)
+        into = memoryview(bytearray(obj.size))
+        began = time.monotonic()
+        store.read(obj, 0, into)
+        took = time.monotonic() - began
+        store.close()
+    assert bytes(into) == checkpoint.files[KEY]
+    assert took < 10.0  # abandoned after 0.5 s, not after the 20 s the body stays silent
+    assert "stalled (s3://models/tiny/" in progress.line() and "ETA" not in progress.line()
+    progress.add(from_store=1)
+    assert "ETA" in progress.line()
+
+
+def test_a_store_that_keeps_stalling_fails_without_suggesting_more_retries(
+    s3: S3Server, checkpoint: Checkpoint
+) -> None:
+    plan = FaultPlan(kinds=(STALL,), stall_s=5.0)
+    with FaultProxy(s3.endpoint_url, plan) as proxy:
+        store = store_for(checkpoint.source, proxy.url, stall_timeout_s=0.3, attempts=2)
+        obj = next(o for o in store.list(["*.safetensors"]) if o.key == KEY)
+        with pytest.raises(SourceUnavailable) as caught:
+            store.read(obj, 0, memoryview(bytearray(obj.size)))
+        store.close()
+    assert "last error: stalled: no bytes for 0.3 s" in str(caught.value)
+    assert "max_retries" not in (caught.value.hint or "")
+
+
+def test_listing_errors_name_the_bucket_and_prefix(s3: S3Server) -> None:
+    store = store_for("s3://no-such-bucket/some/prefix", s3.endpoint_url)
+    with pytest.raises(SourceError) as caught:
+        store.list(["*"])
+    store.close()
+    assert str(caught.value).startswith("listing s3://no-such-bucket/some/prefix/: not found")
+
+
+HOLD_PUBLICATION = """
+import sys
+from dlo_contract.cache import CacheRoot, begin_publication
+with begin_publication(CacheRoot(sys.argv[1]), sys.argv[2], expected_bytes=0, lock_timeout_s=5):
+    print("holding", flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_a_loader_waiting_for_another_publication_says_so(
+    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fill_module, "WAIT_LINE_INTERVAL_S", 0.2)
+    root = tmp_path / "cache"
+    store = store_for(checkpoint.source, s3.endpoint_url)
+    files = store.list(LoaderConfig().include)
+    store.close()
+    eid = entry_id(checkpoint_identity(str(parse_source(checkpoint.source)), files))
+    lines: list[str] = []
+    settings = settings_for(checkpoint.source, s3.endpoint_url, root)
+    holder = subprocess.Popen(  # another loader's publication, in a process of its own
+        [sys.executable, "-c", HOLD_PUBLICATION, str(root), eid], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        worker = threading.Thread(target=lambda: lines.append(
+            fill(FillRequest(settings=settings, emit=lines.append)).entry_id))
+        worker.start()
+        deadline = time.monotonic() + 30
+        while not any("waiting" in str(line) for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        holder.communicate("", timeout=30)  # ends the publication without an entry
+    worker.join(60)
+    waits = [line for line in lines if "waiting" in line]
+    assert waits and f"to publish entry {eid} (s3://models/tiny/)" in waits[0]
+    assert lines[-1] == eid  # then filled it itself: the other publication ended without one
+
+
+def test_the_store_checksum_is_checked_and_said_in_the_summary(
+    s3: S3Server, tmp_path: Path
+) -> None:
+    data = os.urandom(300_000)
+    client = _client(s3)
+    client.put_object(Bucket=BUCKET, Key="crc/big.json", Body=data, ChecksumAlgorithm="CRC64NVME")
+    client.put_object(Bucket=BUCKET, Key="crc/small.json", Body=b"{}")
+    settings = settings_for("s3://models/crc/", s3.endpoint_url, tmp_path / "cache",
+                            include=("*.json",), chunk_bytes=64 * 1024)
+    result = fill(FillRequest(settings=settings))
+    assert result.summary().store_checksums == "all"  # the small one is a single chunk
+    assert verify_entry(tmp_path / "cache", result.entry_id, full=True) == []
+    with open_entry(tmp_path / "cache", result.entry_id) as handle:
+        assert {f.algorithm for f in handle.manifest.files} == {"crc64nvme"}
+    client.put_object(Bucket=BUCKET, Key="crc/big.json", Body=data[::-1],
+                      ChecksumAlgorithm="CRC32C")
+    other = fill(FillRequest(settings=settings_for(
+        "s3://models/crc/", s3.endpoint_url, tmp_path / "cache2", include=("*.json",),
+        chunk_bytes=64 * 1024)))
+    assert other.summary().store_checksums == "none"
