@@ -26,7 +26,7 @@ from dlo_contract.cache.errors import (
     CacheLockTimeout,
     CacheSpaceError,
 )
-from dlo_contract.cache.evict import EntryInfo, evict, list_entries, remove_entry
+from dlo_contract.cache.evict import EntryInfo, evict, list_entries, make_room, remove_entry
 from dlo_contract.cache.identity import (
     ObjectIdentity,
     canonical_json,
@@ -64,6 +64,7 @@ __all__ = [
     "file_record",
     "find_entry",
     "list_entries",
+    "make_room",
     "open_entry",
     "publish_entry",
     "read_manifest",
