@@ -36,6 +36,7 @@ class KubeClient:
         self._api = api_client
         self._core = kubernetes.client.CoreV1Api(api_client)
         self._apps = kubernetes.client.AppsV1Api(api_client)
+        self._batch = kubernetes.client.BatchV1Api(api_client)
         self._custom = kubernetes.client.CustomObjectsApi(api_client)
 
     @classmethod
@@ -50,18 +51,52 @@ class KubeClient:
     def close(self) -> None:
         self._api.close()
 
+    def _verbs(self, kind: str) -> dict[str, Callable[..., Any]]:
+        api, suffix = {
+            "ConfigMap": (self._core, "config_map"), "Service": (self._core, "service"),
+            "Pod": (self._core, "pod"), "StatefulSet": (self._apps, "stateful_set"),
+            "Job": (self._batch, "job"),
+        }[kind]
+        return {verb: getattr(api, f"{verb}_namespaced_{suffix}")
+                for verb in ("patch", "read", "list", "delete")}
+
     def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
-        """Server-side apply one child (ConfigMap, Service or StatefulSet)."""
-        patchers: dict[str, Callable[..., Any]] = {
-            "ConfigMap": self._core.patch_namespaced_config_map,
-            "Service": self._core.patch_namespaced_service,
-            "StatefulSet": self._apps.patch_namespaced_stateful_set,
-        }
+        """Server-side apply one child (ConfigMap, Service, StatefulSet or Job)."""
         kind = manifest["kind"]
         meta = manifest["metadata"]
         what = f"{kind} {meta['namespace']}/{meta['name']}"
-        return self._call(what, patchers[kind], meta["name"], meta["namespace"], dict(manifest),
-                          field_manager=FIELD_MANAGER, force=True, _content_type=_APPLY)
+        return self._call(what, self._verbs(kind)["patch"], meta["name"], meta["namespace"],
+                          dict(manifest), field_manager=FIELD_MANAGER, force=True,
+                          _content_type=_APPLY)
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """One object, or None when it does not exist."""
+        try:
+            return self._call(f"{kind} {namespace}/{name}", self._verbs(kind)["read"], name,
+                              namespace)
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def list(self, kind: str, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+        """Objects of `kind` carrying all `labels` (the server filters; we check again, which
+        costs nothing and keeps a server without selector support honest)."""
+        selector = ",".join(f"{k}={v}" for k, v in labels.items())
+        found = self._call(f"{kind}s in {namespace}", self._verbs(kind)["list"], namespace,
+                           label_selector=selector) or {}
+        return [item for item in found.get("items") or ()
+                if all(((item.get("metadata") or {}).get("labels") or {}).get(k) == v
+                       for k, v in labels.items())]
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        """Delete one child and (background propagation) what it owns; gone already is fine."""
+        try:
+            self._call(f"{kind} {namespace}/{name}", self._verbs(kind)["delete"], name,
+                       namespace, propagation_policy="Background")
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
 
     def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The DOD, or None when it is gone."""

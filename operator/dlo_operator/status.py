@@ -20,7 +20,12 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dlo_operator.naming import INFERENCE_CONTAINER, LABEL_POD_INDEX, LOADER_CONTAINER
+from dlo_operator.naming import (
+    INFERENCE_CONTAINER,
+    LABEL_JOB_INDEX,
+    LABEL_POD_INDEX,
+    LOADER_CONTAINER,
+)
 
 CONDITION_TYPES = ("Valid", "CacheReady", "Available", "Progressing")
 _FAILING_WAIT_REASONS = frozenset({
@@ -55,12 +60,34 @@ def node_entry(pod: Mapping[str, Any]) -> dict[str, Any]:
     }
     if message:
         entry["message"] = message
-    for key, name in (("entry_id", "entryId"), ("mode", "mode"),
-                      ("bytes_from_store", "bytesFromStore"),
-                      ("bytes_from_peers", "bytesFromPeers"), ("seconds", "seconds")):
+    for key, name in _SUMMARY_FIELDS:
         if key in summary:
             entry[name] = summary[key]
     return entry
+
+
+def prefill_node(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """One prefill Job pod's row: node, rank, loader state and the loader's summary figures."""
+    meta = pod.get("metadata") or {}
+    loader = _container_status((pod.get("status") or {}).get("containerStatuses"),
+                               LOADER_CONTAINER)
+    state, message, summary = _loader_state(loader)
+    index = (meta.get("labels") or {}).get(LABEL_JOB_INDEX, "")
+    row: dict[str, Any] = {
+        "pod": meta.get("name", ""), "node": (pod.get("spec") or {}).get("nodeName", ""),
+        "rank": int(index) if str(index).isdigit() else -1, "loader": state.value,
+    }
+    if message:
+        row["message"] = message
+    for key, name in _SUMMARY_FIELDS:
+        if key in summary:
+            row[name] = summary[key]
+    return row
+
+
+_SUMMARY_FIELDS = (("entry_id", "entryId"), ("mode", "mode"),
+                   ("bytes_from_store", "bytesFromStore"), ("bytes_from_peers", "bytesFromPeers"),
+                   ("seconds", "seconds"), ("cached", "cached"))
 
 
 def status_from_pods(

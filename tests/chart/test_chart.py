@@ -118,9 +118,10 @@ def test_rbac_grants_only_what_the_operator_uses() -> None:
         ("dlo.dev", "diffusionoffloaddeployments"): ["get", "list", "patch", "watch"],
         ("dlo.dev", "diffusionoffloaddeployments/status"): ["get", "patch"],
         ("", "pods"): ["list", "watch"],
-        ("", "configmaps"): ["create", "get", "patch"],
-        ("", "services"): ["create", "get", "patch"],
-        ("apps", "statefulsets"): ["create", "get", "patch"],
+        ("", "configmaps"): ["create", "delete", "get", "list", "patch", "watch"],
+        ("", "services"): ["create", "delete", "get", "list", "patch", "watch"],
+        ("apps", "statefulsets"): ["create", "get", "list", "patch", "watch"],
+        ("batch", "jobs"): ["create", "delete", "get", "list", "patch", "watch"],
         ("", "events"): ["create"],
     }
 

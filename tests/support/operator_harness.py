@@ -53,6 +53,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     def _fill_new(self, request: kmock.Request) -> None:
         meta = request.data.setdefault("metadata", {})
         meta.setdefault("namespace", request.namespace)
+        if meta.get("generateName") and not meta.get("name"):
+            meta["name"] = f"{meta['generateName']}{uuid.uuid4().hex[:5]}"
         meta["uid"] = str(uuid.uuid4())
         meta["resourceVersion"] = str(next(self._versions))
         meta["generation"] = 1
@@ -103,6 +105,11 @@ async def cluster(tmp_path: Path,
         emulator.resources["v1/pods"] = kmock.ResourceInfo(
             kind="Pod", singular="pod", namespaced=True, subresources={"status"},
             verbs={"get", "list", "watch", "create", "patch", "delete"})
+        for resource, kind in (("v1/configmaps", "ConfigMap"), ("v1/services", "Service"),
+                               ("apps/v1/statefulsets", "StatefulSet"), ("batch/v1/jobs", "Job")):
+            emulator.resources[resource] = kmock.ResourceInfo(
+                kind=kind, singular=kind.lower(), namespaced=True, subresources={"status"},
+                verbs={"get", "list", "watch", "create", "patch", "delete"})
         # kopf waits for these to be discoverable even when it scans neither of them.
         emulator.resources["v1/namespaces"] = kmock.ResourceInfo(
             kind="Namespace", singular="namespace", namespaced=False, verbs={"get", "list"})
