@@ -8,7 +8,7 @@ SHELL := /bin/bash
 # Benchmarks print a report and end with one JSON line, which is kept in bench/results/.
 LAST_LINE_TO = | tee /dev/stderr | tail -n 1 | python3 -m json.tool >
 
-.PHONY: demo test test-fast bench-loader bench-runtime bench-cluster lock clean
+.PHONY: demo test test-fast generate check-generated bench-loader bench-runtime bench-cluster lock clean
 
 $(STAMP): requirements.lock pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,16 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# The CRD (and the chart's copy) and the README reference, from contract/dlo_contract's settings
+# declarations, and the golden `dlo render` files of the examples (checked by the test suite).
+# check-generated renders into a temporary directory and fails with the diff.
+generate: $(STAMP)
+	$(VENV)/bin/python -m dlo_contract.generate
+	cd tests && ../$(VENV)/bin/python -m support.golden
+
+check-generated: $(STAMP)
+	$(VENV)/bin/python -m dlo_contract.generate --check
 
 bench-runtime: $(STAMP)
 	set -o pipefail; $(VENV)/bin/dlo bench runtime --json $(LAST_LINE_TO) bench/results/runtime.json

@@ -33,6 +33,7 @@ from dlo_bench import cluster_report, linkprobe, netns, provenance
 from dlo_bench.s3server import DUMMY_CREDENTIALS
 from dlo_contract.cache import sha256_file
 from dlo_contract.errors import PermanentError
+from dlo_contract.names import DEFAULT_RENDEZVOUS_PORT
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,6 @@ MIB = 1 << 20
 _BUCKET = "models"
 _PREFIX = "cluster-bench/flux"
 _STORE_PORT = 4566
-_MASTER_PORT = 29500
 
 
 class ClusterBenchError(PermanentError):
@@ -254,7 +254,7 @@ def _fill(cluster: netns.Cluster, store: dict[str, Any], nodes: int, mode: str, 
         for rank, root in enumerate(roots):
             root.mkdir(parents=True)
             argv = _loader_argv(cluster, store, nodes=nodes, rank=rank, mode=mode, root=root,
-                                port=_MASTER_PORT + index, args=args)
+                                port=DEFAULT_RENDEZVOUS_PORT + index, args=args)
             with (root / "stdout").open("wb") as out, (root / "stderr").open("wb") as err:
                 procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out,
                                               stderr=err, env=env))

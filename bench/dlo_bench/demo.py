@@ -30,6 +30,7 @@ from dlo_bench.demo_processes import Children, DemoError, sigterm_as_interrupt
 from dlo_bench.demo_report import MODES, build_report, compare_outputs, format_report
 from dlo_bench.s3server import DUMMY_CREDENTIALS, free_port, start_moto, upload_tree
 from dlo_contract.errors import DloError
+from dlo_contract.names import CONFIG_ENV, ENTRY_FILE_ENV
 from dlo_contract.settings import (
     MIB, CacheConfig, LoaderConfig, OffloadConfig, ParallelConfig, Settings,
 )
@@ -49,7 +50,7 @@ fails the demo rather than silently reading alone."""
 _DESCRIBE = {"offloaded": "offloaded (AllGather over gloo, from node0's entry)",
              "resident": "resident (loaded ordinarily from the same files)"}
 _TORCH_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
-_AMBIENT = ("DLO_CONFIG", "DLO_ENTRY_FILE", "DLO_CACHE_ROOT", "AWS_PROFILE")
+_AMBIENT = (CONFIG_ENV, ENTRY_FILE_ENV, "AWS_PROFILE")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -170,8 +171,7 @@ def _serve(args: argparse.Namespace, work: Path, children: Children) -> list[dic
                         cache=CacheConfig(root=str(node / "cache")))
     config = runtime_dir / "settings.json"
     config.write_text(validate(settings).to_json())
-    env = {"DLO_CONFIG": str(config), "DLO_ENTRY_FILE": str(node / "entry.json"),
-           "DLO_CACHE_ROOT": str(node / "cache")}
+    env = {CONFIG_ENV: str(config), ENTRY_FILE_ENV: str(node / "entry.json")}
     for mode in MODES:
         log.info("running %d data-parallel ranks %s for %d steps", RANKS, _DESCRIBE[mode],
                  args.steps)

@@ -28,6 +28,7 @@ from diffusers import FluxTransformer2DModel
 from torch import nn
 
 from dlo_bench.demo_report import MODES
+from dlo_contract.names import ENTRY_FILE_ENV
 from dlo_runtime import pod
 
 _COLLECTIVE_TIMEOUT = timedelta(seconds=120)
@@ -92,7 +93,7 @@ def _resident(inputs: dict[str, Any], steps: int) -> tuple[torch.Tensor, dict[st
     """
     entry = pod.read_entry_file()
     if entry is None:
-        raise RuntimeError("no entry file: DLO_ENTRY_FILE must name the loader's entry.json")
+        raise RuntimeError(f"no entry file: {ENTRY_FILE_ENV} must name the loader's entry document")
     model = FluxTransformer2DModel.from_pretrained(entry.path / "transformer",
                                                    low_cpu_mem_usage=False).eval()
     for tensor in [*model.parameters(), *model.buffers()]:

@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from dlo_bench import provenance
+from dlo_contract.documents import EntryDocument
+from dlo_contract.names import CONFIG_ENV, ENTRY_FILE_ENV
 
 MODES = ("shared", "private")
 
@@ -96,13 +98,13 @@ def _pod_environment(work: Path) -> dict[str, str]:
     root = work / "cache"
     path = publish_entry(root, eid, "checkpoint", identity, write,
                          expected_bytes=sum(p.stat().st_size for p in files), lock_timeout_s=30)
-    (work / "entry.json").write_text(json.dumps(
-        {"entry_id": eid, "kind": "checkpoint", "root": str(root), "path": str(path)}))
+    (work / "entry.json").write_text(EntryDocument(
+        entry_id=eid, kind="checkpoint", root=str(root), path=str(path), source="").to_json())
     settings = replace_path(replace_path(Settings(), "offload.use_allgather", False),
                             "cache.root", str(root))
     (work / "settings.json").write_text(settings.to_json())
-    return {**os.environ, "DLO_CONFIG": str(work / "settings.json"),
-            "DLO_ENTRY_FILE": str(work / "entry.json"), "OMP_NUM_THREADS": "1"}
+    return {**os.environ, CONFIG_ENV: str(work / "settings.json"),
+            ENTRY_FILE_ENV: str(work / "entry.json"), "OMP_NUM_THREADS": "1"}
 
 
 def _measure_mode(mode: str, processes: int, env: dict[str, str]) -> dict[str, Any]:
@@ -178,7 +180,7 @@ def _staging_throughput(work: Path, model_cls: Any, repeats: int,
     from dlo_contract.settings import load_settings
 
     dit = build_meta_dit(model_cls, work / "layout" / "transformer", torch.float32)
-    plan = preflight(work / "layout", dit, load_settings(env["DLO_CONFIG"])).plan
+    plan = preflight(work / "layout", dit, load_settings(env[CONFIG_ENV])).plan
     assert plan is not None, "the bench checkpoint must be accepted"
     mapped = plan.take_tensors()
     private = {name: view.clone() for name, view in mapped.items()}

@@ -1,33 +1,55 @@
 """The one validator of the settings document, and the DLO group selection rule.
 
 Called by the operator (a CR that fails gets `Valid=False` and no children), by the runtime at
-startup and by the loader. The CRD mirrors `RULES` as CEL expressions with the same ids; a test
-evaluates both over the whole compatibility matrix of the DLO design, so change them together.
-Torch-free.
+startup and by the loader. Single-field bounds come from the schema's declarations
+(`dlo_contract.settings`); `RULES` are the combinations the DLO design rejects. The CRD mirrors
+`RULES` as CEL expressions with the same ids (`dlo_contract/crd_rules.yaml`); a test evaluates
+both over the whole compatibility matrix, so change them together.
+
+Messages name each field as its reader wrote it: the document path (`offload.use_allgather`) by
+default, the CR path (`spec.offload.useAllgather`) for the operator, and both when the document
+records that the operator rendered it from a CR (`Settings.origin`). Torch-free.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
+from dlo_contract.schema import leaves
 from dlo_contract.settings import Settings, SettingsError
 
 QUANT_NONE = "none"
 QUANT_FP8_PER_TENSOR = "fp8_per_tensor"
 
+Names = Callable[[str], str]
+"""Turns a document path (`offload.use_allgather`) into the name a message shows."""
+
+CR_PATHS: dict[str, str] = {leaf.path: leaf.meta.crd for leaf in leaves(Settings)
+                            if leaf.meta.crd is not None}
+"""Document path -> path under the CR's `spec`, from the schema's `crd` declarations."""
+
+
+def document_names(path: str) -> str:
+    return path
+
+
+def cr_names(path: str) -> str:
+    """The CR path the user wrote (`spec.offload.useAllgather`)."""
+    return f"spec.{CR_PATHS[path]}" if path in CR_PATHS else path
+
 
 @dataclass(frozen=True)
 class Rule:
-    """One rejected combination: `check` returns True when `settings` violates it."""
+    """One rejected combination: `check` returns True when `settings` violates it. `message`
+    and `fix` name fields through `n` (see `Names`)."""
 
     id: str
     fields: tuple[str, ...]
     check: Callable[[Settings], bool]
-    message: Callable[[Settings], str]
-    fix: str
+    message: Callable[[Settings, Names], str]
+    fix: Callable[[Names], str]
 
 
 def _dlo(s: Settings) -> bool:
@@ -47,66 +69,73 @@ RULES: tuple[Rule, ...] = (
         "hsdp-allgather",
         ("parallel.hsdp", "offload.use_allgather"),
         lambda s: _ag(s) and s.parallel.hsdp,
-        lambda s: "HSDP with DLO AllGather would shard parameters twice",
-        "set offload.use_allgather=false (HSDP then keeps rank-local tensors)",
+        lambda s, n: "HSDP with DLO AllGather would shard parameters twice",
+        lambda n: f"set {n('offload.use_allgather')}=false (HSDP then keeps rank-local tensors)",
     ),
     Rule(
         "resident-layers-allgather",
         ("offload.resident_layers", "offload.use_allgather"),
         lambda s: _ag(s) and s.offload.resident_layers > 0,
-        lambda s: f"offload.resident_layers={s.offload.resident_layers} needs rank-local blocks",
-        "set offload.use_allgather=false or offload.resident_layers=0",
+        lambda s, n: f"{n('offload.resident_layers')}={s.offload.resident_layers} "
+        "needs rank-local blocks",
+        lambda n: f"set {n('offload.use_allgather')}=false or {n('offload.resident_layers')}=0",
     ),
     Rule(
         "quantization-allgather",
         ("quantization", "offload.use_allgather"),
         lambda s: _ag(s) and s.quantization not in (QUANT_NONE, QUANT_FP8_PER_TENSOR),
-        lambda s: f"quantization={s.quantization!r} has no validated shard layout for AllGather",
-        f"use quantization={QUANT_FP8_PER_TENSOR!r} or {QUANT_NONE!r}, "
-        "or set offload.use_allgather=false",
+        lambda s, n: f"{n('quantization')}={s.quantization!r} has no validated shard layout "
+        "for AllGather",
+        lambda n: f"use {n('quantization')}={QUANT_FP8_PER_TENSOR!r} or {QUANT_NONE!r}, "
+        f"or set {n('offload.use_allgather')}=false",
     ),
     Rule(
         "runtime-cache-allgather",
         ("offload.enable_runtime_cache", "offload.use_allgather"),
         lambda s: _ag(s) and s.offload.enable_runtime_cache,
-        lambda s: "the runtime cache holds whole rank-local tensors, AllGather holds shards",
-        "set offload.use_allgather=false or offload.enable_runtime_cache=false",
+        lambda s, n: "the runtime cache holds whole rank-local tensors, AllGather holds shards",
+        lambda n: f"set {n('offload.use_allgather')}=false or "
+        f"{n('offload.enable_runtime_cache')}=false",
     ),
     Rule(
         "runtime-cache-quantization",
         ("offload.enable_runtime_cache", "quantization"),
         lambda s: _rc(s) and s.quantization != QUANT_NONE,
-        lambda s: f"the runtime cache rejects quantization={s.quantization!r}",
-        f"set quantization={QUANT_NONE!r} or offload.enable_runtime_cache=false",
+        lambda s, n: f"the runtime cache rejects {n('quantization')}={s.quantization!r}",
+        lambda n: f"set {n('quantization')}={QUANT_NONE!r} or "
+        f"{n('offload.enable_runtime_cache')}=false",
     ),
     Rule(
         "runtime-cache-hsdp",
         ("offload.enable_runtime_cache", "parallel.hsdp"),
         lambda s: _rc(s) and s.parallel.hsdp,
-        lambda s: "the runtime cache cannot hold HSDP (DTensor) parameters",
-        "set parallel.hsdp=false or offload.enable_runtime_cache=false",
+        lambda s, n: "the runtime cache cannot hold HSDP (DTensor) parameters",
+        lambda n: f"set {n('parallel.hsdp')}=false or {n('offload.enable_runtime_cache')}=false",
     ),
     Rule(
         "runtime-cache-ep",
         ("offload.enable_runtime_cache", "parallel.ep"),
         lambda s: _rc(s) and s.parallel.ep > 1,
-        lambda s: f"the runtime cache rejects expert parallelism (parallel.ep={s.parallel.ep})",
-        "set parallel.ep=1 or offload.enable_runtime_cache=false",
+        lambda s, n: "the runtime cache rejects expert parallelism "
+        f"({n('parallel.ep')}={s.parallel.ep})",
+        lambda n: f"set {n('parallel.ep')}=1 or {n('offload.enable_runtime_cache')}=false",
     ),
     Rule(
         "runtime-cache-cfg-parallel",
         ("offload.enable_runtime_cache", "parallel.cfg_parallel"),
         lambda s: _rc(s) and s.parallel.cfg_parallel > 1,
-        lambda s: "the runtime cache rejects CFG parallelism "
-        f"(parallel.cfg_parallel={s.parallel.cfg_parallel})",
-        "set parallel.cfg_parallel=1 or offload.enable_runtime_cache=false",
+        lambda s, n: "the runtime cache rejects CFG parallelism "
+        f"({n('parallel.cfg_parallel')}={s.parallel.cfg_parallel})",
+        lambda n: f"set {n('parallel.cfg_parallel')}=1 or "
+        f"{n('offload.enable_runtime_cache')}=false",
     ),
     Rule(
         "runtime-cache-pp",
         ("offload.enable_runtime_cache", "parallel.pp"),
         lambda s: _rc(s) and s.parallel.pp > 1,
-        lambda s: f"the runtime cache rejects pipeline parallelism (parallel.pp={s.parallel.pp})",
-        "set parallel.pp=1 or offload.enable_runtime_cache=false",
+        lambda s, n: "the runtime cache rejects pipeline parallelism "
+        f"({n('parallel.pp')}={s.parallel.pp})",
+        lambda n: f"set {n('parallel.pp')}=1 or {n('offload.enable_runtime_cache')}=false",
     ),
     Rule(
         "pin-limit-needs-runtime-cache",
@@ -114,58 +143,48 @@ RULES: tuple[Rule, ...] = (
         lambda s: _dlo(s)
         and s.offload.runtime_cache_pin_limit_gib > 0
         and not s.offload.enable_runtime_cache,
-        lambda s: "offload.runtime_cache_pin_limit_gib="
+        lambda s, n: f"{n('offload.runtime_cache_pin_limit_gib')}="
         f"{s.offload.runtime_cache_pin_limit_gib:g} registers the runtime-cache mapping, "
         "which is off",
-        "set offload.enable_runtime_cache=true or offload.runtime_cache_pin_limit_gib=0",
+        lambda n: f"set {n('offload.enable_runtime_cache')}=true or "
+        f"{n('offload.runtime_cache_pin_limit_gib')}=0",
     ),
     Rule(
         "hsdp-with-dp-or-tp",
         ("parallel.hsdp", "parallel.dp", "parallel.tp"),
         lambda s: s.parallel.hsdp and (s.parallel.dp > 1 or s.parallel.tp > 1),
-        lambda s: f"HSDP cannot combine with parallel.dp={s.parallel.dp} "
-        f"or parallel.tp={s.parallel.tp}",
-        "set parallel.dp=1 and parallel.tp=1, or parallel.hsdp=false",
+        lambda s, n: f"HSDP cannot combine with {n('parallel.dp')}={s.parallel.dp} "
+        f"or {n('parallel.tp')}={s.parallel.tp}",
+        lambda n: f"set {n('parallel.dp')}=1 and {n('parallel.tp')}=1, "
+        f"or {n('parallel.hsdp')}=false",
     ),
 )
 
-_POSITIVE_INTS = (
-    "parallel.dp", "parallel.sp", "parallel.tp", "parallel.pp", "parallel.ep",
-    "loader.readers", "loader.chunk_bytes", "loader.memory_limit_bytes", "loader.max_retries",
-)
-_POSITIVE_FLOATS = (
-    "offload.runtime_cache_lock_timeout_s", "loader.rendezvous_timeout_s", "loader.timeout_s",
-)
-_NON_NEGATIVE = (
-    "offload.resident_layers", "offload.runtime_cache_pin_limit_gib",
-    "cache.max_bytes", "cache.min_free_bytes",
-)
+LOADER_MEMORY_RULE = "loader-memory-two-chunks"
+"""The one cross-field bound outside `RULES` (its CEL twin has this id)."""
 
 
-def _get(settings: Settings, dotted: str) -> object:
-    value: object = settings
+def _get(settings: Any, dotted: str) -> Any:
+    value = settings
     for part in dotted.split("."):
         value = getattr(value, part)
     return value
 
 
-def range_errors(settings: Settings) -> list[str]:
-    """Single-field bounds (the CRD expresses these as `minimum`/`enum`)."""
+def range_errors(settings: Settings, names: Names = document_names) -> list[str]:
+    """Single-field bounds declared in the schema (the CRD states them as `minimum`/`enum`),
+    and the loader's double-buffering bound."""
     errors = []
-    for name in _POSITIVE_INTS + _POSITIVE_FLOATS:
-        if _get(settings, name) <= 0:  # type: ignore[operator]
-            errors.append(f"{name}={_get(settings, name)!r} must be greater than 0")
-    for name in _NON_NEGATIVE:
-        if _get(settings, name) < 0:  # type: ignore[operator]
-            errors.append(f"{name}={_get(settings, name)!r} must be 0 or more")
-    if settings.parallel.cfg_parallel not in (1, 2):
-        errors.append(f"parallel.cfg_parallel={settings.parallel.cfg_parallel!r} must be 1 or 2")
-    if not settings.quantization:
-        errors.append(f"quantization must name a method or {QUANT_NONE!r}")
+    for leaf in leaves(Settings):
+        value = _get(settings, leaf.path)
+        problem = None if value is None else leaf.meta.bounds.problem(value)
+        if problem is not None and not leaf.meta.required:
+            errors.append(f"{names(leaf.path)}={value!r} {problem}")
     if settings.loader.chunk_bytes * 2 > settings.loader.memory_limit_bytes:
         errors.append(
-            f"loader.memory_limit_bytes={settings.loader.memory_limit_bytes} must hold two "
-            f"chunks of loader.chunk_bytes={settings.loader.chunk_bytes} (double buffering)"
+            f"{names('loader.memory_limit_bytes')}={settings.loader.memory_limit_bytes} must "
+            f"hold two chunks of {names('loader.chunk_bytes')}={settings.loader.chunk_bytes} "
+            "(double buffering)"
         )
     return errors
 
@@ -175,26 +194,39 @@ def violated_rules(settings: Settings) -> list[Rule]:
     return [rule for rule in RULES if rule.check(settings)]
 
 
-def validate(settings: Settings) -> Settings:
+def validate(settings: Settings, names: Names | None = None) -> Settings:
     """Reject bad values and unsupported combinations; return the normalized document.
 
-    Normalization only turns off the offload strategies that DLO replaces (model-level and
+    `names` picks how messages name fields; by default the document path, or, when the operator
+    rendered the document from a CR (`settings.origin`), the CR path followed by a key to the
+    document paths. Normalization only turns off the offload strategies that DLO replaces (model-level and
     standard layerwise CPU offload), because DLO takes priority over them.
     """
-    errors = range_errors(settings)
+    named: list[str] = []
+    if names is None:
+        chosen: Names = cr_names if settings.origin else document_names
+
+        def names(path: str) -> str:
+            named.append(path)
+            return chosen(path)
+    errors = range_errors(settings, names)
     errors += [
-        f"{', '.join(rule.fields)}: {rule.message(settings)} [{rule.id}]; fix: {rule.fix}"
+        f"{', '.join(map(names, rule.fields))}: {rule.message(settings, names)} [{rule.id}]; "
+        f"fix: {rule.fix(names)}"
         for rule in violated_rules(settings)
     ]
     if errors:
-        raise SettingsError("invalid settings: " + "; ".join(errors))
+        message = "invalid settings: " + "; ".join(errors)
+        if settings.origin:
+            key = ", ".join(f"{cr_names(p)} is {p}" for p in dict.fromkeys(named))
+            message += f" (document rendered from {settings.origin}; in the document {key})"
+        raise SettingsError(message)
     if settings.offload.enabled and (
         settings.offload.model_cpu_offload or settings.offload.layerwise_cpu_offload
     ):
-        offload = dataclasses.replace(
-            settings.offload, model_cpu_offload=False, layerwise_cpu_offload=False
-        )
-        return dataclasses.replace(settings, offload=offload)
+        offload = settings.offload.model_copy(
+            update={"model_cpu_offload": False, "layerwise_cpu_offload": False})
+        return settings.model_copy(update={"offload": offload})
     return settings
 
 

@@ -1,10 +1,12 @@
 """`dlo cache fill`: the init container's command line (contract C2).
 
-Owns flags (the group's placement comes from `group_source`: flags, the torch.distributed
-environment, or the operator's fill-group document), and the outputs
+Owns flags (the fill group's placement comes from `group_source`: flags, `RANK`/`WORLD_SIZE`/
+`MASTER_ADDR`/`MASTER_PORT`, or the operator's fill-group document), and the outputs
 a pod relies on: the entry file for the main container, and a one-line JSON summary as the last
 line of stdout and in the termination-message file. Settings come from `--config`, else
-`$DLO_CONFIG`, else defaults; each flag overrides one field. Called by `dlo_cli.main`. Must not
+`$DLO_CONFIG`, else defaults; each settings flag overrides one field and is built from that
+field's declaration (`cli=` in `dlo_contract.settings`: name, type, choices, help). Called by
+`dlo_cli.main`. Must not
 print credentials: botocore's loggers stay at WARNING even with `--debug`, because its DEBUG lines
 carry request headers.
 """
@@ -12,56 +14,69 @@ carry request headers.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import tempfile
+import typing
 from pathlib import Path
-from typing import Any
 
 from dlo_loader.fill import FillRequest, fill
-from dlo_loader.group_source import DEFAULT_MASTER_PORT, resolve_placement
+from dlo_loader.group_source import resolve_placement
 from dlo_loader.progress import RankPrefixFilter
+from dlo_contract.documents import FillStatus, FillSummary
 from dlo_contract.errors import DloError
-from dlo_contract.settings import CONFIG_ENV, Settings, load_settings, replace_path
+from dlo_contract.names import (
+    CONFIG_ENV,
+    DEFAULT_ENTRY_FILE,
+    DEFAULT_RENDEZVOUS_PORT,
+    DEFAULT_SUMMARY_FILE,
+    ENTRY_FILE_ENV,
+    MASTER_ADDR_ENV,
+    MASTER_PORT_ENV,
+    RANK_ENV,
+    WORLD_SIZE_ENV,
+)
+from dlo_contract.schema import Leaf, base_type, leaves
+from dlo_contract.settings import Settings, load_settings, replace_path
 from dlo_contract.validation import validate
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ENTRY_FILE = "/run/dlo/entry.json"
-DEFAULT_SUMMARY_FILE = "/dev/termination-log"
 _QUIET_LOGGERS = ("botocore", "boto3", "urllib3", "s3transfer")
-# flag destination -> settings field it overrides
-_OVERRIDES = {
-    "source": "loader.source", "include": "loader.include", "endpoint_url": "loader.endpoint_url",
-    "region": "loader.region", "path_style": "loader.path_style", "mode": "loader.mode",
-    "readers": "loader.readers", "chunk_bytes": "loader.chunk_bytes",
-    "rendezvous_timeout": "loader.rendezvous_timeout_s",
-    "on_rendezvous_timeout": "loader.on_rendezvous_timeout", "cache_root": "cache.root",
+OVERRIDES: dict[str, Leaf] = {
+    leaf.meta.cli.removeprefix("--").replace("-", "_"): leaf
+    for leaf in leaves(Settings) if leaf.meta.cli
 }
+"""Flag destination -> the settings field it overrides, from the `cli=` declarations."""
+
+
+def _add_override(parser: argparse.ArgumentParser, leaf: Leaf) -> None:
+    """One flag from a field's declaration: its type, its choices, its description as help."""
+    flag = leaf.meta.cli or ""
+    annotation = base_type(leaf.annotation)
+    help_text = f"{leaf.info.description.rstrip('.')} (settings: {leaf.path})".replace("%", "%%")
+    if annotation is bool:
+        parser.add_argument(flag, action="store_true", default=None, help=help_text)
+    elif typing.get_origin(annotation) is typing.Literal:
+        parser.add_argument(flag, choices=typing.get_args(annotation), help=help_text)
+    elif typing.get_origin(annotation) is tuple:
+        parser.add_argument(flag, nargs="+", action="extend", metavar="GLOB",
+                            help=help_text + "; repeatable, replaces the document's list")
+    else:
+        parser.add_argument(flag, type=annotation, help=help_text)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--config", help=f"settings document (default: ${CONFIG_ENV}, else built-in defaults)")
-    add("--source", help="checkpoint prefix, s3://bucket/prefix/")
-    add("--include", nargs="+", action="extend", metavar="GLOB",
-        help="object globs relative to the prefix (repeatable; replaces the settings' list)")
-    add("--endpoint-url", help="S3 endpoint URL (S3-compatible stores)")
-    add("--region", help="S3 region")
-    add("--path-style", action="store_true", default=None, help="path-style S3 addressing")
-    add("--mode", choices=("multi-reader", "single-reader", "independent"))
-    add("--readers", type=int, help="concurrent ranged GETs per loader")
-    add("--chunk-bytes", type=int, help="bytes per chunk (planning, reads, hashing, exchange)")
-    add("--cache-root", help="node cache root (the hostPath)")
-    add("--rank", type=int, help="this loader's rank (default: $RANK, else 0)")
-    add("--world-size", type=int, help="number of loaders (default: $WORLD_SIZE, else 1)")
-    add("--master-addr", help="rank 0's address (default: $MASTER_ADDR)")
-    add("--master-port", type=int, help=f"rank 0's port (default: $MASTER_PORT, else "
-                                         f"{DEFAULT_MASTER_PORT})")
-    add("--rendezvous-timeout", type=float, metavar="S", help="seconds to wait for all loaders")
-    add("--on-rendezvous-timeout", choices=("independent", "fail"))
-    add("--entry-file", default=os.environ.get("DLO_ENTRY_FILE", DEFAULT_ENTRY_FILE),
+    for leaf in OVERRIDES.values():
+        _add_override(parser, leaf)
+    add("--rank", type=int, help=f"this loader's rank (default: ${RANK_ENV}, else 0)")
+    add("--world-size", type=int, help=f"number of loaders (default: ${WORLD_SIZE_ENV}, else 1)")
+    add("--master-addr", help=f"rank 0's address (default: ${MASTER_ADDR_ENV})")
+    add("--master-port", type=int, help=f"rank 0's port (default: ${MASTER_PORT_ENV}, else "
+                                         f"{DEFAULT_RENDEZVOUS_PORT})")
+    add("--entry-file", default=os.environ.get(ENTRY_FILE_ENV, DEFAULT_ENTRY_FILE),
         help="where to write the entry document (default: %(default)s)")
     add("--summary-file", help=f"termination-message file (default: {DEFAULT_SUMMARY_FILE} "
                                "when it is writable)")
@@ -82,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
             emit=_print_line,
         )
         result = fill(request)
-        _write_atomically(Path(args.entry_file), json.dumps(result.entry_document()) + "\n")
+        _write_atomically(Path(args.entry_file), result.entry_document().to_json() + "\n")
     except Exception as exc:  # every failure becomes the one-line summary and exit status 1
         return _report_failure(args, rank, exc)
     _finish(args, result.summary())
@@ -93,10 +108,10 @@ def load_fill_settings(args: argparse.Namespace) -> Settings:
     """The settings document with this command's flags applied, validated."""
     path = args.config or os.environ.get(CONFIG_ENV)
     settings = load_settings(path) if path else Settings()
-    for dest, field in _OVERRIDES.items():
+    for dest, leaf in OVERRIDES.items():
         value = getattr(args, dest, None)
         if value is not None:
-            settings = replace_path(settings, field, value)
+            settings = replace_path(settings, leaf.path, value)
     return validate(settings)
 
 
@@ -121,12 +136,12 @@ def _report_failure(args: argparse.Namespace, rank: int | None, exc: Exception) 
     else:
         message = f"{type(exc).__name__}: {message}"
         log.exception("fill failed unexpectedly")
-    _finish(args, {"status": "error", "rank": rank, "error": " ".join(message.split())})
+    _finish(args, FillSummary(status=FillStatus.ERROR, rank=rank, error=" ".join(message.split())))
     return 1
 
 
-def _finish(args: argparse.Namespace, summary: dict[str, Any]) -> None:
-    line = json.dumps(summary)
+def _finish(args: argparse.Namespace, summary: FillSummary) -> None:
+    line = summary.to_json()
     target = args.summary_file
     if target is None and os.access(DEFAULT_SUMMARY_FILE, os.W_OK):
         target = DEFAULT_SUMMARY_FILE

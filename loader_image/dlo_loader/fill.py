@@ -41,7 +41,9 @@ from dlo_contract.cache import (
     find_entry,
     make_room,
 )
+from dlo_contract.documents import EntryDocument, FillStatus, FillSummary
 from dlo_contract.errors import DloError
+from dlo_contract.names import DEFAULT_RENDEZVOUS_PORT
 from dlo_contract.settings import Settings
 
 if TYPE_CHECKING:  # transport imports torch: loaded only when a group is needed
@@ -60,7 +62,7 @@ class FillRequest:
     rank: int = 0
     world_size: int = 1
     master_addr: str | None = None
-    master_port: int = 29500
+    master_port: int = DEFAULT_RENDEZVOUS_PORT
     emit: Callable[[str], None] | None = None
     """Where progress lines go (the CLI prints them); None: no progress lines."""
 
@@ -80,19 +82,19 @@ class FillResult:
     seconds: float
     cached: bool
 
-    def summary(self) -> dict[str, Any]:
-        """The one-line JSON summary of contract C2."""
-        return {
-            "status": "ok", "entry_id": self.entry_id, "mode": self.mode, "rank": self.rank,
-            "world_size": self.world_size, "bytes_from_store": self.bytes_from_store,
-            "bytes_from_peers": self.bytes_from_peers, "bytes_to_peers": self.bytes_to_peers,
-            "seconds": round(self.seconds, 3), "cached": self.cached,
-        }
+    def summary(self) -> FillSummary:
+        """The one-line JSON summary the operator reads from the termination message."""
+        return FillSummary(
+            status=FillStatus.OK, entry_id=self.entry_id, mode=self.mode, rank=self.rank,
+            world_size=self.world_size, bytes_from_store=self.bytes_from_store,
+            bytes_from_peers=self.bytes_from_peers, bytes_to_peers=self.bytes_to_peers,
+            seconds=round(self.seconds, 3), cached=self.cached,
+        )
 
-    def entry_document(self) -> dict[str, Any]:
-        """What the main container reads from `/run/dlo/entry.json`."""
-        return {"entry_id": self.entry_id, "kind": "checkpoint", "root": self.root,
-                "path": self.path, "source": self.source}
+    def entry_document(self) -> EntryDocument:
+        """What the main container reads from the entry file."""
+        return EntryDocument(entry_id=self.entry_id, kind="checkpoint", root=self.root,
+                             path=self.path, source=self.source)
 
 
 def fill(request: FillRequest) -> FillResult:

@@ -15,10 +15,17 @@ import os
 from dataclasses import dataclass
 
 from dlo_contract.fill_group import FILL_GROUP_ENV, POD_NAME_ENV, REVISION_ENV, FillGroup
+from dlo_contract.names import (
+    DEFAULT_RENDEZVOUS_PORT,
+    MASTER_ADDR_ENV,
+    MASTER_PORT_ENV,
+    RANK_ENV,
+    WORLD_SIZE_ENV,
+)
 from dlo_contract.settings import SettingsError
 
 log = logging.getLogger(__name__)
-DEFAULT_MASTER_PORT = 29500
+DEFAULT_MASTER_PORT = DEFAULT_RENDEZVOUS_PORT
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,16 +43,16 @@ class Placement:
 def resolve_placement(*, rank: int | None, world_size: int | None, master_addr: str | None,
                       master_port: int | None) -> Placement:
     """The placement from the flags given (None: not given) and the environment."""
-    port = _int_or(master_port, "MASTER_PORT", DEFAULT_MASTER_PORT)
+    port = _int_or(master_port, MASTER_PORT_ENV, DEFAULT_MASTER_PORT)
     if world_size is not None or rank is not None:
         origin = "flags"
-    elif os.environ.get("WORLD_SIZE") or os.environ.get("RANK"):
+    elif os.environ.get(WORLD_SIZE_ENV) or os.environ.get(RANK_ENV):
         origin = "environment"
     else:
         return _from_document(master_addr, port)
-    placement = Placement(rank=_int_or(rank, "RANK", 0),
-                          world_size=_int_or(world_size, "WORLD_SIZE", 1),
-                          master_addr=master_addr or os.environ.get("MASTER_ADDR"),
+    placement = Placement(rank=_int_or(rank, RANK_ENV, 0),
+                          world_size=_int_or(world_size, WORLD_SIZE_ENV, 1),
+                          master_addr=master_addr or os.environ.get(MASTER_ADDR_ENV),
                           master_port=port, origin=origin)
     _check(placement)
     return placement

@@ -1,8 +1,9 @@
 """Settings ConfigMaps (one immutable ConfigMap per revision) and the fill-group ConfigMap.
 
 The settings document is `Settings.to_json()` of the validated settings, so the loader and the
-runtime read exactly what the operator accepted (contract C3: key `settings.json`, mounted at
-`/etc/dlo/settings.json`). Its revision is a digest of the document: a pod mounts the ConfigMap of
+runtime read exactly what the operator accepted (contract C3: key `names.SETTINGS_FILE`, mounted
+at `names.DEFAULT_CONFIG_PATH`); its `origin` names the DOD, so that a reader's error names the
+CR's fields as the user wrote them. Its revision is a digest of the document: a pod mounts the ConfigMap of
 its revision, which never changes, so a pod never reads settings that do not match its entry, and
 a rollback finds the settings of the revision it goes back to. `entry_key` digests only what
 decides the cache entry (source, include globs, endpoint, cache root): when it changes, the new
@@ -17,6 +18,7 @@ from typing import Any
 
 from dlo_contract.fill_group import FILL_GROUP_KEY, FillGroup
 from dlo_operator.naming import (
+    KIND,
     LABEL_REVISION,
     LABEL_ROLE,
     SETTINGS_KEY,
@@ -29,13 +31,14 @@ REVISION_CHARS = 10
 """Hex digits of the settings digest in a revision name (collisions need 2^40 revisions)."""
 
 
-def settings_document(spec: DeploymentSpec) -> str:
-    return spec.settings.to_json()
+def settings_document(owner: Owner, spec: DeploymentSpec) -> str:
+    origin = f"{KIND} {owner.namespace}/{owner.name}"
+    return spec.settings.model_copy(update={"origin": origin}).to_json()
 
 
 def settings_hash(spec: DeploymentSpec) -> str:
-    """SHA-256 of the settings document."""
-    return hashlib.sha256(settings_document(spec).encode()).hexdigest()
+    """SHA-256 of the settings (without their origin, which is the same for every revision)."""
+    return hashlib.sha256(spec.settings.to_json().encode()).hexdigest()
 
 
 def revision(spec: DeploymentSpec) -> str:
@@ -63,7 +66,7 @@ def build_configmap(owner: Owner, spec: DeploymentSpec) -> dict[str, Any]:
         "metadata": child_metadata(owner, owner.settings_name(rev),
                                    **{LABEL_ROLE: "settings", LABEL_REVISION: rev}),
         "immutable": True,
-        "data": {SETTINGS_KEY: settings_document(spec)},
+        "data": {SETTINGS_KEY: settings_document(owner, spec)},
     }
 
 

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dlo_contract.names import SETTINGS_FILE
+
 GROUP = "dlo.dev"
 VERSION = "v1alpha1"
 KIND = "DiffusionOffloadDeployment"
@@ -35,11 +37,8 @@ LABEL_REVISION = f"{GROUP}/revision"
 LABEL_JOB_INDEX = "batch.kubernetes.io/job-completion-index"
 """Set by the Job controller on the pods of an Indexed Job: the prefill loader's rank."""
 
-SETTINGS_MOUNT = "/etc/dlo"
-SETTINGS_KEY = "settings.json"
-SETTINGS_PATH = f"{SETTINGS_MOUNT}/{SETTINGS_KEY}"
-RUN_DIR = "/run/dlo"
-ENTRY_FILE = f"{RUN_DIR}/entry.json"
+SETTINGS_KEY = SETTINGS_FILE
+"""The settings ConfigMap's key, mounted at `DEFAULT_CONFIG_PATH`."""
 LOADER_CONTAINER = "loader"
 INFERENCE_CONTAINER = "inference"
 

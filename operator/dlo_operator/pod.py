@@ -13,14 +13,18 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from dlo_contract.names import (
+    CONFIG_ENV,
+    DEFAULT_CONFIG_PATH,
+    DEFAULT_ENTRY_FILE,
+    ENTRY_FILE_ENV,
+    RUN_DIR,
+    SETTINGS_MOUNT,
+)
 from dlo_operator.naming import (
-    ENTRY_FILE,
     INFERENCE_CONTAINER,
     LOADER_CONTAINER,
-    RUN_DIR,
     SETTINGS_KEY,
-    SETTINGS_MOUNT,
-    SETTINGS_PATH,
     Owner,
     selector_labels,
 )
@@ -97,14 +101,14 @@ def volumes(settings_configmap: str, spec: DeploymentSpec) -> list[dict[str, Any
 
 def loader_container(spec: DeploymentSpec, group_env: list[dict[str, Any]]) -> dict[str, Any]:
     """Contract C2: `dlo cache fill`; `group_env` says where it learns its fill group."""
-    env: list[dict[str, Any]] = [*group_env, {"name": "DLO_CONFIG", "value": SETTINGS_PATH}]
+    env: list[dict[str, Any]] = [*group_env, {"name": CONFIG_ENV, "value": DEFAULT_CONFIG_PATH}]
     env += _credential_env(spec)
     return {
         "name": LOADER_CONTAINER,
         "image": spec.loader.image,
         "imagePullPolicy": spec.loader.image_pull_policy,
         "command": ["dlo", "cache", "fill"],
-        "args": ["--config", SETTINGS_PATH, "--entry-file", ENTRY_FILE],
+        "args": ["--config", DEFAULT_CONFIG_PATH, "--entry-file", DEFAULT_ENTRY_FILE],
         "env": env,
         "ports": [{"name": "rendezvous", "containerPort": spec.loader.port, "protocol": "TCP"}],
         "resources": copy.deepcopy(dict(spec.loader.resources)),
@@ -139,7 +143,7 @@ def _credential_env(spec: DeploymentSpec) -> list[dict[str, Any]]:
 
 
 def _inference_container(spec: DeploymentSpec) -> dict[str, Any]:
-    """Contract C3: settings, entry file and cache root in `DLO_*`; the cache is read-only
+    """Contract C3: settings and entry file in `DLO_*` (the entry file names the cache root); the cache is read-only
     unless the runtime cache publishes entries from this container."""
     inference = spec.inference
     settings = spec.settings
@@ -152,9 +156,8 @@ def _inference_container(spec: DeploymentSpec) -> dict[str, Any]:
     if _runtime_cache_separate(spec):
         mounts.append({"name": "runtime-cache", "mountPath": settings.runtime_cache_root})
     env = [copy.deepcopy(dict(e)) for e in inference.env] + [
-        {"name": "DLO_CONFIG", "value": SETTINGS_PATH},
-        {"name": "DLO_ENTRY_FILE", "value": ENTRY_FILE},
-        {"name": "DLO_CACHE_ROOT", "value": settings.cache.root},
+        {"name": CONFIG_ENV, "value": DEFAULT_CONFIG_PATH},
+        {"name": ENTRY_FILE_ENV, "value": DEFAULT_ENTRY_FILE},
     ]
     container: dict[str, Any] = {
         "name": INFERENCE_CONTAINER,

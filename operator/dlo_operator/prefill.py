@@ -17,6 +17,7 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
+from dlo_contract.names import MASTER_ADDR_ENV, MASTER_PORT_ENV, RANK_ENV, WORLD_SIZE_ENV
 from dlo_operator.configmap import revision
 from dlo_operator.naming import (
     LABEL_DEPLOYMENT,
@@ -58,11 +59,11 @@ def build_prefill_job(owner: Owner, spec: DeploymentSpec,
     rev = revision(spec)
     world = len(nodes)
     group_env = [
-        {"name": "RANK", "valueFrom": {"fieldRef": {
+        {"name": RANK_ENV, "valueFrom": {"fieldRef": {
             "fieldPath": f"metadata.annotations['{LABEL_JOB_INDEX}']"}}},
-        {"name": "WORLD_SIZE", "value": str(world)},
-        {"name": "MASTER_ADDR", "value": owner.prefill_master_addr(rev)},
-        {"name": "MASTER_PORT", "value": str(spec.loader.port)},
+        {"name": WORLD_SIZE_ENV, "value": str(world)},
+        {"name": MASTER_ADDR_ENV, "value": owner.prefill_master_addr(rev)},
+        {"name": MASTER_PORT_ENV, "value": str(spec.loader.port)},
     ]
     labels = prefill_labels(owner, rev)
     pod_spec: dict[str, Any] = {

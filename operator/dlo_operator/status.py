@@ -16,10 +16,10 @@ Phases, first match wins:
 from __future__ import annotations
 
 import enum
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from dlo_contract.documents import DocumentError, FillSummary
 from dlo_operator.naming import (
     INFERENCE_CONTAINER,
     LABEL_JOB_INDEX,
@@ -60,10 +60,19 @@ def node_entry(pod: Mapping[str, Any]) -> dict[str, Any]:
     }
     if message:
         entry["message"] = message
-    for key, name in _SUMMARY_FIELDS:
-        if key in summary:
-            entry[name] = summary[key]
+    entry.update(_figures(summary))
     return entry
+
+
+def _figures(summary: FillSummary | None) -> dict[str, Any]:
+    """The loader summary's figures under their status names (absent ones left out)."""
+    if summary is None:
+        return {}
+    figures = {"entryId": summary.entry_id, "mode": summary.mode,
+               "bytesFromStore": summary.bytes_from_store,
+               "bytesFromPeers": summary.bytes_from_peers, "seconds": summary.seconds,
+               "cached": summary.cached}
+    return {name: value for name, value in figures.items() if value is not None}
 
 
 def prefill_node(pod: Mapping[str, Any]) -> dict[str, Any]:
@@ -79,15 +88,8 @@ def prefill_node(pod: Mapping[str, Any]) -> dict[str, Any]:
     }
     if message:
         row["message"] = message
-    for key, name in _SUMMARY_FIELDS:
-        if key in summary:
-            row[name] = summary[key]
+    row.update(_figures(summary))
     return row
-
-
-_SUMMARY_FIELDS = (("entry_id", "entryId"), ("mode", "mode"),
-                   ("bytes_from_store", "bytesFromStore"), ("bytes_from_peers", "bytesFromPeers"),
-                   ("seconds", "seconds"), ("cached", "cached"))
 
 
 def status_from_pods(
@@ -183,10 +185,12 @@ def _first_failure(nodes: list[dict[str, Any]], pods: list[Mapping[str, Any]]) -
     return None
 
 
-def _loader_state(loader: Mapping[str, Any] | None) -> tuple[LoaderState, str, dict[str, Any]]:
-    """State, one-line message and parsed C2 summary of the loader container status."""
+def _loader_state(
+    loader: Mapping[str, Any] | None,
+) -> tuple[LoaderState, str, FillSummary | None]:
+    """State, one-line message and parsed fill summary of the loader container status."""
     if not loader:
-        return LoaderState.WAITING, "", {}
+        return LoaderState.WAITING, "", None
     state = loader.get("state") or {}
     if "terminated" in state:
         term = state["terminated"] or {}
@@ -195,31 +199,30 @@ def _loader_state(loader: Mapping[str, Any] | None) -> tuple[LoaderState, str, d
             return LoaderState.CACHED, "", summary
         return LoaderState.FAILED, _failure_text(term, summary), summary
     if "running" in state:
-        return LoaderState.RUNNING, "", {}
+        return LoaderState.RUNNING, "", None
     waiting = state.get("waiting") or {}
     if waiting.get("reason") in _FAILING_WAIT_REASONS:
         last = (loader.get("lastState") or {}).get("terminated") or {}
         detail = _failure_text(last, _summary(last.get("message"))) if last else (
             waiting.get("message") or "")
-        return LoaderState.FAILED, f"{waiting['reason']}: {detail}".strip(": "), {}
-    return LoaderState.WAITING, "", {}
+        return LoaderState.FAILED, f"{waiting['reason']}: {detail}".strip(": "), None
+    return LoaderState.WAITING, "", None
 
 
-def _failure_text(term: Mapping[str, Any], summary: Mapping[str, Any]) -> str:
-    if summary.get("status") == "error" and summary.get("error"):
-        return str(summary["error"])[:_MESSAGE_LIMIT]
+def _failure_text(term: Mapping[str, Any], summary: FillSummary | None) -> str:
+    if summary is not None and not summary.ok and summary.error:
+        return summary.error[:_MESSAGE_LIMIT]
     text = _last_line(term.get("message"))
     return text or f"exit code {term.get('exitCode')} ({term.get('reason', 'Error')})"
 
 
-def _summary(message: Any) -> dict[str, Any]:
-    """The loader's one-line JSON summary; anything else (a log tail) parses to {}."""
+def _summary(message: Any) -> FillSummary | None:
+    """The loader's one-line fill summary; anything else (a log tail) is None."""
     line = _last_line(message)
     try:
-        data = json.loads(line) if line else {}
-    except json.JSONDecodeError:
-        return {}
-    return data if isinstance(data, dict) else {}
+        return FillSummary.from_json(line) if line else None
+    except DocumentError:
+        return None
 
 
 def _last_line(message: Any) -> str:

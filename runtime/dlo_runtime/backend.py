@@ -30,12 +30,13 @@ from dlo_runtime.discovery import DiscoveredModel, ModuleDiscovery
 from dlo_runtime.hooks import BlockScheduler, DistributedLayerwiseOffloadHook
 from dlo_runtime.layout import BlockLayout, slot_sizes, views
 from dlo_runtime.on_demand import OnDemandModules
+from dlo_runtime.placement import Placement, resolve_placement
 from dlo_contract.settings import Settings, SettingsError
 from dlo_runtime.slots import DeviceSlots
 from dlo_runtime.streams import StreamSet
 from dlo_runtime.tensors import ModelTensors, OffloadError, restore_device
 from dlo_runtime.transfer import DirectSource, ShardStore, StagedSource
-from dlo_contract.validation import select_group, validate
+from dlo_contract.validation import validate
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,11 @@ class DistributedLayerwiseOffloadBackend:
         device: torch.device | str,
         group: dist.ProcessGroup | None = None,
         host_plan: HostPlan | None = None,
+        placement: Placement | None = None,
     ) -> None:
-        self.settings = validate(settings)
+        # A placement comes from `pod.enable`, which validated the settings and resolved the
+        # group once for the whole process; a backend built directly decides both itself.
+        self.settings = settings if placement is not None else validate(settings)
         if not self.settings.offload.enabled:
             raise SettingsError(
                 "offload.enabled=false: the DLO backend would have nothing to do",
@@ -76,7 +80,9 @@ class DistributedLayerwiseOffloadBackend:
         self.device = torch.device(device)
         self.discovery = ModuleDiscovery(dit)
         self.dit = self.discovery.dit
-        self.group, self.rank, self.shard_count = self._resolve_group(group)
+        self.placement = placement or resolve_placement(self.settings, group=group)
+        self.group, self.rank = self.placement.group, self.placement.rank
+        self.shard_count = self.placement.shard_count
         self.host_plan = host_plan
         self.enabled = False
         self.layouts: list[BlockLayout] = []
@@ -91,38 +97,7 @@ class DistributedLayerwiseOffloadBackend:
 
     @property
     def mode(self) -> str:
-        return "allgather" if self.group is not None else "rank-local"
-
-    def _resolve_group(self, group: dist.ProcessGroup | None) -> tuple[Any, int, int]:
-        """(group or None, rank in it, shard count) from the settings and the passed group."""
-        choice = select_group(self.settings)
-        size = dist.get_world_size(group) if group is not None else 1
-        if choice.shard_size == 1:
-            if group is not None and size > 1 and self.settings.offload.use_allgather:
-                p = self.settings.parallel
-                raise OffloadError(
-                    f"the group passed has {size} ranks, but parallel.dp={p.dp} and "
-                    f"parallel.sp={p.sp} select no DLO group",
-                    hint="pass no group, or set parallel.dp (or parallel.sp) to the group size",
-                )
-            return None, 0, 1
-        if group is None:
-            if not dist.is_initialized() or dist.get_world_size() != choice.shard_size:
-                raise OffloadError(
-                    f"the settings select the existing {choice.kind.upper()} group of "
-                    f"{choice.shard_size} ranks for DLO AllGather, but no group was passed and "
-                    "the default group is not that group",
-                    hint="pass the existing group as group=, or set offload.use_allgather=false",
-                )
-            group = dist.group.WORLD
-            size = dist.get_world_size()
-        if size != choice.shard_size:
-            raise OffloadError(
-                f"the group passed has {size} ranks, but parallel.{choice.kind}="
-                f"{choice.shard_size} selects a DLO group of {choice.shard_size}",
-                hint=f"pass the {choice.kind.upper()} group, or fix parallel.{choice.kind}",
-            )
-        return group, dist.get_rank(group), size
+        return self.placement.mode
 
     def enable(self) -> DistributedLayerwiseOffloadBackend:
         """Shard or map the streamed blocks, move the rest to the device and install hooks."""

@@ -1,7 +1,7 @@
 """Finds the DiT of a pipeline and resolves its offload plan to concrete block modules.
 
-Owns `ModuleDiscovery`: given a diffusers pipeline (anything with a `transformer` module) or the
-DiT itself, it returns the DiT, its `OffloadPlan`, the ordered blocks, split into resident leading
+Owns `find_dits` (the one rule for where a pipeline keeps its DiTs) and `ModuleDiscovery`: given
+a diffusers pipeline or the DiT itself, it returns the DiT, its `OffloadPlan`, the ordered blocks, split into resident leading
 blocks and streamed ones, and the plan's on-demand modules. Called by the DLO backend before it
 changes anything; it must not move, copy or repoint tensors.
 """
@@ -51,6 +51,25 @@ class DiscoveredModel:
     """Modules brought to the device for each call, in the plan's order."""
 
 
+DIT_ATTRIBUTES = ("transformer", "transformer_2")
+"""Pipeline attributes holding DiTs, in order (Wan 2.2 has two experts)."""
+
+
+def find_dits(target: object) -> list[tuple[str, nn.Module]]:
+    """The DiTs of a pipeline as (attribute, module), or `[("transformer", target)]` when
+    `target` is itself the DiT. The one rule every caller uses to find DiTs."""
+    found = [(name, getattr(target, name)) for name in DIT_ATTRIBUTES
+             if isinstance(getattr(target, name, None), nn.Module)]
+    if found:
+        return found
+    if isinstance(target, nn.Module):
+        return [(DIT_ATTRIBUTES[0], target)]
+    raise OffloadPlanError(
+        f"cannot find a DiT in {type(target).__name__}: expected an nn.Module or a pipeline "
+        f"with one of the attributes {', '.join(DIT_ATTRIBUTES)}"
+    )
+
+
 class ModuleDiscovery:
     """Resolves a pipeline or DiT to a `DiscoveredModel`."""
 
@@ -59,16 +78,15 @@ class ModuleDiscovery:
 
     @staticmethod
     def find_dit(target: object) -> nn.Module:
-        """The pipeline's `transformer`, or `target` itself when it is a module."""
-        transformer = getattr(target, "transformer", None)
-        if isinstance(transformer, nn.Module):
-            return transformer
-        if isinstance(target, nn.Module):
-            return target
-        raise OffloadPlanError(
-            f"cannot find a DiT in {type(target).__name__}: expected an nn.Module or a pipeline "
-            "with a `transformer` module"
-        )
+        """The one DiT of `target` (see `find_dits`); a pipeline with two DiTs is ambiguous."""
+        found = find_dits(target)
+        if len(found) > 1:
+            raise OffloadPlanError(
+                f"{type(target).__name__} has {len(found)} DiTs "
+                f"({', '.join(name for name, _ in found)}): a backend offloads one",
+                hint="pass each DiT to its own backend, or use dlo_runtime.pod.enable(pipeline)",
+            )
+        return found[0][1]
 
     def discover(self, resident_layers: int = 0) -> DiscoveredModel:
         """Blocks of the plan, the first `resident_layers` of them kept resident."""

@@ -7,7 +7,7 @@
     handle.close()                                       # then destroy process groups
 
 Owns the startup sequence of one process: read the settings document (`DLO_CONFIG`) and the
-loader's `DLO_ENTRY_FILE` (`/run/dlo/entry.json`), pick each DiT's host backing (a checkpoint plan
+loader's entry document (`names.ENTRY_FILE_ENV`), pick each DiT's host backing (a checkpoint plan
 over the mapped entry, a runtime-cache plan, or the ordinary tensors, logging why), register a
 runtime-cache mapping when a budget allows, take the server's existing process group (or the
 default world) by `validation.select_group`, and enable `DistributedLayerwiseOffloadBackend` on
@@ -20,7 +20,6 @@ compatibility itself (the plan builders and `validation` do).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping
@@ -33,19 +32,19 @@ from torch import nn
 
 from dlo_runtime import checkpoint_plan
 from dlo_contract.cache import open_entry
+from dlo_contract.documents import DocumentError, EntryDocument
 from dlo_contract.errors import PermanentError
+from dlo_contract.names import DEFAULT_ENTRY_FILE, ENTRY_FILE_ENV
+from dlo_runtime.discovery import find_dits
 from dlo_runtime.host_registration import register_plan
 from dlo_runtime.host_weight_plan import BackingKind, HostWeightPlan
+from dlo_runtime.placement import resolve_placement
 from dlo_runtime.runtime_weight_cache import RuntimeLayout, load_runtime_plan
 from dlo_contract.settings import GIB, Settings, load_settings
-from dlo_contract.validation import select_group, validate
+from dlo_contract.validation import validate
 
 logger = logging.getLogger(__name__)
 
-ENTRY_FILE_ENV = "DLO_ENTRY_FILE"
-DEFAULT_ENTRY_FILE = "/run/dlo/entry.json"
-DIT_ATTRIBUTES = ("transformer", "transformer_2")
-"""Pipeline attributes holding DiTs (Wan 2.2 has two experts)."""
 
 
 class PodError(PermanentError):
@@ -66,11 +65,11 @@ def read_entry_file(path: str | os.PathLike[str] | None = None) -> EntryRef | No
     loader ran for this pod (no file)."""
     where = _entry_file_path(path)
     try:
-        data = json.loads(where.read_text())
-        return EntryRef(data["entry_id"], data["root"], Path(data["path"]))
+        document = EntryDocument.from_json(where.read_text())
+        return EntryRef(document.entry_id, document.root, Path(document.path))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, DocumentError) as exc:
         raise PodError(f"entry file {where} is unreadable: {exc}",
                        hint="it is written by `dlo cache fill --entry-file`") from exc
 
@@ -84,7 +83,7 @@ def build_dit(model_cls: Any, *, component: str = "transformer", dtype: torch.dt
     """The DiT of `component`: weightless (parameters on meta) when checkpoint preflight over
     the pod's entry accepts it, so `enable()` backs it with the mapping; otherwise loaded
     ordinarily from the entry with `from_pretrained`."""
-    settings = validate(settings or load_settings())
+    settings = _validated(settings)
     entry = read_entry_file(entry_file)
     if entry is None:
         raise PodError(f"no entry file at {_entry_file_path(entry_file)}",
@@ -150,18 +149,18 @@ def enable(target: Any, *, device: str | torch.device | None = None,
     """
     from dlo_runtime.backend import DistributedLayerwiseOffloadBackend
 
-    settings = validate(settings or load_settings())
+    settings = _validated(settings)
     torch_device = _device(device)
-    group = _group(settings, groups)
+    placement = resolve_placement(settings, groups=groups)
     entry = read_entry_file(entry_file)
     layout = layout or RuntimeLayout(tp_size=settings.parallel.tp, sp_size=settings.parallel.sp,
                                      source=entry.entry_id if entry else "")
     handle = OffloadHandle(torch_device, [])
     try:
-        for component, dit in _dits(target):
+        for component, dit in find_dits(target):
             plan = _host_plan(component, dit, settings, entry, layout, torch_device)
             backend = DistributedLayerwiseOffloadBackend(
-                dit, settings=settings, device=torch_device, group=group, host_plan=plan)
+                dit, settings=settings, device=torch_device, host_plan=plan, placement=placement)
             handle._offloaded.append(_Offloaded(component, backend, plan))
             backend.enable()
             logger.info("%s: host backing %s%s", component,
@@ -175,16 +174,10 @@ def enable(target: Any, *, device: str | torch.device | None = None,
     return handle
 
 
-def _dits(target: Any) -> list[tuple[str, nn.Module]]:
-    if isinstance(target, nn.Module) and not any(
-            isinstance(getattr(target, a, None), nn.Module) for a in DIT_ATTRIBUTES):
-        return [("transformer", target)]
-    found = [(a, getattr(target, a)) for a in DIT_ATTRIBUTES
-             if isinstance(getattr(target, a, None), nn.Module)]
-    if not found:
-        raise PodError(f"{type(target).__name__} has no DiT: expected an nn.Module or a pipeline "
-                       f"with one of the attributes {', '.join(DIT_ATTRIBUTES)}")
-    return found
+def _validated(settings: Settings | None) -> Settings:
+    """The settings passed, else the pod's document, validated: once per public call, and
+    handed down from there (backends get them with their placement and do not re-check)."""
+    return validate(settings if settings is not None else load_settings())
 
 
 def _device(device: str | torch.device | None) -> torch.device:
@@ -193,28 +186,6 @@ def _device(device: str | torch.device | None) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _group(settings: Settings, groups: Mapping[str, Any] | None) -> Any:
-    """The existing DP or SP group DLO shards over, by `select_group`; never a new one."""
-    choice = select_group(settings)
-    if choice.kind == "none":
-        return None
-    group = (groups or {}).get(choice.kind)
-    if group is None:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            raise PodError(f"the settings shard weights over the {choice.kind} group of "
-                           f"{choice.shard_size} ranks, but no process group exists",
-                           hint="initialize torch.distributed first, or pass groups=")
-        group = dist.group.WORLD
-    size = torch.distributed.get_world_size(group)
-    if size != choice.shard_size:
-        raise PodError(f"the {choice.kind} group has {size} ranks; the settings ask for "
-                       f"parallel.{choice.kind}={choice.shard_size}",
-                       hint=f"pass groups={{'{choice.kind}': <group of that size>}}")
-    return group
 
 
 def _host_plan(component: str, dit: nn.Module, settings: Settings, entry: EntryRef | None,

@@ -3,15 +3,14 @@ compatibility matrix (evaluated with cel-python after the API server's defaultin
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from typing import Any
 
 from support.crd_schema import apply_defaults, cel_rules, load_crd, root_schema
 
-from dlo_operator.spec import SETTINGS_FIELDS, settings_from_spec
+from dlo_operator.spec import settings_from_spec
 from dlo_contract.settings import Settings
-from dlo_contract.validation import RULES, range_errors, violated_rules
+from dlo_contract.validation import CR_PATHS, RULES, range_errors, violated_rules
 
 CRD = load_crd()
 SPEC_SCHEMA = root_schema(CRD)["properties"]["spec"]
@@ -40,7 +39,7 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {
 BASE_SPEC = apply_defaults(SPEC_SCHEMA, {"model": {"source": "s3://models/m/"},
                                          "inference": {"image": "server:1"}})
 BASE_SETTINGS = settings_from_spec(BASE_SPEC)
-SETTINGS_PATH = dict(SETTINGS_FIELDS)
+SETTINGS_PATH = {cr_path: path for path, cr_path in CR_PATHS.items()}
 
 
 def _spec(values: tuple[Any, ...]) -> dict[str, Any]:
@@ -62,9 +61,9 @@ def _settings(values: tuple[Any, ...]) -> Settings:
     for dotted, value in zip(DIMENSIONS, values):
         section, _, name = SETTINGS_PATH[dotted].rpartition(".")
         (sections.setdefault(section, {}) if section else top)[name] = value
-    parts = {name: dataclasses.replace(getattr(BASE_SETTINGS, name), **fields)
+    parts = {name: getattr(BASE_SETTINGS, name).model_copy(update=fields)
              for name, fields in sections.items()}
-    return dataclasses.replace(BASE_SETTINGS, **parts, **top)
+    return BASE_SETTINGS.model_copy(update={**parts, **top})
 
 
 def _validator_ids(values: tuple[Any, ...]) -> set[str]:

@@ -11,7 +11,8 @@ import pytest
 from dlo_bench.s3server import S3Server
 from dlo_loader import cli
 from dlo_loader.progress import Progress
-from dlo_contract.settings import SettingsError
+from dlo_contract.schema import leaves
+from dlo_contract.settings import Settings, SettingsError
 from support.loader_fleet import LOADER_SETTINGS, Checkpoint, entry_files, included
 
 
@@ -35,6 +36,26 @@ def test_flags_override_the_settings_document(tmp_path: Path) -> None:
     assert (loader.chunk_bytes, loader.rendezvous_timeout_s, loader.on_rendezvous_timeout) == (
         1048576, 5.0, "fail")
     assert settings.cache.root == "/cache"
+
+
+def test_every_declared_override_is_a_flag_with_the_fields_type_and_choices() -> None:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    actions = {action.dest: action for action in parser._actions}
+    declared = {leaf.meta.cli: leaf.path for leaf in leaves(Settings) if leaf.meta.cli}
+    assert declared == {"--source": "loader.source", "--include": "loader.include",
+                        "--endpoint-url": "loader.endpoint_url", "--region": "loader.region",
+                        "--path-style": "loader.path_style", "--mode": "loader.mode",
+                        "--readers": "loader.readers", "--chunk-bytes": "loader.chunk_bytes",
+                        "--rendezvous-timeout": "loader.rendezvous_timeout_s",
+                        "--on-rendezvous-timeout": "loader.on_rendezvous_timeout",
+                        "--cache-root": "cache.root"}
+    assert actions["mode"].choices == ("multi-reader", "single-reader", "independent")
+    assert actions["on_rendezvous_timeout"].choices == ("independent", "fail")
+    assert (actions["readers"].type, actions["rendezvous_timeout"].type) == (int, float)
+    assert "loader.chunk_bytes" in actions["chunk_bytes"].help
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--mode", "fastest"])
 
 
 def test_settings_come_from_dlo_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

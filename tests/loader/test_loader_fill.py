@@ -43,11 +43,11 @@ def test_single_loader_publishes_a_verified_copy(
     with open_entry(tmp_path / "cache", result.entry_id) as handle:
         assert handle.manifest.tensor_count == 11
         assert handle.manifest.producer == "dlo-loader"
-    summary = result.summary()
+    summary = result.summary().to_dict()
     assert summary["bytes_from_store"] == sum(map(len, included(checkpoint.files).values()))
     assert (summary["cached"], summary["bytes_from_peers"], summary["mode"]) == (
         False, 0, "multi-reader")
-    assert result.entry_document() == {
+    assert result.entry_document().to_dict() == {
         "entry_id": result.entry_id, "kind": "checkpoint", "root": str(tmp_path / "cache"),
         "path": str(tmp_path / "cache" / "v1" / "entries" / result.entry_id),
         "source": "s3://models/tiny/",
@@ -70,7 +70,7 @@ def test_cached_entry_means_no_object_reads_and_no_rendezvous(
             master.accept()  # nobody tried to join a group
     assert proxy.object_requests == 0
     assert (again.cached, again.entry_id, again.path) == (True, first.entry_id, first.path)
-    assert again.summary()["bytes_from_store"] == 0
+    assert again.summary().bytes_from_store == 0
 
 
 @pytest.mark.parametrize(("policy", "then"), [

@@ -59,7 +59,8 @@ def test_configmap_holds_the_normalized_settings_document() -> None:
     spec = parse_spec({**MINIMAL, "offload": {"layerwiseCpuOffload": True}})
     configmap = build_children(OWNER, spec)[0]
     document = json.loads(configmap["data"]["settings.json"])
-    assert document == spec.settings.to_dict()
+    assert document == {**spec.settings.to_dict(),
+                        "origin": f"DiffusionOffloadDeployment {OWNER.namespace}/{OWNER.name}"}
     assert document["offload"]["layerwise_cpu_offload"] is False
 
 
@@ -147,8 +148,7 @@ def test_inference_container_gets_contract_c3_and_a_read_only_cache() -> None:
         "image": "server:1", "env": [{"name": "A", "value": "1"}],
         "resources": {"limits": {"memory": "10Gi"}}}}))
     assert env(inference) == {"A": "1", "DLO_CONFIG": "/etc/dlo/settings.json",
-                              "DLO_ENTRY_FILE": "/run/dlo/entry.json",
-                              "DLO_CACHE_ROOT": "/var/lib/dlo/cache"}
+                              "DLO_ENTRY_FILE": "/run/dlo/entry.json"}
     assert mounts(inference) == {"settings": ("/etc/dlo", True), "run": ("/run/dlo", True),
                                  "cache": ("/var/lib/dlo/cache", True)}
     assert inference["resources"] == {"limits": {"memory": "10Gi", "nvidia.com/gpu": "8"}}
@@ -191,9 +191,10 @@ def test_render_reports_an_invalid_spec_in_one_line(
                                              "offload": {"useAllgather": False}}}))
     assert cli.main(["render", str(path)]) == 1
     assert capsys.readouterr().err == (
-        "dlo: error: default/bad: invalid settings: parallel.hsdp, parallel.dp, parallel.tp: "
-        "HSDP cannot combine with parallel.dp=2 or parallel.tp=1 [hsdp-with-dp-or-tp]; "
-        "fix: set parallel.dp=1 and parallel.tp=1, or parallel.hsdp=false\n")
+        "dlo: error: default/bad: invalid settings: spec.parallel.hsdp, spec.parallel.dp, "
+        "spec.parallel.tp: HSDP cannot combine with spec.parallel.dp=2 or spec.parallel.tp=1 "
+        "[hsdp-with-dp-or-tp]; fix: set spec.parallel.dp=1 and spec.parallel.tp=1, "
+        "or spec.parallel.hsdp=false\n")
 
 
 def test_render_rejects_other_kinds(tmp_path: Path) -> None:

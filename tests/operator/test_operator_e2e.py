@@ -111,9 +111,9 @@ async def test_invalid_spec_is_reported_and_creates_nothing(
     assert status["phase"] == "Failed"
     assert condition(status, "Valid") | {"lastTransitionTime": None} == {
         "type": "Valid", "status": "False", "reason": "SpecInvalid", "lastTransitionTime": None,
-        "message": "invalid settings: parallel.hsdp, offload.use_allgather: HSDP with DLO "
-                   "AllGather would shard parameters twice [hsdp-allgather]; fix: set "
-                   "offload.use_allgather=false (HSDP then keeps rank-local tensors)"}
+        "message": "invalid settings: spec.parallel.hsdp, spec.offload.useAllgather: HSDP with "
+                   "DLO AllGather would shard parameters twice [hsdp-allgather]; fix: set "
+                   "spec.offload.useAllgather=false (HSDP then keeps rank-local tensors)"}
     assert children(cluster, "flux") == [None, None, None, None]
     assert not _child_writes(cluster)
 
@@ -165,9 +165,13 @@ async def test_delete_leaves_children_to_owner_references(
 
     await eventually(lambda: live(cluster, DOD_RESOURCE, "flux") is None)
     assert all(children(cluster, "flux"))  # the cluster's garbage collector removes them
-    events = [r.data for r in list(cluster) if r.resource is not None
-              and r.resource.plural == "events" and r.method == "POST"]
-    assert any(e.get("reason") == "Deleted" for e in events)
+
+    def deleted_event_posted() -> bool:  # kopf posts events from a background task
+        return any(r.data.get("reason") == "Deleted" for r in list(cluster)
+                   if r.resource is not None and r.resource.plural == "events"
+                   and r.method == "POST")
+
+    await eventually(deleted_event_posted)
 
 
 async def test_liveness_endpoint_answers(cluster: ClusterEmulator) -> None:

@@ -56,17 +56,17 @@ def test_empty_optional_strings_mean_unset() -> None:
 
 @pytest.mark.parametrize(("spec", "message"), [
     ({**MINIMAL, "offload": {"residentLayers": 2}},
-     "invalid settings: offload.resident_layers, offload.use_allgather: "
-     "offload.resident_layers=2 needs rank-local blocks [resident-layers-allgather]; "
-     "fix: set offload.use_allgather=false or offload.resident_layers=0"),
+     "invalid settings: spec.offload.residentLayers, spec.offload.useAllgather: "
+     "spec.offload.residentLayers=2 needs rank-local blocks [resident-layers-allgather]; "
+     "fix: set spec.offload.useAllgather=false or spec.offload.residentLayers=0"),
     ({**MINIMAL, "loader": {"mode": "fastest"}},
-     "settings.loader.mode: 'fastest' is not one of 'multi-reader', 'single-reader', "
+     "spec.loader.mode: 'fastest' is not one of 'multi-reader', 'single-reader', "
      "'independent'"),
     ({"inference": {"image": "server:1"}},
      "spec.model.source is required: the s3:// URI of the checkpoint prefix"),
     ({"model": {"source": "s3://b/p/"}},
      "spec.inference.image is required: the image of the inference server"),
-    ({**MINIMAL, "replicas": 0}, "spec.replicas=0 must be an integer of at least 1"),
+    ({**MINIMAL, "replicas": 0}, "spec.replicas=0 must be greater than 0"),
 ])
 def test_invalid_specs_fail_with_the_validator_message(spec: dict, message: str) -> None:
     with pytest.raises(SpecError) as info:

@@ -227,6 +227,21 @@ def test_invalid_settings_fail_before_the_model_changes() -> None:
     assert [p.data_ptr() for p in model.parameters()] == before
 
 
+def test_a_document_rendered_from_a_cr_names_the_cr_path_and_the_document_path() -> None:
+    settings = offload_settings(use_allgather=True, resident_layers=1).model_copy(
+        update={"origin": "DiffusionOffloadDeployment default/flux"})
+    with pytest.raises(SettingsError) as caught:
+        DistributedLayerwiseOffloadBackend(tiny_model("wan"), settings=settings, device="cpu")
+    assert str(caught.value) == (
+        "invalid settings: spec.offload.residentLayers, spec.offload.useAllgather: "
+        "spec.offload.residentLayers=1 needs rank-local blocks [resident-layers-allgather]; "
+        "fix: set spec.offload.useAllgather=false or spec.offload.residentLayers=0 "
+        "(document rendered from DiffusionOffloadDeployment default/flux; in the document "
+        "spec.offload.residentLayers is offload.resident_layers, "
+        "spec.offload.useAllgather is offload.use_allgather)"
+    )
+
+
 def test_disabled_offload_is_refused() -> None:
     settings = Settings.from_dict({"offload": {"enabled": False}})
     with pytest.raises(SettingsError) as caught:

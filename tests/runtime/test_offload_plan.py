@@ -167,6 +167,18 @@ def test_something_that_is_no_dit() -> None:
     with pytest.raises(OffloadPlanError) as caught:
         ModuleDiscovery(SimpleNamespace(unet=None))
     assert str(caught.value) == (
-        "cannot find a DiT in SimpleNamespace: expected an nn.Module or a pipeline with a "
-        "`transformer` module"
+        "cannot find a DiT in SimpleNamespace: expected an nn.Module or a pipeline with one of "
+        "the attributes transformer, transformer_2"
+    )
+
+
+def test_a_pipeline_with_two_dits_names_both_for_one_backend() -> None:
+    pipeline = SimpleNamespace(transformer=UndeclaredDiT(), transformer_2=UndeclaredDiT())
+    with pytest.raises(OffloadPlanError) as caught:
+        ModuleDiscovery(pipeline)
+    assert str(caught.value) == (
+        "SimpleNamespace has 2 DiTs (transformer, transformer_2): a backend offloads one"
+    )
+    assert caught.value.hint == (
+        "pass each DiT to its own backend, or use dlo_runtime.pod.enable(pipeline)"
     )

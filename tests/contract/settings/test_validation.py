@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest
@@ -13,8 +12,8 @@ from dlo_contract.validation import RULES, GroupChoice, select_group, validate, 
 
 def make(allgather: bool, quantization: str = "none", **fields: Any) -> Settings:
     """Settings with `use_allgather` and any `offload.*` / `parallel.*` field set by name."""
-    offload = {k: v for k, v in fields.items() if k in OffloadConfig.__dataclass_fields__}
-    parallel = {k: v for k, v in fields.items() if k in ParallelConfig.__dataclass_fields__}
+    offload = {k: v for k, v in fields.items() if k in OffloadConfig.model_fields}
+    parallel = {k: v for k, v in fields.items() if k in ParallelConfig.model_fields}
     assert set(offload) | set(parallel) == set(fields), fields
     return Settings(
         offload=OffloadConfig(use_allgather=allgather, **offload),
@@ -90,9 +89,9 @@ def test_every_rule_is_exercised_by_the_matrix() -> None:
 
 
 def test_disabled_dlo_accepts_what_dlo_would_reject() -> None:
-    settings = dataclasses.replace(
-        make(True, "int8", resident_layers=2, enable_runtime_cache=True),
-        offload=OffloadConfig(enabled=False, resident_layers=2, enable_runtime_cache=True),
+    settings = make(True, "int8", resident_layers=2, enable_runtime_cache=True).model_copy(
+        update={"offload": OffloadConfig(enabled=False, resident_layers=2,
+                                         enable_runtime_cache=True)},
     )
     assert validate(settings) == settings
 

@@ -14,6 +14,7 @@ from support.host_helpers import publish_checkpoint, rank_local, write_entry_fil
 from torch import nn
 
 from dlo_bench.models import example_inputs
+from dlo_contract import names
 from dlo_runtime import pod
 from dlo_runtime.host_weight_plan import BackingKind
 
@@ -24,7 +25,7 @@ def pod_files(tmp_path: Path, flux_layout: Path, monkeypatch: pytest.MonkeyPatch
     pod's environment as the operator sets it."""
     root = tmp_path / "cache"
     entry = publish_checkpoint(root, flux_layout)
-    monkeypatch.setenv(pod.ENTRY_FILE_ENV, str(write_entry_file(tmp_path, entry)))
+    monkeypatch.setenv(names.ENTRY_FILE_ENV, str(write_entry_file(tmp_path, entry)))
 
     def configure(**fields: object) -> None:
         document = tmp_path / "settings.json"
@@ -72,7 +73,7 @@ def test_runtime_cache_plan_matches_the_resident_model(pod_files, flux: nn.Modul
 
 def test_pipeline_without_entry_keeps_ordinary_tensors(
         pod_files, flux: nn.Module, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(pod.ENTRY_FILE_ENV, str(tmp_path / "absent.json"))
+    monkeypatch.setenv(names.ENTRY_FILE_ENV, str(tmp_path / "absent.json"))
 
     class Pipeline:
         transformer = copy.deepcopy(flux)
@@ -108,4 +109,5 @@ def test_unreadable_entry_file(tmp_path: Path) -> None:
     bad.write_text(json.dumps({"entry_id": "x"}))
     with pytest.raises(pod.PodError) as caught:
         pod.read_entry_file(bad)
-    assert str(caught.value) == f"entry file {bad} is unreadable: 'root'"
+    assert str(caught.value) == (f"entry file {bad} is unreadable: entry document lacks 'kind', "
+                                 "'root', 'path', 'source'")

@@ -1,0 +1,133 @@
+"""The CR-only part of a `DiffusionOffloadDeployment` spec: pods, images, resources, credentials.
+
+`DeploymentSpec` is the whole spec, typed: the settings document (`dlo_contract.settings`) plus
+the fields only the operator reads. Every field is declared once with `setting(...)` (CR path,
+default, bounds, description); the CRD's `spec` schema is generated from `leaves(DeploymentSpec)`
+(`dlo_contract.crd`), and the operator parses a CR with the same declarations
+(`dlo_operator.spec`). Torch-, kopf- and kubernetes-free.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from dlo_contract.names import DEFAULT_RENDEZVOUS_PORT
+from dlo_contract.schema import Section, setting
+from dlo_contract.settings import Settings
+
+DEFAULT_LOADER_IMAGE = "dlo-loader:0.1.0"
+DEFAULT_LOADER_RESOURCES: dict[str, Any] = {
+    "requests": {"cpu": "1", "memory": "2Gi"},
+    "limits": {"memory": "4Gi"},
+}
+"""Room for the loader's chunk buffers (`loader.memoryLimitBytes`, 1 GiB by default) plus torch."""
+
+PullPolicy = Literal["Always", "IfNotPresent", "Never"]
+Strings = Annotated[tuple[str, ...], Field(strict=False)]
+Objects = Annotated[tuple[dict[str, Any], ...], Field(strict=False)]
+"""Kubernetes core objects (EnvVar, ContainerPort, Toleration): kept as the user wrote them."""
+
+CR_SECTIONS: dict[str, str] = {
+    "": "The desired deployment. Fields mirror the DLO settings document.",
+    "model": "Where the checkpoint lives in object storage.",
+    "model.credentials": "S3 credentials. With a Secret name, the loader reads its keys into the "
+    "standard AWS environment variables; without one, the SDK's chain uses the pod's service "
+    "account (web identity) or the node's role.",
+    "parallel": "The parallel topology the inference engine runs inside each pod. DLO never "
+    "creates groups: it shards host weights over the DP group if dp > 1, else the SP group if "
+    "sp > 1, never TP.",
+    "offload": "Distributed Layerwise Offload policy.",
+    "cache": "The node's content-addressed cache (hostPath), shared by every pod on the node.",
+    "loader": "The loader init container that fills the node cache.",
+    "inference": "The inference server container; it imports dlo_runtime.",
+}
+"""Description of each object of the CR spec (by path under `spec`)."""
+
+
+class CredentialsConfig(Section):
+    """Where the loader's S3 credentials come from."""
+
+    secret_name: str = setting(
+        "", crd="model.credentials.secretName",
+        description="Secret in the DOD's namespace holding the keys; empty for none.")
+    access_key_id_key: str = setting(
+        "AWS_ACCESS_KEY_ID", crd="model.credentials.accessKeyIdKey",
+        description="Key of the access key id in the Secret.")
+    secret_access_key_key: str = setting(
+        "AWS_SECRET_ACCESS_KEY", crd="model.credentials.secretAccessKeyKey",
+        description="Key of the secret access key in the Secret.")
+    session_token_key: str = setting(
+        "AWS_SESSION_TOKEN", crd="model.credentials.sessionTokenKey",
+        description="Key of the session token in the Secret, used only if present.")
+
+
+class LoaderPodConfig(Section):
+    """The loader init container's image, rendezvous port and resources."""
+
+    image: str = setting(DEFAULT_LOADER_IMAGE, crd="loader.image",
+                         description="Loader image (runs dlo cache fill).")
+    image_pull_policy: PullPolicy = setting("IfNotPresent", crd="loader.imagePullPolicy",
+                                            description="Pull policy of the loader image.")
+    port: int = setting(DEFAULT_RENDEZVOUS_PORT, crd="loader.port", minimum=1, maximum=65535,
+                        description="TCP port of the rendezvous on pod 0.")
+    resources: dict[str, Any] = setting(
+        lambda: dict(DEFAULT_LOADER_RESOURCES), crd="loader.resources",
+        description="Resources of the loader container (core/v1 ResourceRequirements).")
+
+
+class InferenceConfig(Section):
+    """The user's inference server container (it imports `dlo_runtime`)."""
+
+    image: str = setting("", crd="inference.image", required=True, min_length=1,
+                         description="Image of the inference server.")
+    image_pull_policy: PullPolicy = setting("IfNotPresent", crd="inference.imagePullPolicy",
+                                            description="Pull policy of the inference image.")
+    command: Strings = setting((), crd="inference.command",
+                               description="Entrypoint; empty keeps the image's.")
+    args: Strings = setting((), crd="inference.args",
+                            description="Arguments; empty keeps the image's.")
+    env: Objects = setting((), crd="inference.env",
+                           description="Extra environment (core/v1 EnvVar); the settings and "
+                           "entry document variables are added.")
+    resources: dict[str, Any] = setting(
+        dict, crd="inference.resources",
+        description="Resources (core/v1 ResourceRequirements); gpusPerPod is added to the limits.")
+    ports: Objects = setting((), crd="inference.ports",
+                             description="Container ports (core/v1 ContainerPort).")
+    readiness_probe: dict[str, Any] = setting(
+        dict, crd="inference.readinessProbe",
+        description="Readiness probe (core/v1 Probe); empty means the pod is Ready once running.")
+
+
+class DeploymentSpec(Section):
+    """The whole CR spec, typed: what the builders need."""
+
+    replicas: int = setting(
+        1, crd="replicas", above=0,
+        description="Nodes to run on: one pod per node (required anti-affinity), each pod one "
+        "inference engine that owns the node's GPUs. Also the number of loaders that share the "
+        "object-store reads.")
+    gpus_per_pod: int = setting(
+        1, crd="gpusPerPod", minimum=0,
+        description="GPUs requested by the inference container (nvidia.com/gpu); 0 requests none.")
+    settings: Settings = Field(default_factory=Settings)
+    credentials: CredentialsConfig = Field(default_factory=CredentialsConfig)
+    loader: LoaderPodConfig = Field(default_factory=LoaderPodConfig)
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    service_account_name: str = setting(
+        "", crd="serviceAccountName",
+        description="Service account of the pods (e.g. for S3 web identity); empty uses the "
+        "namespace default.")
+    automount_service_account_token: bool = setting(
+        False, crd="automountServiceAccountToken",
+        description="Mount the service account's API token; the workload never needs it, so off.")
+    node_selector: dict[str, str] = setting(dict, crd="nodeSelector",
+                                            description="Node labels the pods must match.")
+    tolerations: Objects = setting((), crd="tolerations",
+                                   description="Tolerations of the pods (core/v1 Toleration).")
+    affinity: dict[str, Any] = setting(
+        dict, crd="affinity",
+        description="Affinity of the pods (core/v1 Affinity); one-pod-per-node anti-affinity is "
+        "added.")

@@ -1,0 +1,119 @@
+"""The two documents one plane writes and another reads: the entry document and the fill summary.
+
+`EntryDocument` is written by the loader to `names.DEFAULT_ENTRY_FILE` and read by the runtime in
+the main container. `FillSummary` is the loader's one-line JSON result: the last line of its
+stdout and its termination message, read by the operator into the DOD status. Both are typed
+records with `to_dict`/`from_dict`, so writer and readers share one set of keys. Pure; no I/O
+beyond the JSON text itself.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Any
+
+from dlo_contract.errors import PermanentError
+
+
+class DocumentError(PermanentError):
+    """A cross-plane document is not what its writer should have written."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EntryDocument:
+    """The cache entry this pod's loader filled or found, for the main container."""
+
+    entry_id: str
+    kind: str
+    """`checkpoint` (object-store files byte for byte) or `runtime`."""
+    root: str
+    """The node-cache root the entry lives under."""
+    path: str
+    """The entry's directory."""
+    source: str
+    """The object-store URI it was filled from."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, data: Any) -> EntryDocument:
+        return _from_dict(cls, data, "entry document")
+
+    @classmethod
+    def from_json(cls, text: str) -> EntryDocument:
+        return cls.from_dict(_loads(text, "entry document"))
+
+
+class FillStatus(str, enum.Enum):
+    OK = "ok"
+    ERROR = "error"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FillSummary:
+    """One loader's result. A failed fill carries `error`; a successful one the figures."""
+
+    status: FillStatus
+    rank: int | None = None
+    world_size: int | None = None
+    entry_id: str | None = None
+    mode: str | None = None
+    bytes_from_store: int | None = None
+    bytes_from_peers: int | None = None
+    bytes_to_peers: int | None = None
+    seconds: float | None = None
+    cached: bool | None = None
+    """True when the entry was on the node already: nothing was read."""
+    error: str | None = None
+    """One line: what went wrong and the hint, for the DOD status."""
+
+    @property
+    def ok(self) -> bool:
+        return self.status is FillStatus.OK
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {k: v for k, v in asdict(self).items() if v is not None}
+        data["status"] = self.status.value
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, data: Any) -> FillSummary:
+        if isinstance(data, dict) and "status" in data:
+            try:
+                data = {**data, "status": FillStatus(data["status"])}
+            except ValueError:
+                raise DocumentError(f"fill summary: status {data['status']!r} is not one of "
+                                    f"{[s.value for s in FillStatus]}") from None
+        return _from_dict(cls, data, "fill summary")
+
+    @classmethod
+    def from_json(cls, text: str) -> FillSummary:
+        return cls.from_dict(_loads(text, "fill summary"))
+
+
+def _loads(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DocumentError(f"{what} is not JSON: {exc}") from None
+
+
+def _from_dict(cls: type, data: Any, what: str) -> Any:
+    if not isinstance(data, dict):
+        raise DocumentError(f"{what} must be a JSON object, got {type(data).__name__}")
+    known = {f.name for f in fields(cls)}
+    required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+    missing = [name for name in required if name not in data]
+    if missing:
+        raise DocumentError(f"{what} lacks {', '.join(repr(m) for m in missing)}")
+    # Unknown keys are ignored: a newer writer may add figures an older reader does not show.
+    return cls(**{k: v for k, v in data.items() if k in known})

@@ -1,0 +1,36 @@
+"""Names that cross planes: environment variables, mount paths and default ports.
+
+The operator writes these into pods, the loader and the runtime read them; each is written here
+once and imported by every side, so a rename cannot leave one plane behind. Pure constants.
+"""
+
+from __future__ import annotations
+
+# --- the settings document ---------------------------------------------------------------------
+CONFIG_ENV = "DLO_CONFIG"
+"""Path of the settings document in every container of a pod."""
+SETTINGS_MOUNT = "/etc/dlo"
+SETTINGS_FILE = "settings.json"
+DEFAULT_CONFIG_PATH = f"{SETTINGS_MOUNT}/{SETTINGS_FILE}"
+
+# --- the entry document (loader -> main container) ---------------------------------------------
+ENTRY_FILE_ENV = "DLO_ENTRY_FILE"
+"""Path of the entry document the loader writes and the runtime reads."""
+RUN_DIR = "/run/dlo"
+"""A volume shared by the init container and the main container of one pod."""
+DEFAULT_ENTRY_FILE = f"{RUN_DIR}/entry.json"
+
+# --- the fill summary (loader -> operator) ------------------------------------------------------
+DEFAULT_SUMMARY_FILE = "/dev/termination-log"
+"""Where the kubelet picks up the container's termination message."""
+
+# --- the node cache ------------------------------------------------------------------------------
+DEFAULT_CACHE_ROOT = "/var/lib/dlo/cache"
+
+# --- loader fill groups (torch.distributed's own names) -----------------------------------------
+RANK_ENV = "RANK"
+WORLD_SIZE_ENV = "WORLD_SIZE"
+MASTER_ADDR_ENV = "MASTER_ADDR"
+MASTER_PORT_ENV = "MASTER_PORT"
+DEFAULT_RENDEZVOUS_PORT = 29500
+"""The loaders' torch.distributed rendezvous port (torch's customary default)."""
