@@ -49,6 +49,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.peering.standalone = True
     memo.kube = KubeClient.from_environment()
     memo.locks = {}
+    memo.pending = set()
     memo.locks_guard = threading.Lock()
     memo.config = ReconcileConfig(backoff=BackoffConfig(
         base_s=float(os.environ.get(PREFILL_BACKOFF_ENV) or 10.0)))
@@ -114,9 +115,18 @@ def _quietly(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger)
 
 
 def _reconcile(memo: kopf.Memo, namespace: str, name: str) -> None:
+    """At most one reconcile runs and one waits per DOD: a trigger arriving while one waits
+    is covered by it (it reads the cluster after the trigger), so bursts of pod events never
+    pile up threads."""
+    key = (namespace, name)
     with memo.locks_guard:
-        lock = memo.locks.setdefault((namespace, name), threading.Lock())
+        lock = memo.locks.setdefault(key, threading.Lock())
+        if key in memo.pending:
+            return
+        memo.pending.add(key)
     with lock:
+        with memo.locks_guard:
+            memo.pending.discard(key)
         dod = memo.kube.get_deployment(namespace, name)
         if dod is None or (dod.get("metadata") or {}).get("deletionTimestamp"):
             return

@@ -27,6 +27,8 @@ from support.operator_harness import (
 
 from dlo_operator.handlers import PREFILL_BACKOFF_ENV
 
+pytestmark = pytest.mark.slow  # each test runs the operator through a whole rollout
+
 V1, V2 = "s3://models/flux-v1/", "s3://models/flux-v2/"
 STORE = {V1: 1000, V2: 1200}
 STS_PATH = f"/apis/apps/v1/namespaces/{NAMESPACE}/statefulsets"
@@ -149,8 +151,9 @@ async def test_model_change_prefills_while_old_pods_serve_then_restarts_cached(
 
     await patch_spec(cluster, {"model": {"source": V2}})
 
-    prefilling = await eventually(lambda: _status(cluster).get("stage") == "Prefilling" and len(
-        (_status(cluster).get("prefill") or {}).get("nodes", [])) == 2 and _status(cluster))
+    prefilling = await eventually(lambda: _status(cluster).get("stage") == "Prefilling" and [
+        n["loader"] for n in (_status(cluster).get("prefill") or {}).get("nodes", [])] == [
+        "Running", "Running"] and _status(cluster), timeout=TIMEOUT)
     kubectl_get_dod(cluster, "model change, prefilling")
     assert prefilling["phase"] == "Updating"
     assert [(n["node"], n["loader"]) for n in prefilling["prefill"]["nodes"]] == [
@@ -189,9 +192,10 @@ async def test_failed_prefill_keeps_old_pods_reports_and_retries(
     await patch_spec(cluster, {"model": {"source": V2}})
 
     failed = await eventually(lambda: (_status(cluster).get("prefill") or {}).get(
-        "state") == "Failed" and _status(cluster))
+        "state") == "Failed" and _status(cluster), timeout=TIMEOUT)
     kubectl_get_dod(cluster, "prefill failed")
-    await eventually(lambda: any(e["reason"] == "PrefillFailed" for e in events(cluster)))
+    await eventually(lambda: any(e["reason"] == "PrefillFailed" for e in events(cluster)),
+                     timeout=TIMEOUT)
     print_events(cluster, "prefill failed")
     condition = next(c for c in failed["conditions"] if c["type"] == "Prefilled")
     assert (condition["status"], condition["reason"]) == ("False", "PrefillFailed")
@@ -206,7 +210,8 @@ async def test_failed_prefill_keeps_old_pods_reports_and_retries(
     assert template_revision(cluster) == first["revision"]
     assert [n["ready"] for n in failed["nodes"]] == [True, True]
 
-    await eventually(lambda: (_status(cluster).get("prefill") or {}).get("attempt", 0) >= 2)
+    await eventually(lambda: (_status(cluster).get("prefill") or {}).get("attempt", 0) >= 2,
+                     timeout=TIMEOUT)
     del standin.failing[V2]
     s = await ready(cluster, standin, 2, revision=failed["revision"])
     kubectl_get_dod(cluster, "prefill retried")
@@ -272,7 +277,8 @@ async def test_scale_up_and_down_restarts_no_serving_pod(
     # A pod recreated on a node that lost its cache fills alone, waiting for no group.
     standin.caches["gpu-1"].clear()
     await request(cluster, "DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/flux-1")
-    await eventually(lambda: standin.fills[-1].pod == "flux-1" and len(standin.fills) == 5)
+    await eventually(lambda: standin.fills[-1].pod == "flux-1" and len(standin.fills) == 5,
+                     timeout=TIMEOUT)
     await ready(cluster, standin, 2)
     assert (standin.fills[-1].world, standin.fills[-1].bytes_from_store) == (1, STORE[V1])
     assert standin.rendezvous_timeouts == []
