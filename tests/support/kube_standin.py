@@ -190,15 +190,14 @@ class KubeStandIn:
         await request(self.cluster, "POST", PODS_PATH, body)
 
     async def _delete_pod(self, name: str) -> None:
-        self._started.discard(name)
         await request(self.cluster, "DELETE", f"{PODS_PATH}/{name}")
 
     # -- kubelet and the loader model ----------------------------------------------------------
 
     async def _kubelet(self) -> None:
         for pod in self.pods():
-            name = pod["metadata"]["name"]
-            if name in self._started:
+            name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
+            if uid in self._started:
                 continue
             prefill = pod["metadata"]["labels"].get(LABEL_ROLE) == "prefill"
             container = "containerStatuses" if prefill else "initContainerStatuses"
@@ -208,7 +207,7 @@ class KubeStandIn:
             source = self._source(pod)
             if env is None or source is None:
                 continue  # a missing ConfigMap: the kubelet cannot start the container
-            self._started.add(name)
+            self._started.add(uid)
             await self._set_loader(pod, container, {"running": {}})
             rank, world, key = _placement(env, name)
             if world == 1:
