@@ -68,6 +68,7 @@ class DistributedLayerwiseOffloadBackend:
         group: dist.ProcessGroup | None = None,
         host_plan: HostPlan | None = None,
         placement: Placement | None = None,
+        streams: StreamSet | None = None,
     ) -> None:
         # A placement comes from `pod.enable`, which validated the settings and resolved the
         # group once for the whole process; a backend built directly decides both itself.
@@ -93,7 +94,8 @@ class DistributedLayerwiseOffloadBackend:
         self._tensors: ModelTensors | None = None
         self._on_demand: OnDemandModules | None = None
         self._mapped_plan: HostPlan | None = None
-        self._streams = StreamSet(self.device)
+        self._streams = streams if streams is not None else StreamSet(self.device)
+        """The copy/communication streams and events of `device` (see `dlo_runtime.streams`)."""
 
     @property
     def mode(self) -> str:
@@ -180,7 +182,7 @@ class DistributedLayerwiseOffloadBackend:
             return ShardStore(
                 self.layouts, sources, self._streams, group=self.group, rank=self.rank
             )
-        if plan.sources_pinned and self._streams.is_cuda:
+        if plan.sources_pinned and self._streams.copies_registered_views:
             return DirectSource(self.layouts, sources, self._streams, slot_views)
         return StagedSource(self.layouts, sources, self._streams)
 
@@ -230,6 +232,9 @@ class DistributedLayerwiseOffloadBackend:
                 owned, self._scheduler.slot_views[0][index], self._tensors.streamed_devices[index]
             ):
                 tensor.data = view.to(restore_device(device), copy=True)
+            # free: on the device these copies run on the compute stream; the next load into
+            # the slot must not overwrite it while they still read it.
+            slot.free.record(self._streams.compute())
         self._tensors.restore_resident()
 
     def __enter__(self) -> DistributedLayerwiseOffloadBackend:

@@ -5,6 +5,10 @@ and event creation. On CUDA these are real streams and events; on the CPU every 
 in program order, so the stand-ins do nothing and the same scheduling code runs unchanged.
 Called by the backend, the slots and the transfers; it must not decide what to wait for (the
 callers do, and name the hazard at each wait).
+
+The backend takes its `StreamSet` as an argument (a fresh one per device by default): the CPU
+tests pass a model whose streams run later, in an adversarial order, and whose events enforce
+exactly the edges that `record`/`wait_event` declare, so that a missing wait fails a CPU test.
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ class StreamSet:
         self.is_cuda = device.type == "cuda"
         self.align_bytes = CUDA_ALIGN_BYTES if self.is_cuda else ALIGN_BYTES
         """Alignment of every tensor, shard and part in the flat buffers (see `layout`)."""
+        self.copies_registered_views = self.is_cuda
+        """True when views registered with the device runtime (`HostWeightPlan.sources_pinned`)
+        can be copied straight to the device, so the backend picks `DirectSource` for them."""
         if self.is_cuda:
             self.copy: Stream = torch.cuda.Stream(device)
             self.comm: Stream = torch.cuda.Stream(device)

@@ -36,5 +36,32 @@ def test_report_checks_correctness_and_names_the_ratio(s3: S3Server, tmp_path: P
     assert report["fill_to_ceiling_ratio"] == pytest.approx(
         report["fill_bytes_per_s"] / report["ceiling_bytes_per_s"], rel=1e-3)
     assert len(report["fill_seconds"]) == len(report["ceiling_seconds"]) == 1
-    assert report["fill_to_bound_ratio"] >= report["fill_to_ceiling_ratio"]
+    bound = min(report["ceiling_bytes_per_s"], report["disk_write_bytes_per_s"])
+    assert report["fill_to_bound_ratio"] == pytest.approx(
+        report["fill_bytes_per_s"] / bound, rel=1e-3)
     assert {"commit", "machine", "disk_write_bytes_per_s"} <= set(report)
+
+
+def test_a_fill_that_publishes_wrong_bytes_is_reported_as_incorrect(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_fill = bench.fill
+
+    def corrupting_fill(request: object) -> object:
+        """The real fill, then one byte of the first published file flipped."""
+        result = real_fill(request)
+        victim = sorted(Path(result.path).glob("*.safetensors"))[0]
+        victim.chmod(0o644)
+        with victim.open("r+b") as handle:
+            handle.seek(-1, 2)
+            last = handle.read(1)
+            handle.seek(-1, 2)
+            handle.write(bytes([last[0] ^ 1]))
+        return result
+
+    monkeypatch.setattr(bench, "fill", corrupting_fill)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--size-mib", "1", "--files", "1", "--chunk-bytes", "262144",
+                              "--readers", "2", "--repeats", "1"])
+    assert bench.measure(args, s3, tmp_path)["correct"] is False

@@ -2,6 +2,11 @@
 
 Run as `python cache_worker.py COMMAND ROOT SEED [options]`; prints one JSON line as its result.
 Tests start several of these at once to exercise the kernel locks across real processes.
+
+`publish-steps` names every durable step of a publication as it happens (each file written, each
+fsync, the manifest's write, the rename, the use lock, the unlock) and, with `--crash-at N`,
+SIGKILLs itself right after step N (before it, for the unlock), so a test can kill the writer at
+every step in turn.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dlo_contract.cache import (
     open_entry,
     runtime_identity,
 )
+from dlo_contract.cache import publish as publish_module
 from dlo_contract.cache.layout import CacheRoot
 
 
@@ -99,11 +105,88 @@ def publish_limited(args: argparse.Namespace) -> dict:
     return {"error": None}
 
 
+class StepRecorder:
+    """Wraps the calls a publication makes; `step(name)` records one and may end the process."""
+
+    def __init__(self, root: CacheRoot, crash_at: int) -> None:
+        self.root = root.tmp.parent.resolve()  # the layout directory holding tmp/ and entries/
+        self.crash_at = crash_at
+        self.steps: list[str] = []
+
+    def step(self, name: str) -> None:
+        self.steps.append(name)
+        if len(self.steps) == self.crash_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def where(self, fd: int) -> str:
+        """The path behind `fd`, relative to the root, with the tmp dir's nonce as `*`."""
+        parts = list(Path(os.readlink(f"/proc/self/fd/{fd}")).relative_to(self.root).parts)
+        if parts[0] == "tmp" and len(parts) > 1:
+            parts[1] = "*"
+        return "/".join(parts)
+
+    def install(self, publish_lock: Path) -> None:
+        fsync, write, rename = os.fsync, os.write, os.rename
+        use_lock, release = publish_module._create_use_lock, locks.FileLock.release
+
+        def recorded_fsync(fd: int) -> None:
+            fsync(fd)
+            self.step(f"fsync {self.where(fd)}")
+
+        def recorded_write(fd: int, data: bytes) -> int:
+            name = self.where(fd)
+            written = write(fd, data)
+            self.step(f"write {name}")
+            return written
+
+        def recorded_rename(src: str | Path, dst: str | Path) -> None:
+            rename(src, dst)
+            self.step(f"rename tmp/* {Path(dst).parent.name}/*")
+
+        def recorded_use_lock(root: CacheRoot, entry: str) -> None:
+            use_lock(root, entry)
+            self.step("create use lock")
+
+        def recorded_release(lock: locks.FileLock) -> None:
+            if lock.fd is not None and Path(lock.path) == publish_lock:
+                self.step("unlock")
+            release(lock)
+
+        os.fsync, os.write, os.rename = recorded_fsync, recorded_write, recorded_rename
+        publish_module._create_use_lock = recorded_use_lock
+        locks.FileLock.release = recorded_release  # type: ignore[method-assign]
+
+
+def publish_steps(args: argparse.Namespace) -> dict:
+    """Publish two files, naming each step; SIGKILL at step `--crash-at` (0: never)."""
+    ident = identity_for(args.seed)
+    entry = entry_id(ident)
+    recorder = StepRecorder(CacheRoot(args.root), args.crash_at)
+    files = {"a.bin": payload(args.seed, args.size), "b.bin": payload("b" + args.seed, 96)}
+    with begin_publication(
+        args.root, entry, expected_bytes=sum(map(len, files.values())), lock_timeout_s=10
+    ) as pub:
+        if pub.existing is not None:
+            return {"wrote": False, "steps": []}
+        recorder.install(CacheRoot(args.root).publish_lock(entry))
+        for name, data in files.items():
+            fd = os.open(pub.tmp_dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+        pub.commit(
+            "runtime", ident, [FileRecord(name, len(data)) for name, data in files.items()]
+        )
+    return {"wrote": True, "steps": recorder.steps}
+
+
 COMMANDS = {
     "publish": publish,
     "hold-use": hold_use,
     "hold-publish": hold_publish,
     "publish-limited": publish_limited,
+    "publish-steps": publish_steps,
 }
 
 
@@ -118,6 +201,7 @@ def main() -> None:
     parser.add_argument("--marker", default="")
     parser.add_argument("--go", default="")
     parser.add_argument("--fsize-limit", type=int, default=0)
+    parser.add_argument("--crash-at", type=int, default=0)
     args = parser.parse_args()
     print(json.dumps(COMMANDS[args.command](args)), flush=True)
 

@@ -2,6 +2,8 @@
 
 Every rank builds the same seeded models, makes the process group that stands for the server's
 existing DP (or SP) group, runs each case and writes its outcomes as JSON for the test to read.
+Some cases run on the asynchronous stream model (`support.async_streams`), so ranks 1 and 2 also
+gather with their copies, AllGathers and compute in separately scheduled queues.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from support.async_streams import AsyncStreamSet, Schedule
 from support.runtime_helpers import (
     Outcome,
     forward,
@@ -41,12 +44,15 @@ def _cases(world: int, group: dist.ProcessGroup) -> tuple[dict[str, Outcome], bo
         "flux-dp": run_case("flux", dp, group=group),
         "sd3-dp": run_case("sd3", dp, group=group),
         "wan-dp": run_case("wan", dp, group=group),
-        "wan-bf16-mixed-dp": run_case("wan", dp, group=group, dtype=torch.bfloat16),
-        "flux-sp": run_case("flux", sp, group=group, num_layers=7),
+        "wan-bf16-mixed-dp": run_case("wan", dp, group=group, dtype=torch.bfloat16,
+                                      streams=AsyncStreamSet(Schedule.EAGER)),
+        "flux-sp": run_case("flux", sp, group=group, num_layers=7,
+                            streams=AsyncStreamSet(Schedule.LAZY)),
         "wan-sp": run_case("wan", sp, group=group, num_layers=1),
         "sd3-plan-dp": run_case("sd3", dp, group=group, host_plan=plan, seed=3),
         "wan-dp-default-group": run_case("wan", dp, num_layers=2),
-        "flux-mapped-plan-dp": run_case("flux", dp, group=group, host_plan=mapped, seed=4),
+        "flux-mapped-plan-dp": run_case("flux", dp, group=group, host_plan=mapped, seed=4,
+                                        streams=AsyncStreamSet(Schedule.LAZY)),
     }
     return outcomes, mapping.closed
 

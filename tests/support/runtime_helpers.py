@@ -3,6 +3,7 @@ offloaded forward with the figures the tests check."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ from dlo_runtime.host_weight_plan import (
     runtime_tensors,
 )
 from dlo_contract.settings import OffloadConfig, ParallelConfig, Settings
+from dlo_runtime.streams import StreamSet
 from dlo_runtime.transfer import ShardStore
 
 
@@ -116,32 +118,36 @@ def run_case(
     group: dist.ProcessGroup | None = None,
     host_plan: Any = None,
     seed: int = 0,
+    streams: StreamSet | None = None,
 ) -> Outcome:
     """Resident forward, then two offloaded forwards and one after disable, on copies of one
-    seeded model; returns whether all are bit-identical and the memory figures."""
+    seeded model; returns whether all are bit-identical and the memory figures. `streams` (an
+    `AsyncStreamSet`, entered here) replaces the backend's in-order CPU streams."""
     reference = tiny_model(kind, seed=seed, num_layers=num_layers, dtype=dtype)
     inputs = example_inputs(kind, reference, seed=seed)
     expected = forward(reference, inputs)
     model = tiny_model(kind, seed=seed, num_layers=num_layers, dtype=dtype)
     if host_plan is not None:
         strip_parameters(model)
-    backend = DistributedLayerwiseOffloadBackend(
-        model, settings=settings, device="cpu", group=group, host_plan=host_plan
-    )
-    with backend:
-        first = forward(model, inputs)
-        second = forward(model, inputs)
-        figures = dict(
-            host_bytes=host_bytes(backend.host_tensors()),
-            streamed_bytes=backend.streamed_bytes,
-            slot_bytes=backend.slot_bytes,
-            largest_block_bytes=max(layout.nbytes for layout in backend.layouts),
-            largest_block_tensor_bytes=max(layout.tensor_bytes for layout in backend.layouts),
-            shard_count=backend.shard_count,
-            mode=backend.mode,
-            **shard_storages(backend),
+    with streams if streams is not None else contextlib.nullcontext():
+        backend = DistributedLayerwiseOffloadBackend(
+            model, settings=settings, device="cpu", group=group, host_plan=host_plan,
+            streams=streams,
         )
-    after = forward(model, inputs)
+        with backend:
+            first = forward(model, inputs)
+            second = forward(model, inputs)
+            figures = dict(
+                host_bytes=host_bytes(backend.host_tensors()),
+                streamed_bytes=backend.streamed_bytes,
+                slot_bytes=backend.slot_bytes,
+                largest_block_bytes=max(layout.nbytes for layout in backend.layouts),
+                largest_block_tensor_bytes=max(layout.tensor_bytes for layout in backend.layouts),
+                shard_count=backend.shard_count,
+                mode=backend.mode,
+                **shard_storages(backend),
+            )
+        after = forward(model, inputs)
     return Outcome(
         equal=torch.equal(first, expected),
         equal_second_step=torch.equal(second, expected),
