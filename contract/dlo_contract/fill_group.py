@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from dlo_contract.names import DEFAULT_RENDEZVOUS_PORT
+
 FILL_GROUP_ENV = "DLO_FILL_GROUP"
 POD_NAME_ENV = "DLO_POD_NAME"
 REVISION_ENV = "DLO_REVISION"
@@ -35,7 +37,7 @@ class FillGroup:
     """The settings revision the members fill for; a loader of another revision ignores it."""
     members: Mapping[str, int] = field(default_factory=dict)
     master_addr: str = ""
-    master_port: int = 29500
+    master_port: int = DEFAULT_RENDEZVOUS_PORT
 
     @property
     def world_size(self) -> int:
@@ -58,7 +60,7 @@ class FillGroup:
                              f"{members!r:.200}")
         return cls(revision=str(data.get("revision", "")), members=dict(members),
                    master_addr=str(data.get("masterAddr", "")),
-                   master_port=int(data.get("masterPort", 29500)))
+                   master_port=int(data.get("masterPort", DEFAULT_RENDEZVOUS_PORT)))
 
     def place(self, pod: str, revision: str) -> tuple[int, int] | None:
         """(rank, world size) of `pod` in this group, or None when it fills alone."""
