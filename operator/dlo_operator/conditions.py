@@ -6,11 +6,14 @@ written into `status.conditions` and posted once as a Warning Event on the DOD. 
 operator reports through `report_event` and `merge_conditions`, whatever condition type it owns;
 conditions of types it does not recompute are kept as they are.
 
-`merge_conditions` is pure; `report_event` posts through kopf and must be called from a handler.
+Milestones of the rollout (a prefill started, succeeded, failed) are `Report`s, posted by
+`post_event` as Normal or Warning Events. `merge_conditions` is pure; `report_event` and
+`post_event` post through kopf's event queue.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,12 +73,30 @@ def merge_conditions(previous: Sequence[Mapping[str, Any]] | None, current: Sequ
     return merged
 
 
+class EventType(str, enum.Enum):
+    NORMAL = "Normal"
+    WARNING = "Warning"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Report:
+    """One Event to post: what happened, why, in a line a person can act on."""
+
+    type: EventType
+    reason: str
+    message: str
+
+
 def report_event(body: Mapping[str, Any], condition: Condition) -> None:
-    """A Warning Event on the DOD for a failed condition (reason and message as in the status).
-    kopf posts it in the background and retries; a Normal event for anything else."""
+    """A Warning Event on the DOD for a failed condition (reason and message as in the status);
+    a Normal Event for anything else."""
+    post_event(body, Report(type=EventType.WARNING if condition.failed else EventType.NORMAL,
+                            reason=condition.reason, message=condition.message))
+
+
+def post_event(body: Mapping[str, Any], report: Report) -> None:
+    """Post `report` as an Event on the DOD; kopf posts it in the background and retries."""
     import kopf
 
-    if condition.failed:
-        kopf.warn(body, reason=condition.reason, message=condition.message[:_MESSAGE_LIMIT])
-    else:
-        kopf.info(body, reason=condition.reason, message=condition.message[:_MESSAGE_LIMIT])
+    poster = kopf.warn if report.type is EventType.WARNING else kopf.info
+    poster(dict(body), reason=report.reason, message=report.message[:_MESSAGE_LIMIT])

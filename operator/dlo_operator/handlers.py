@@ -1,17 +1,14 @@
-"""The kopf handlers: a few lines each, calling the pure builders and the status aggregation.
+"""The kopf handlers: a few lines each, all ending in one `reconcile` of the DOD concerned.
 
-- create / update / resume: admit the spec (`admission`: the CRD's verdict, the settings
-  validator, the host-path allowlist); if admitted, server-side apply the children (owned by
-  the DOD); write the status. A refused spec gets `Valid=False` and a Warning Event, and no
-  children (an update to a refused spec leaves the last valid children running). An API error
-  gets `Applied=False` and a Warning Event: conflicts, throttling, 5xx and timeouts are retried
-  with exponential backoff (`ApplyRetrying`), anything else (`ApplyFailed`) waits for the next
-  change of the spec.
+- create / update / resume of a DOD, any event of its pods (workload and prefill) or of its
+  children (StatefulSet, ConfigMaps, Services, Jobs: a deleted or edited child is restored within
+  seconds), and a periodic timer (prefill and apply retries after their backoff, and a safety
+  net) all run `reconcile.reconcile` under a per-DOD lock, so two triggers never interleave their
+  writes. `reconcile` admits the spec (`admission`), applies what drifted, writes the status and
+  posts the Events (`Valid=False`, `Applied=False`, pod troubles, prefill milestones).
 - delete: nothing to remove by hand: the children carry owner references, so the garbage
   collector deletes them; node caches stay (the loader's eviction manages them). The handler
   records that in an event, and kopf then removes its finalizer.
-- pods: an index of the workload pods per DOD, and a watcher that rewrites the DOD's status
-  whenever one of its pods changes, with a Warning Event when a pod falls into trouble.
 
 Handlers are registered on `registry`, which `dlo operator run` and the tests pass to kopf.
 They must not build manifests or decide phases themselves.
@@ -19,33 +16,29 @@ They must not build manifests or decide phases themselves.
 
 from __future__ import annotations
 
-import datetime
 import logging
+import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
-from dlo_operator.admission import admit
-from dlo_operator.conditions import FALSE, Condition, find, report_event
-from dlo_operator.errors import KubeError, KubeTransientError, SpecError
+from dlo_operator.errors import KubeError, KubeTransientError
 from dlo_operator.host_paths import DEFAULT_ALLOWED_HOST_PATHS
-from dlo_operator.kube import KubeClient, backoff_delay
-from dlo_operator.manifests import build_children
-from dlo_operator.naming import GROUP, LABEL_DEPLOYMENT, PLURAL, VERSION, Owner
+from dlo_operator.kube import KubeClient
+from dlo_operator.naming import GROUP, LABEL_DEPLOYMENT, PLURAL, VERSION
+from dlo_operator.reconcile import ReconcileConfig, reconcile
+from dlo_operator.rollout import BackoffConfig
 from dlo_operator.spec import DEFAULT_LOADER_IMAGE
-from dlo_operator.status import (
-    APPLIED,
-    APPLY_RETRYING,
-    READY,
-    TROUBLE_REASONS,
-    VALID,
-    status_from_pods,
-)
 
 registry = kopf.OperatorRegistry()
 DOD = (GROUP, VERSION, PLURAL)
+RESYNC_INTERVAL_S = 2.0
+"""How often every DOD is reconciled even without an event (prefill retries, lost events)."""
+PREFILL_BACKOFF_ENV = "DLO_OPERATOR_PREFILL_BACKOFF_SECONDS"
+"""First delay before retrying a failed prefill (doubling up to 600 s); default 10."""
+_OWNED = ("statefulsets", "configmaps", "services", "jobs", "poddisruptionbudgets")
 
 
 @kopf.on.startup(registry=registry)
@@ -59,8 +52,14 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.scanning.disabled = True
     settings.peering.standalone = True
     memo.kube = KubeClient.from_environment()
-    memo.reported = {}
-    memo.reports_lock = threading.Lock()
+    memo.locks = {}
+    memo.pending = set()
+    memo.locks_guard = threading.Lock()
+    memo.retries = {}
+    memo.config = ReconcileConfig(
+        backoff=BackoffConfig(base_s=float(os.environ.get(PREFILL_BACKOFF_ENV) or 10.0)),
+        allowed_host_paths=tuple(memo.get("allowed_host_paths") or DEFAULT_ALLOWED_HOST_PATHS),
+        loader_image=memo.get("loader_image") or DEFAULT_LOADER_IMAGE)
 
 
 @kopf.on.login(registry=registry)
@@ -74,25 +73,22 @@ def close(memo: kopf.Memo, **_: Any) -> None:
     memo.kube.close()
 
 
-@kopf.index("pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT}, registry=registry)
-def workload_pods(namespace: str, labels: Mapping[str, str], body: kopf.Body,
-                  **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
-    return {(namespace, labels[LABEL_DEPLOYMENT]): _plain(body)}
-
-
 @kopf.on.create(*DOD, registry=registry)
-def on_create(**kwargs: Any) -> None:
-    _reconcile(**kwargs)
-
-
 @kopf.on.update(*DOD, registry=registry)
-def on_update(**kwargs: Any) -> None:
-    _reconcile(**kwargs)
-
-
 @kopf.on.resume(*DOD, registry=registry)
-def on_resume(**kwargs: Any) -> None:
-    _reconcile(**kwargs)
+def on_change(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    try:
+        _reconcile(memo, namespace, name)
+    except KubeTransientError as exc:
+        raise kopf.TemporaryError(str(exc), delay=exc.delay_s) from exc
+    except KubeError as exc:
+        raise kopf.PermanentError(str(exc)) from exc
+
+
+@kopf.timer(*DOD, interval=RESYNC_INTERVAL_S, registry=registry)
+def on_timer(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger,
+             **_: Any) -> None:
+    _quietly(memo, namespace, name, logger)
 
 
 @kopf.on.delete(*DOD, registry=registry)
@@ -104,110 +100,41 @@ def on_delete(body: kopf.Body, name: str, **_: Any) -> None:
 
 @kopf.on.event("pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT}, registry=registry)
 def on_pod_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo,
-                 workload_pods: kopf.Index, logger: logging.Logger, **_: Any) -> None:
-    name = labels[LABEL_DEPLOYMENT]
+                 logger: logging.Logger, **_: Any) -> None:
+    _quietly(memo, namespace, labels[LABEL_DEPLOYMENT], logger)
+
+
+for _plural in _OWNED:
+    @kopf.on.event(_plural, labels={LABEL_DEPLOYMENT: kopf.PRESENT}, registry=registry)
+    def on_child_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo,
+                       logger: logging.Logger, **_: Any) -> None:
+        _quietly(memo, namespace, labels[LABEL_DEPLOYMENT], logger)
+
+
+def _quietly(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger) -> None:
+    """Reconcile from a watch event or the timer: errors are logged, the next event retries."""
     try:
-        dod = memo.kube.get_deployment(namespace, name)
-        if dod is None or dod["metadata"].get("deletionTimestamp"):
+        _reconcile(memo, namespace, name)
+    except KubeError as exc:
+        logger.error("cannot reconcile %s/%s: %s", namespace, name, exc)
+    except KubeTransientError as exc:
+        logger.warning("%s/%s not reconciled, the next event retries: %s", namespace, name, exc)
+
+
+def _reconcile(memo: kopf.Memo, namespace: str, name: str) -> None:
+    """At most one reconcile runs and one waits per DOD: a trigger arriving while one waits
+    is covered by it (it reads the cluster after the trigger), so bursts of pod events never
+    pile up threads."""
+    key = (namespace, name)
+    with memo.locks_guard:
+        lock = memo.locks.setdefault(key, threading.Lock())
+        if key in memo.pending:
             return
-        previous = dod.get("status") or {}
-        status = status_from_pods(
-            list(workload_pods.get((namespace, name), ())),
-            replicas=_replicas(dod.get("spec")), previous=previous, now=_now(),
-            generation=previous.get("observedGeneration"),
-            problems=_carried_problems(previous))
-        if any(previous.get(key) != value for key, value in status.items()):
-            memo.kube.patch_deployment_status(namespace, name, status)
-        trouble = find(status, READY)
-        if trouble is not None and trouble.reason in TROUBLE_REASONS and _first_report(
-                memo, (namespace, name), trouble.message):
-            report_event(dod, trouble)
-    except KubeError as exc:
-        logger.error("cannot update the status of %s/%s: %s", namespace, name, exc)
-    except KubeTransientError as exc:
-        logger.warning("status of %s/%s not updated, next pod event retries: %s",
-                       namespace, name, exc)
-
-
-def _reconcile(*, body: kopf.Body, name: str, namespace: str, meta: kopf.Meta,
-               patch: kopf.Patch, memo: kopf.Memo, workload_pods: kopf.Index, retry: int,
-               logger: logging.Logger, **_: Any) -> None:
-    """Admit the spec, apply the children, write the status. Every failure becomes a condition
-    and a Warning Event; an API error worth retrying is retried with backoff, any other waits
-    for the next change of the spec."""
-    generation = meta.get("generation")
-    retry_in: float | None = None
-    try:
-        deployment = admit(body, allowed_host_paths=_allowed_host_paths(memo),
-                           loader_image=memo.get("loader_image") or DEFAULT_LOADER_IMAGE)
-    except SpecError as exc:
-        logger.error("spec refused, nothing applied: %s", exc)
-        problem: Condition | None = Condition(VALID, FALSE, "SpecInvalid", str(exc))
-        replicas = _replicas(body.get("spec"))
-    else:
-        replicas = deployment.replicas
-        problem, retry_in = _apply(memo.kube, build_children(Owner.from_body(body), deployment),
-                                   retry)
-    pods = list(workload_pods.get((namespace, name), ()))
-    status = status_from_pods(pods, replicas=replicas, previous=body.get("status") or {},
-                              now=_now(), generation=generation,
-                              problems=[problem] if problem else [])
-    patch["status"] = {**status, "observedGeneration": generation}
-    if problem is not None:
-        report_event(body, problem)
-    if retry_in is not None:
-        raise kopf.TemporaryError(problem.message if problem else "", delay=retry_in)
-
-
-def _apply(kube: KubeClient, children: list[dict[str, Any]],
-           retry: int) -> tuple[Condition | None, float | None]:
-    """Apply every child in order. The failure, if any, as an `Applied=False` condition, and
-    the delay before the next attempt when the API error is worth retrying."""
-    try:
-        for child in children:
-            kube.apply(child)
-    except KubeTransientError as exc:
-        delay = backoff_delay(retry, exc.delay_s)
-        return Condition(APPLIED, FALSE, APPLY_RETRYING,
-                         f"{exc}; attempt {retry + 2} in {delay:.0f} s"), delay
-    except KubeError as exc:
-        return Condition(APPLIED, FALSE, "ApplyFailed",
-                         f"{exc}; retried when the spec changes ({exc.hint})"), None
-    return None, None
-
-
-def _allowed_host_paths(memo: kopf.Memo) -> tuple[str, ...]:
-    return tuple(memo.get("allowed_host_paths") or DEFAULT_ALLOWED_HOST_PATHS)
-
-
-def _replicas(spec: Mapping[str, Any] | None) -> int:
-    value = (spec or {}).get("replicas", 1)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
-
-
-def _first_report(memo: kopf.Memo, key: tuple[str, str], message: str) -> bool:
-    """True once per new trouble of a DOD (pod events of several pods arrive concurrently)."""
-    with memo.reports_lock:
-        if memo.reported.get(key) == message:
-            return False
-        memo.reported[key] = message
-        return True
-
-
-def _carried_problems(status: Mapping[str, Any]) -> list[Condition]:
-    """A refused spec or apply stays reported until the next reconcile of the DOD."""
-    found = (find(status, VALID), find(status, APPLIED))
-    return [condition for condition in found if condition is not None and condition.failed]
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _plain(value: Any) -> Any:
-    """A deep plain copy of kopf's read-only views, safe to keep in the index."""
-    if isinstance(value, Mapping):
-        return {key: _plain(item) for key, item in value.items()}
-    if isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
-        return [_plain(item) for item in value]
-    return value
+        memo.pending.add(key)
+    with lock:
+        with memo.locks_guard:
+            memo.pending.discard(key)
+        dod = memo.kube.get_deployment(namespace, name)
+        if dod is None or (dod.get("metadata") or {}).get("deletionTimestamp"):
+            return
+        reconcile(memo.kube, dod, memo.config, memo.retries)

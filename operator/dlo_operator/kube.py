@@ -6,7 +6,7 @@ manifest set. Restarting the operator therefore cannot create duplicates. The DO
 patched through its status subresource. Responses stay plain dicts (no client models).
 API failures become `KubeTransientError` (conflicts, throttling, 5xx, timeouts and broken
 connections: retried with `backoff_delay`) or `KubeError` (anything else: reported, not retried).
-Called by `handlers`; builds no manifest and decides no status.
+Called by `reconcile` and `handlers`; builds no manifest and decides no status.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class KubeClient:
         self._core = kubernetes.client.CoreV1Api(api_client)
         self._apps = kubernetes.client.AppsV1Api(api_client)
         self._policy = kubernetes.client.PolicyV1Api(api_client)
+        self._batch = kubernetes.client.BatchV1Api(api_client)
         self._custom = kubernetes.client.CustomObjectsApi(api_client)
 
     @classmethod
@@ -63,19 +64,54 @@ class KubeClient:
     def close(self) -> None:
         self._api.close()
 
+    def _verbs(self, kind: str) -> dict[str, Callable[..., Any]]:
+        api, suffix = {
+            "ConfigMap": (self._core, "config_map"), "Service": (self._core, "service"),
+            "Pod": (self._core, "pod"), "StatefulSet": (self._apps, "stateful_set"),
+            "Job": (self._batch, "job"),
+            "PodDisruptionBudget": (self._policy, "pod_disruption_budget"),
+        }[kind]
+        return {verb: getattr(api, f"{verb}_namespaced_{suffix}")
+                for verb in ("patch", "read", "list", "delete")}
+
     def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
-        """Server-side apply one child (ConfigMap, Service, StatefulSet or PodDisruptionBudget)."""
-        patchers: dict[str, Callable[..., Any]] = {
-            "ConfigMap": self._core.patch_namespaced_config_map,
-            "Service": self._core.patch_namespaced_service,
-            "StatefulSet": self._apps.patch_namespaced_stateful_set,
-            "PodDisruptionBudget": self._policy.patch_namespaced_pod_disruption_budget,
-        }
+        """Server-side apply one child (ConfigMap, Service, StatefulSet, Job or
+        PodDisruptionBudget)."""
         kind = manifest["kind"]
         meta = manifest["metadata"]
         what = f"{kind} {meta['namespace']}/{meta['name']}"
-        return self._call(what, patchers[kind], meta["name"], meta["namespace"], dict(manifest),
-                          field_manager=FIELD_MANAGER, force=True, _content_type=_APPLY)
+        return self._call(what, self._verbs(kind)["patch"], meta["name"], meta["namespace"],
+                          dict(manifest), field_manager=FIELD_MANAGER, force=True,
+                          _content_type=_APPLY)
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """One object, or None when it does not exist."""
+        try:
+            return self._call(f"{kind} {namespace}/{name}", self._verbs(kind)["read"], name,
+                              namespace)
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def list(self, kind: str, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+        """Objects of `kind` carrying all `labels` (the server filters; we check again, which
+        costs nothing and keeps a server without selector support honest)."""
+        selector = ",".join(f"{k}={v}" for k, v in labels.items())
+        found = self._call(f"{kind}s in {namespace}", self._verbs(kind)["list"], namespace,
+                           label_selector=selector) or {}
+        return [item for item in found.get("items") or ()
+                if all(((item.get("metadata") or {}).get("labels") or {}).get(k) == v
+                       for k, v in labels.items())]
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        """Delete one child and (background propagation) what it owns; gone already is fine."""
+        try:
+            self._call(f"{kind} {namespace}/{name}", self._verbs(kind)["delete"], name,
+                       namespace, propagation_policy="Background")
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
 
     def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The DOD, or None when it is gone."""

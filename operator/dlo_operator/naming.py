@@ -33,6 +33,16 @@ LABEL_POD_INDEX = "apps.kubernetes.io/pod-index"
 """Set by the StatefulSet controller (Kubernetes 1.28+); the loader's rank."""
 ANNOTATION_SETTINGS_HASH = f"{GROUP}/settings-sha256"
 """On the pod template: changes with the settings document, so an update rolls the pods."""
+ANNOTATION_REVISION = f"{GROUP}/revision"
+"""On the pod template and the children of one revision: the settings revision they serve."""
+ANNOTATION_ENTRY_KEY = f"{GROUP}/entry-key"
+"""On the pod template: what decides the cache entry; a change of it needs a prefill first."""
+LABEL_ROLE = f"{GROUP}/role"
+"""On children other than the workload: `settings`, `fill-group` or `prefill`."""
+LABEL_REVISION = f"{GROUP}/revision"
+"""On per-revision children (settings ConfigMap, prefill Job and its pods)."""
+LABEL_JOB_INDEX = "batch.kubernetes.io/job-completion-index"
+"""Set by the Job controller on the pods of an Indexed Job: the prefill loader's rank."""
 
 SETTINGS_KEY = SETTINGS_FILE
 """The settings ConfigMap's key, mounted at `DEFAULT_CONFIG_PATH`."""
@@ -62,7 +72,28 @@ class Owner:
 
     @property
     def configmap_name(self) -> str:
+        """Prefix of the per-revision settings ConfigMaps."""
         return f"{self.name}-settings"
+
+    def settings_name(self, revision: str) -> str:
+        """The immutable settings ConfigMap of one revision."""
+        return f"{self.name}-settings-{revision}"
+
+    @property
+    def fill_group_name(self) -> str:
+        """The ConfigMap holding the fill-group document the workload pods' loaders read."""
+        return f"{self.name}-fill-group"
+
+    @property
+    def prefill_service_name(self) -> str:
+        """Headless Service of the prefill Jobs' pods (rank 0 hosts their rendezvous)."""
+        return f"{self.name}-prefill"
+
+    def prefill_name(self, revision: str) -> str:
+        return f"{self.name}-prefill-{revision}"
+
+    def prefill_master_addr(self, revision: str) -> str:
+        return self.pod_address(f"{self.prefill_name(revision)}-0", self.prefill_service_name)
 
     @property
     def service_name(self) -> str:
@@ -83,9 +114,13 @@ class Owner:
         return self.name
 
     def master_addr(self) -> str:
-        """Pod 0's DNS name, relative to the pod's search domains (`<ns>.svc.<cluster-domain>`),
-        so it resolves whatever the cluster domain is."""
-        return f"{self.statefulset_name}-0.{self.service_name}.{self.namespace}.svc"
+        """Pod 0's DNS name (the rendezvous of a create's fill group)."""
+        return self.pod_address(f"{self.statefulset_name}-0", self.service_name)
+
+    def pod_address(self, pod: str, service: str) -> str:
+        """A pod's DNS name under a headless Service, relative to the pod's search domains
+        (`<ns>.svc.<cluster-domain>`), so it resolves whatever the cluster domain is."""
+        return f"{pod}.{service}.{self.namespace}.svc"
 
 
 def selector_labels(owner: Owner) -> dict[str, str]:
@@ -101,11 +136,11 @@ def child_labels(owner: Owner) -> dict[str, str]:
     return {**selector_labels(owner), "app.kubernetes.io/managed-by": FIELD_MANAGER}
 
 
-def child_metadata(owner: Owner, name: str) -> dict[str, Any]:
-    """metadata for a child: name, namespace, labels and (with a known uid) the owner reference
-    that lets the garbage collector delete the child with its DOD."""
+def child_metadata(owner: Owner, name: str, **labels: str) -> dict[str, Any]:
+    """metadata for a child: name, namespace, labels (plus `labels`) and (with a known uid) the
+    owner reference that lets the garbage collector delete the child with its DOD."""
     meta: dict[str, Any] = {
-        "name": name, "namespace": owner.namespace, "labels": child_labels(owner),
+        "name": name, "namespace": owner.namespace, "labels": {**child_labels(owner), **labels},
     }
     if owner.uid:
         meta["ownerReferences"] = [{

@@ -25,7 +25,7 @@ from typing import Any
 
 from dlo_contract.documents import DocumentError, FillSummary
 from dlo_operator.conditions import FALSE, TRUE, Condition, merge_conditions
-from dlo_operator.naming import LABEL_POD_INDEX, LOADER_CONTAINER
+from dlo_operator.naming import LABEL_JOB_INDEX, LABEL_POD_INDEX, LOADER_CONTAINER
 from dlo_operator.pod_troubles import Trouble, TroubleReason, pod_troubles
 
 VALID = "Valid"
@@ -35,7 +35,9 @@ APPLY_RETRYING = "ApplyRetrying"
 """The `Applied` reason of an API error that is retried (the others are permanent)."""
 TROUBLE_REASONS = frozenset(reason.value for reason in TroubleReason)
 """Reasons of the `Ready` condition that mean a pod is in trouble (a Warning Event each)."""
-CONDITION_TYPES = (VALID, APPLIED, "CacheReady", "Available", "Progressing", READY)
+PREFILLED = "Prefilled"
+CONDITION_TYPES = (VALID, APPLIED, "CacheReady", "Available", "Progressing", READY, PREFILLED)
+"""Every condition type the operator writes (`Prefilled` comes from the rollout, in `reconcile`)."""
 _FAILING_WAIT_REASONS = frozenset({
     "CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
     "CreateContainerConfigError", "CreateContainerError", "RunContainerError",
@@ -68,12 +70,36 @@ def node_entry(pod: Mapping[str, Any]) -> dict[str, Any]:
     }
     if message:
         entry["message"] = message
-    if summary is not None:
-        figures = {"entryId": summary.entry_id, "mode": summary.mode,
-                   "bytesFromStore": summary.bytes_from_store,
-                   "bytesFromPeers": summary.bytes_from_peers, "seconds": summary.seconds}
-        entry.update((name, value) for name, value in figures.items() if value is not None)
+    entry.update(_figures(summary))
     return entry
+
+
+def _figures(summary: FillSummary | None) -> dict[str, Any]:
+    """The loader summary's figures under their status names (absent ones left out)."""
+    if summary is None:
+        return {}
+    figures = {"entryId": summary.entry_id, "mode": summary.mode,
+               "bytesFromStore": summary.bytes_from_store,
+               "bytesFromPeers": summary.bytes_from_peers, "seconds": summary.seconds,
+               "cached": summary.cached}
+    return {name: value for name, value in figures.items() if value is not None}
+
+
+def prefill_node(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """One prefill Job pod's row: node, rank, loader state and the loader's summary figures."""
+    meta = pod.get("metadata") or {}
+    loader = _container_status((pod.get("status") or {}).get("containerStatuses"),
+                               LOADER_CONTAINER)
+    state, message, summary = _loader_state(loader)
+    index = (meta.get("labels") or {}).get(LABEL_JOB_INDEX, "")
+    row: dict[str, Any] = {
+        "pod": meta.get("name", ""), "node": (pod.get("spec") or {}).get("nodeName", ""),
+        "rank": int(index) if str(index).isdigit() else -1, "loader": state.value,
+    }
+    if message:
+        row["message"] = message
+    row.update(_figures(summary))
+    return row
 
 
 def status_from_pods(

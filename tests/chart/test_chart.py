@@ -120,6 +120,24 @@ def test_operator_command_line_in_the_deployment_is_accepted_by_dlo() -> None:
                                        else "registry.example.com/dlo-loader:1.2.3")
 
 
+def test_rbac_grants_only_what_the_operator_uses() -> None:
+    rules = by_kind(render())["ClusterRole"][0]["rules"]
+    granted = {(g, r): sorted(rule["verbs"]) for rule in rules
+               for g in rule["apiGroups"] for r in rule["resources"]}
+    assert granted == {
+        ("dlo.dev", "diffusionoffloaddeployments"): ["get", "list", "patch", "watch"],
+        ("dlo.dev", "diffusionoffloaddeployments/status"): ["patch"],
+        ("dlo.dev", "diffusionoffloaddeployments/finalizers"): ["update"],
+        ("", "pods"): ["list", "watch"],
+        ("", "configmaps"): ["delete", "get", "list", "patch", "watch"],
+        ("", "services"): ["delete", "get", "list", "patch", "watch"],
+        ("apps", "statefulsets"): ["get", "list", "patch", "watch"],
+        ("policy", "poddisruptionbudgets"): ["get", "list", "patch", "watch"],
+        ("batch", "jobs"): ["delete", "get", "list", "patch", "watch"],
+        ("", "events"): ["create"],
+    }
+
+
 def test_values_schema_is_closed() -> None:
     with helm.Chart.load(CHART) as chart:
         chart.validate_schema(NON_DEFAULT)

@@ -33,14 +33,20 @@ def test_crd_is_a_valid_object_for(version: str) -> None:
     assert kubernetes_validate.validate(CRD, version, strict=True) == version
 
 
-def test_names_scope_printer_columns_and_status_subresource() -> None:
+def test_names_scope_printer_columns_status_and_scale_subresources() -> None:
     spec = CRD["spec"]
     assert (spec["group"], spec["scope"], spec["names"]["shortNames"]) == (
         "dlo.dev", "Namespaced", ["dod"])
     version = spec["versions"][0]
-    assert (version["name"], version["subresources"]) == ("v1alpha1", {"status": {}})
+    assert (version["name"], version["subresources"]) == ("v1alpha1", {"status": {}, "scale": {
+        "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector"}})  # `kubectl scale dod NAME --replicas N`
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    assert {"selector", "revision", "stage", "prefill"} <= set(status)
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
-        "Phase", "Ready", "Cache", "Age", "Message"]
+        "Phase", "Ready", "Cache", "Revision", "Stage", "Message", "Age"]
+    assert [c.get("priority", 0) for c in version["additionalPrinterColumns"]] == [
+        0, 0, 0, 0, 0, 1, 0]  # the message is shown by `kubectl get -o wide`
 
 
 def _walk(schema: dict[str, Any], path: str):

@@ -14,6 +14,7 @@ from kubernetes_validate.utils import all_versions
 from dlo_operator.crd_verdict import cel_rules
 from dlo_operator.manifests import build_children
 from dlo_operator.naming import MAX_NAME_LENGTH, Owner
+from dlo_operator.prefill import build_prefill_job, build_prefill_service
 from dlo_operator.spec import parse_spec
 
 KUBERNETES_VERSIONS = [f"1.{minor}" for minor in range(29, 38)]
@@ -65,8 +66,14 @@ def _manifests() -> list[tuple[str, dict[str, Any]]]:
     cases = [(f"spec:{name}", spec) for name, spec in SPECS.items()]
     cases += [(f"example:{path.name}", yaml.safe_load(path.read_text())["spec"])
               for path in EXAMPLES]
-    return [(f"{case}:{child['kind']}", child)
-            for case, spec in cases for child in build_children(owner, parse_spec(spec))]
+    return [(f"{case}:{child['kind']}:{child['metadata']['name']}", child)
+            for case, spec in cases for child in _all_children(owner, parse_spec(spec))]
+
+
+def _all_children(owner: Owner, spec: Any) -> list[dict[str, Any]]:
+    """What a create makes, plus what a model change adds (the prefill Job and its Service)."""
+    return [*build_children(owner, spec), build_prefill_service(owner, spec),
+            build_prefill_job(owner, spec, ["gpu-a", "gpu-b"])]
 
 
 MANIFESTS = _manifests()
@@ -79,7 +86,7 @@ def test_the_installed_validator_ships_every_version() -> None:
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_every_built_manifest_is_valid_for(version: str) -> None:
-    assert len(MANIFESTS) == 3 * (len(SPECS) + len(EXAMPLES)) + sum(OPTIONAL_CHILDREN.values())
+    assert len(MANIFESTS) == 6 * (len(SPECS) + len(EXAMPLES)) + sum(OPTIONAL_CHILDREN.values())
     for case, manifest in MANIFESTS:
         checked = kubernetes_validate.validate(manifest, version, strict=True)
         assert checked == version, case

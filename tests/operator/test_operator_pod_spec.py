@@ -8,7 +8,10 @@ from typing import Any
 import pytest
 
 from dlo_operator.errors import SpecError
+from dlo_operator.manifests import fill_group
+from dlo_operator.naming import Owner
 from dlo_operator.render import render_document
+from dlo_operator.spec import parse_spec
 
 MINIMAL = {"model": {"source": "s3://models/flux/"}, "inference": {"image": "server:1"}}
 
@@ -104,9 +107,10 @@ def test_the_loader_image_defaults_to_the_operators_and_the_dod_may_name_its_own
 
 
 def test_the_rendezvous_address_needs_no_cluster_domain() -> None:
-    loader = pod({})["spec"]["initContainers"][0]
-    assert {e["name"]: e.get("value") for e in loader["env"]}["MASTER_ADDR"] == (
-        "flux-0.flux-peers.ml.svc")
+    owner = Owner(name="flux", namespace="ml", uid="u")
+    group = fill_group(owner, parse_spec({**MINIMAL, "replicas": 2}), range(2))
+    assert group.master_addr == "flux-0.flux-peers.ml.svc"
+    assert owner.prefill_master_addr("abc") == "flux-prefill-abc-0.flux-prefill.ml.svc"
 
 
 @pytest.mark.parametrize(("spec", "message"), [

@@ -63,7 +63,7 @@ def test_finished_loaders_report_their_summary_and_ready_pods_make_it_ready() ->
     assert status["nodes"][1] == {
         "pod": "flux-1", "node": "node-1", "rank": 1, "loader": "Cached", "restarts": 0,
         "ready": True, "entryId": "ab" * 32, "mode": "multi-reader", "bytesFromStore": 10,
-        "bytesFromPeers": 30, "seconds": 1.5}
+        "bytesFromPeers": 30, "seconds": 1.5, "cached": False}
 
 
 def test_a_crash_looping_loader_is_degraded_with_its_error() -> None:

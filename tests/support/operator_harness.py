@@ -107,6 +107,12 @@ async def cluster(tmp_path: Path,
         emulator.resources["v1/pods"] = kmock.ResourceInfo(
             kind="Pod", singular="pod", namespaced=True, subresources={"status"},
             verbs={"get", "list", "watch", "create", "patch", "delete"})
+        for resource, kind in (("v1/configmaps", "ConfigMap"), ("v1/services", "Service"),
+                               ("apps/v1/statefulsets", "StatefulSet"), ("batch/v1/jobs", "Job"),
+                               ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget")):
+            emulator.resources[resource] = kmock.ResourceInfo(
+                kind=kind, singular=kind.lower(), namespaced=True, subresources={"status"},
+                verbs={"get", "list", "watch", "create", "patch", "delete"})
         # kopf waits for these to be discoverable even when it scans neither of them.
         emulator.resources["v1/namespaces"] = kmock.ResourceInfo(
             kind="Namespace", singular="namespace", namespaced=False, verbs={"get", "list"})

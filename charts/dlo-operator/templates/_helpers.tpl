@@ -30,8 +30,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{/* The API rules the operator needs, nothing more (tests/operator/test_operator_rbac.py derives
 them from the requests the operator makes): watch and patch its CR (kopf's finalizer and
-annotations) and the CR's status; read one CR when a pod changes; watch workload pods for the
-status; server-side apply (patch) its children; post events. `update` on the finalizers
+annotations) and the CR's status; read one CR when a pod or child changes; list and watch its
+pods and children (drift correction); read a child before applying it; server-side apply (patch)
+its children; delete superseded settings ConfigMaps, prefill Jobs and Services; post events. `update` on the finalizers
 subresource lets the children's owner references block the DOD's deletion where the API server
 enforces OwnerReferencesPermissionEnforcement. */}}
 {{- define "dlo-operator.rules" -}}
@@ -49,13 +50,16 @@ enforces OwnerReferencesPermissionEnforcement. */}}
   verbs: ["list", "watch"]
 - apiGroups: [""]
   resources: ["configmaps", "services"]
-  verbs: ["patch"]
+  verbs: ["get", "list", "watch", "patch", "delete"]
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
-  verbs: ["patch"]
+  verbs: ["get", "list", "watch", "patch"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["patch"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "list", "watch", "patch", "delete"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
