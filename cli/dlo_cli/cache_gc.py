@@ -1,4 +1,6 @@
-"""`dlo cache gc [--max-bytes N] [--min-free-bytes N]`: evict least recently used entries.
+"""`dlo cache gc [--max-bytes N] [--min-free-bytes N] [--incoming-bytes N]`: evict least recently
+used entries, optionally making room for an entry of N bytes about to be written (what the loader
+does before every fill).
 
 Owns the gc command: limits default to the settings document's `cache.max_bytes` and
 `cache.min_free_bytes` (0 = no limit), removes leftovers of dead writers, evicts, prints what it
@@ -32,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--min-free-bytes", type=_byte_count, default=None, metavar="N",
         help="keep N bytes free on the cache filesystem (default: cache.min_free_bytes; 0: none)",
     )
+    parser.add_argument(
+        "--incoming-bytes", type=_byte_count, default=0, metavar="N",
+        help="count an entry of N bytes about to be written, as the loader does before a fill",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
         config = settings_cache_config()
         max_bytes = config.max_bytes if max_bytes is None else max_bytes
         min_free = config.min_free_bytes if min_free is None else min_free
-    removed = evict(root, max_bytes=max_bytes, min_free_bytes=min_free)
+    incoming = args.incoming_bytes
+    removed = evict(root, max_bytes=max_bytes, min_free_bytes=min_free, incoming_bytes=incoming)
     for entry in removed:
         print(f"evicted {entry}")
     if not root.entries.is_dir():
@@ -50,10 +57,13 @@ def run(args: argparse.Namespace) -> int:
     total = sum(info.bytes for info in list_entries(root))
     free = free_bytes(root.entries)
     print(f"{len(removed)} evicted; {total} bytes in entries, {free} bytes free")
-    if (max_bytes and total > max_bytes) or (min_free and free < min_free):
+    if (max_bytes and total + incoming > max_bytes) or (
+            (min_free or incoming) and free - incoming < min_free):
+        in_use = [info.entry_id for info in list_entries(root) if info.in_use]
         print(
-            f"limits not met (max {max_bytes} bytes, min free {min_free} bytes): the entries "
-            "left are in use, or the space is taken outside the cache"
+            f"limits not met (max {max_bytes} bytes, min free {min_free} bytes, incoming "
+            f"{incoming} bytes): the entries left are in use ({', '.join(in_use) or 'none'}), "
+            "or the space is taken outside the cache"
         )
         return 1
     return 0

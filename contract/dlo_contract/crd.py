@@ -152,7 +152,10 @@ def build_crd(base: dict[str, Any], model: type[BaseModel] = DeploymentSpec) -> 
     if properties.get("spec") != GENERATED:
         raise ValueError("crd_base.yaml must hold `spec: GENERATED` in openAPIV3Schema")
     schema = spec_schema(model)
-    rules = {"x-kubernetes-validations": cel_rules(base["celRules"])}
+    pod_rules = [{"rule": rule["rule"], "message": f"[{rule_id}] {rule['message']}",
+                  "fieldPath": rule["fieldPath"]}
+                 for rule_id, rule in base.get("podCelRules", {}).items()]
+    rules = {"x-kubernetes-validations": cel_rules(base["celRules"]) + pod_rules}
     properties["spec"] = {key: value for key, value in schema.items() if key != "properties"} \
         | rules | {"properties": schema["properties"]}
     return crd

@@ -18,6 +18,10 @@ from dlo_contract.schema import Section, setting
 from dlo_contract.settings import Settings
 
 DEFAULT_LOADER_IMAGE = "dlo-loader:0.1.0"
+"""The loader image of a DOD that names none, unless the operator is given another
+(`--loader-image`, the chart's `loaderImage`)."""
+QUANTITY = r"^$|^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+"""A Kubernetes resource quantity such as `16Gi` (or empty)."""
 DEFAULT_LOADER_RESOURCES: dict[str, Any] = {
     "requests": {"cpu": "1", "memory": "2Gi"},
     "limits": {"memory": "4Gi"},
@@ -42,6 +46,8 @@ CR_SECTIONS: dict[str, str] = {
     "cache": "The node's content-addressed cache (hostPath), shared by every pod on the node.",
     "loader": "The loader init container that fills the node cache.",
     "inference": "The inference server container; it imports dlo_runtime.",
+    "disruptionBudget": "An optional PodDisruptionBudget over the pods, so that a node drain "
+    "evicts a bounded number at once.",
 }
 """Description of each object of the CR spec (by path under `spec`)."""
 
@@ -66,8 +72,9 @@ class CredentialsConfig(Section):
 class LoaderPodConfig(Section):
     """The loader init container's image, rendezvous port and resources."""
 
-    image: str = setting(DEFAULT_LOADER_IMAGE, crd="loader.image",
-                         description="Loader image (runs dlo cache fill).")
+    image: str = setting("", crd="loader.image",
+                         description="Loader image (runs dlo cache fill); empty uses the "
+                         "operator's default, the chart value loaderImage.")
     image_pull_policy: PullPolicy = setting("IfNotPresent", crd="loader.imagePullPolicy",
                                             description="Pull policy of the loader image.")
     port: int = setting(DEFAULT_RENDEZVOUS_PORT, crd="loader.port", minimum=1, maximum=65535,
@@ -95,10 +102,34 @@ class InferenceConfig(Section):
         dict, crd="inference.resources",
         description="Resources (core/v1 ResourceRequirements); gpusPerPod is added to the limits.")
     ports: Objects = setting((), crd="inference.ports",
-                             description="Container ports (core/v1 ContainerPort).")
+                             description="Container ports (core/v1 ContainerPort); a ClusterIP "
+                             "Service named like the DOD exposes them.")
     readiness_probe: dict[str, Any] = setting(
         dict, crd="inference.readinessProbe",
         description="Readiness probe (core/v1 Probe); empty means the pod is Ready once running.")
+    startup_probe: dict[str, Any] = setting(
+        dict, crd="inference.startupProbe",
+        description="Startup probe (core/v1 Probe), holding off the liveness probe while the "
+        "server maps the cache and warms up; empty for none.")
+    liveness_probe: dict[str, Any] = setting(
+        dict, crd="inference.livenessProbe",
+        description="Liveness probe (core/v1 Probe); empty for none.")
+    volume_mounts: Objects = setting(
+        (), crd="inference.volumeMounts",
+        description="Mounts of spec.volumes in the inference container (core/v1 VolumeMount); "
+        "they may not overlap the cache or the operator's own mount paths.")
+
+
+class DisruptionBudgetConfig(Section):
+    """An optional PodDisruptionBudget over the workload pods (voluntary evictions, drains)."""
+
+    enabled: bool = setting(
+        False, crd="disruptionBudget.enabled",
+        description="Create the PodDisruptionBudget (off, since a budget can block the drain of "
+        "a one-replica DOD).")
+    max_unavailable: str = setting(
+        "1", crd="disruptionBudget.maxUnavailable", pattern="^[0-9]+%?$",
+        description="Pods a drain may evict at once, a count or a percentage such as 25%.")
 
 
 class DeploymentSpec(Section):
@@ -131,3 +162,31 @@ class DeploymentSpec(Section):
         dict, crd="affinity",
         description="Affinity of the pods (core/v1 Affinity); one-pod-per-node anti-affinity is "
         "added.")
+    image_pull_secrets: Objects = setting(
+        (), crd="imagePullSecrets",
+        description="Secrets for pulling the loader and inference images from private "
+        "registries (core/v1 LocalObjectReference, {name: ...}).")
+    priority_class_name: str = setting(
+        "", crd="priorityClassName",
+        description="PriorityClass of the pods; empty uses the cluster default.")
+    runtime_class_name: str = setting(
+        "", crd="runtimeClassName",
+        description="RuntimeClass of the pods (e.g. nvidia where the GPU runtime is not the "
+        "default); empty uses the node default.")
+    pod_labels: dict[str, str] = setting(
+        dict, crd="podLabels",
+        description="Extra labels on the pods; the operator's selector labels may not be set "
+        "here.")
+    pod_annotations: dict[str, str] = setting(dict, crd="podAnnotations",
+                                              description="Extra annotations on the pods.")
+    volumes: Objects = setting(
+        (), crd="volumes",
+        description="Extra pod volumes (core/v1 Volume), mounted through inference.volumeMounts; "
+        "names may not reuse the operator's (settings, run, loader-tmp, cache, runtime-cache, "
+        "dshm).")
+    shm_size: str = setting(
+        "", crd="shmSize", pattern=QUANTITY,
+        description="Size limit of the memory-backed /dev/shm of the inference container (torch "
+        "and NCCL need more than the container runtime's 64 MiB with several ranks per pod); "
+        "empty sets no limit beyond the pod's memory.")
+    disruption_budget: DisruptionBudgetConfig = Field(default_factory=DisruptionBudgetConfig)

@@ -34,6 +34,12 @@ MASTER_ADDR_ENV = "MASTER_ADDR"
 MASTER_PORT_ENV = "MASTER_PORT"
 DEFAULT_RENDEZVOUS_PORT = 29500
 """The loaders' torch.distributed rendezvous port (torch's customary default)."""
+FILL_GROUP_ENV = "DLO_FILL_GROUP"
+"""The fill-group document (JSON, from the `<dod>-fill-group` ConfigMap) a loader joins."""
+POD_NAME_ENV = "DLO_POD_NAME"
+"""The loader's pod name (its key among the fill group's members)."""
+REVISION_ENV = "DLO_REVISION"
+"""The settings revision the pod was created for (a group of another revision is ignored)."""
 
 # --- metrics (loader -> operator, Prometheus) -----------------------------------------------------
 OPERATOR_METRICS_PORT = 8081

@@ -28,6 +28,9 @@ __all__ = [
 
 SCHEMA_VERSION = 1
 MIB = 1 << 20
+NORMALIZED_PATH = r"^(/([^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+))+$"
+"""An absolute path without `.`/`..` segments, `//` or a trailing `/` (and not `/` itself): what
+`posixpath.normpath` leaves unchanged. The host paths of a DOD must be spelled this way."""
 GIB = 1 << 30
 
 LoaderMode = Literal["multi-reader", "single-reader", "independent"]
@@ -56,8 +59,9 @@ class OffloadConfig(Section):
         description="Publish the ordinary loader's final DiT tensors as a node-cache entry and "
         "map them (no-AllGather only); off by default because it costs a hash pass per rank.")
     runtime_cache_root: str | None = setting(
-        None, crd="offload.runtimeCacheRoot",
-        description="Node directory for runtime entries; empty means cache.hostPath.")
+        None, crd="offload.runtimeCacheRoot", pattern=f"^$|{NORMALIZED_PATH}",
+        description="Node directory for runtime entries, an absolute normalized path under the "
+        "operator's allowed host paths (default /var/lib/dlo); empty means cache.hostPath.")
     runtime_cache_lock_timeout_s: float = setting(
         600.0, crd="offload.runtimeCacheLockTimeoutSeconds", above=0,
         description="Seconds to wait for another process publishing the same runtime entry; "
@@ -136,7 +140,9 @@ class LoaderConfig(Section):
         "(bytes); with N loaders it must hold 2N - 1 chunks.")
     backend: DistBackend = setting(
         "gloo", crd="loader.backend",
-        description="torch.distributed backend of the peer exchange.")
+        description="torch.distributed backend of the peer exchange; a DOD's loader is a "
+        "CPU-only init container, so the operator accepts only gloo (nccl is for loaders run on "
+        "GPU hosts outside Kubernetes).")
     max_retries: int = setting(
         8, crd="loader.maxRetries", above=0,
         description="Attempts per ranged GET on throttling, 5xx, resets and short bodies.")
@@ -157,9 +163,10 @@ class CacheConfig(Section):
     """The node's content-addressed cache (hostPath), shared by every pod on the node."""
 
     root: str = setting(
-        DEFAULT_CACHE_ROOT, crd="cache.hostPath", cli="--cache-root", pattern="^/.*",
+        DEFAULT_CACHE_ROOT, crd="cache.hostPath", cli="--cache-root", pattern=NORMALIZED_PATH,
         description="Host directory of the cache (holds v1/), mounted at the same path in the "
-        "pod.")
+        "pod: an absolute normalized path (no '.', '..', '//' or trailing '/') under the "
+        "operator's allowed host paths (default /var/lib/dlo).")
     max_bytes: int = setting(
         0, crd="cache.maxBytes", minimum=0, int64=True,
         description="Upper bound on the bytes of all entries; 0 means no limit (LRU eviction).")

@@ -1,7 +1,7 @@
 """`dlo cache fill`: the init container's command line (contract C2).
 
-Owns flags, the environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`; names in
-`dlo_contract.names`), and the outputs
+Owns flags (the fill group's placement comes from `group_source`: flags, `RANK`/`WORLD_SIZE`/
+`MASTER_ADDR`/`MASTER_PORT`, or the operator's fill-group document), and the outputs
 a pod relies on: the entry file for the main container, and a one-line JSON summary as the last
 line of stdout and in the termination-message file. Settings come from `--config`, else
 `$DLO_CONFIG`, else defaults; each settings flag overrides one field and is built from that
@@ -23,6 +23,7 @@ import typing
 from pathlib import Path
 
 from dlo_loader.fill import TRANSFER_MODULES, FillRequest, fill
+from dlo_loader.group_source import resolve_placement
 from dlo_loader.metrics import Endpoint
 from dlo_loader.progress import RankPrefixFilter
 from dlo_contract.documents import FillStatus, FillSummary
@@ -39,7 +40,7 @@ from dlo_contract.names import (
     WORLD_SIZE_ENV,
 )
 from dlo_contract.schema import Leaf, base_type, leaves
-from dlo_contract.settings import Settings, SettingsError, load_settings, replace_path
+from dlo_contract.settings import Settings, load_settings, replace_path
 from dlo_contract.validation import validate
 
 log = logging.getLogger(__name__)
@@ -91,16 +92,17 @@ def run(args: argparse.Namespace) -> int:
     endpoint: Endpoint | None = None
     preload_transfer_modules()
     try:
-        rank = _int_or(args.rank, RANK_ENV, 0)
-        world_size = _int_or(args.world_size, WORLD_SIZE_ENV, 1)
-        _install_log_filters(rank, world_size)
-        _check_topology(rank, world_size)
+        placement = resolve_placement(rank=args.rank, world_size=args.world_size,
+                                      master_addr=args.master_addr, master_port=args.master_port)
+        rank = placement.rank
+        _install_log_filters(rank, placement.world_size)
+        log.info("fill group from %s: rank %d of %d", placement.origin, rank,
+                 placement.world_size)
         settings = load_fill_settings(args)
         endpoint = _serve_metrics(settings.loader.metrics_port)
         request = FillRequest(
-            settings=settings, rank=rank, world_size=world_size,
-            master_addr=args.master_addr or os.environ.get(MASTER_ADDR_ENV),
-            master_port=_int_or(args.master_port, MASTER_PORT_ENV, DEFAULT_RENDEZVOUS_PORT),
+            settings=settings, rank=rank, world_size=placement.world_size,
+            master_addr=placement.master_addr, master_port=placement.master_port,
             emit=_print_line,
         )
         result = fill(request)
@@ -153,24 +155,6 @@ def preload_transfer_modules() -> threading.Thread:
     thread = threading.Thread(target=load, name="dlo-preload", daemon=True)
     thread.start()
     return thread
-
-
-def _int_or(value: int | None, env: str, default: int) -> int:
-    if value is not None:
-        return value
-    raw = os.environ.get(env)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise SettingsError(f"environment variable {env}={raw!r} is not an integer") from None
-
-
-def _check_topology(rank: int, world_size: int) -> None:
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise SettingsError(f"rank {rank} is not within world size {world_size}",
-                            hint="set --rank/--world-size (or RANK/WORLD_SIZE) consistently")
 
 
 def _install_log_filters(rank: int, world_size: int) -> None:

@@ -2,8 +2,10 @@
 
 Owns the order of the steps and the decisions between them: list the source and derive the entry
 id first, and if this node already holds a valid entry, return at once (no object-store reads, no
-rendezvous); else take the publication (the cache's `.publish` lock), join the group (or fall back
-to reading alone, per policy), agree on the plan, run the exchange, validate every safetensors
+rendezvous) unless the operator placed this loader in a fill group (then it joins and serves its
+ranges from disk); else evict unused entries until the new one fits the cache limits, take the
+publication (the cache's `.publish` lock), join the group (or fall back to reading alone, per
+policy), agree on the plan, run the exchange, validate every safetensors
 header and compare chunk digests across ranks, and only then commit. A node whose entry appeared
 while it waited for the lock serves its share from disk and publishes nothing. Any failure leaves
 no entry (the publication removes its tmp dir). Called by `cli` (and by tests in-process for one
@@ -36,6 +38,7 @@ from dlo_contract.cache import (
     checkpoint_identity,
     entry_id,
     find_entry,
+    make_room,
 )
 from dlo_contract.documents import EntryDocument, FillStatus, FillSummary
 from dlo_contract.errors import DloError
@@ -155,9 +158,11 @@ class _Fill:
         self.progress.total_bytes = total = sum(f.size for f in files)
         log.info("%s: %d objects, %s; entry %s", self.uri, len(files), human_bytes(total), eid)
         existing = find_entry(self.root, eid, self.cache.verify)
-        if existing is not None:
+        if existing is not None and not self._in_group():
             log.info("entry %s is cached already at %s; nothing to read", eid, existing)
             return self._result(eid, existing, self.loader.mode, cached=True)
+        if existing is None:
+            self._make_room(eid, total)
         lock_timeout_s = max(self.deadline - time.monotonic(), 1.0)
         self.progress.phase = "waiting"  # metrics: phase
         publication = begin_publication(self.root, eid, expected_bytes=total,
@@ -185,6 +190,21 @@ class _Fill:
     def _publication_line(self, eid: str, waited_s: float) -> str:
         return (f"{self.progress.prefix} waiting {waited_s:.0f} s for another loader on this node "
                 f"to publish entry {eid} ({self.uri}); this loader uses it once published")
+
+    def _in_group(self) -> bool:
+        """A loader placed in a group joins it even when its node holds the entry (it serves
+        its ranges from disk), so the other members never wait out the rendezvous for it."""
+        return self.request.world_size > 1 and self.loader.mode != "independent"
+
+    def _make_room(self, eid: str, incoming: int) -> None:
+        """Evict unused entries, least recently used first, until this one fits within
+        cache.max_bytes and cache.min_free_bytes; the error names the entries in use."""
+        removed = make_room(self.root, eid, incoming_bytes=incoming,
+                            max_bytes=self.cache.max_bytes,
+                            min_free_bytes=self.cache.min_free_bytes)
+        if removed:
+            log.info("evicted %d unused cache entries to make room for %s: %s", len(removed),
+                     human_bytes(incoming), ", ".join(removed))
 
     def _result(self, eid: str, path: Path, mode: str, *, cached: bool) -> FillResult:
         return FillResult(

@@ -1,18 +1,34 @@
-"""`build_configmap`: the normalized settings document every container of the pod mounts.
+"""Settings ConfigMaps (one immutable ConfigMap per revision) and the fill-group ConfigMap.
 
-The document is `Settings.to_json()` of the validated settings, so the loader and the runtime read
-exactly what the operator accepted (contract C3: key `names.SETTINGS_FILE`, mounted at
-`names.DEFAULT_CONFIG_PATH`). Its `origin` names the DOD, so that a reader's error names the CR's
-fields as the user wrote them. Pure; called by `manifests`.
+The settings document is `Settings.to_json()` of the validated settings, so the loader and the
+runtime read exactly what the operator accepted (contract C3: key `names.SETTINGS_FILE`, mounted
+at `names.DEFAULT_CONFIG_PATH`); its `origin` names the DOD, so that a reader's error names the
+CR's fields as the user wrote them. Its revision is a digest of the document: a pod mounts the ConfigMap of
+its revision, which never changes, so a pod never reads settings that do not match its entry, and
+a rollback finds the settings of the revision it goes back to. `entry_key` digests only what
+decides the cache entry (source, include globs, endpoint, cache root): when it changes, the new
+entry is prefilled before any pod restarts. Pure; called by `manifests`, `prefill` and `rollout`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any
 
-from dlo_operator.naming import KIND, SETTINGS_KEY, Owner, child_metadata
+from dlo_contract.fill_group import FILL_GROUP_KEY, FillGroup
+from dlo_operator.naming import (
+    KIND,
+    LABEL_REVISION,
+    LABEL_ROLE,
+    SETTINGS_KEY,
+    Owner,
+    child_metadata,
+)
 from dlo_operator.spec import DeploymentSpec
+
+REVISION_CHARS = 10
+"""Hex digits of the settings digest in a revision name (collisions need 2^40 revisions)."""
 
 
 def settings_document(owner: Owner, spec: DeploymentSpec) -> str:
@@ -20,15 +36,45 @@ def settings_document(owner: Owner, spec: DeploymentSpec) -> str:
     return spec.settings.model_copy(update={"origin": origin}).to_json()
 
 
-def settings_hash(owner: Owner, spec: DeploymentSpec) -> str:
-    """SHA-256 of the document; the pod template carries it so a settings change rolls pods."""
-    return hashlib.sha256(settings_document(owner, spec).encode()).hexdigest()
+def settings_hash(spec: DeploymentSpec) -> str:
+    """SHA-256 of the settings (without their origin, which is the same for every revision)."""
+    return hashlib.sha256(spec.settings.to_json().encode()).hexdigest()
+
+
+def revision(spec: DeploymentSpec) -> str:
+    """The revision name of the settings document (part of child names and labels)."""
+    return settings_hash(spec)[:REVISION_CHARS]
+
+
+def entry_key(spec: DeploymentSpec) -> str:
+    """A digest of the settings that decide which cache entry the loader fills. Equal keys may
+    still name different entries (the store's objects changed); the loader's own identity check
+    covers that, with a fill in the restarted pod."""
+    loader, cache = spec.settings.loader, spec.settings.cache
+    fields = {"source": loader.source, "include": list(loader.include),
+              "endpoint_url": loader.endpoint_url, "region": loader.region,
+              "path_style": loader.path_style, "cache_root": cache.root}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def build_configmap(owner: Owner, spec: DeploymentSpec) -> dict[str, Any]:
+    """The immutable settings ConfigMap of `spec`'s revision."""
+    rev = revision(spec)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": child_metadata(owner, owner.configmap_name),
+        "metadata": child_metadata(owner, owner.settings_name(rev),
+                                   **{LABEL_ROLE: "settings", LABEL_REVISION: rev}),
+        "immutable": True,
         "data": {SETTINGS_KEY: settings_document(owner, spec)},
+    }
+
+
+def build_fill_group_configmap(owner: Owner, group: FillGroup) -> dict[str, Any]:
+    """The fill-group document workload pods' loaders receive as `DLO_FILL_GROUP`."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": child_metadata(owner, owner.fill_group_name, **{LABEL_ROLE: "fill-group"}),
+        "data": {FILL_GROUP_KEY: group.to_json()},
     }

@@ -1,14 +1,14 @@
-"""The kopf handlers: a few lines each, calling the pure builders and the status aggregation.
+"""The kopf handlers: a few lines each, all ending in one `reconcile` of the DOD concerned.
 
-- create / update / resume: parse and validate the spec; if valid, server-side apply the
-  ConfigMap, headless Service and StatefulSet (owned by the DOD); write the status.
-  An invalid spec gets `Valid=False` with the validator's message and no children (an update
-  to an invalid spec leaves the last valid children running).
+- create / update / resume of a DOD, any event of its pods (workload and prefill) or of its
+  children (StatefulSet, ConfigMaps, Services, Jobs: a deleted or edited child is restored within
+  seconds), and a periodic timer (prefill and apply retries after their backoff, and a safety
+  net) all run `reconcile.reconcile` under a per-DOD lock, so two triggers never interleave their
+  writes. `reconcile` admits the spec (`admission`), applies what drifted, writes the status and
+  posts the Events (`Valid=False`, `Applied=False`, pod troubles, prefill milestones).
 - delete: nothing to remove by hand: the children carry owner references, so the garbage
   collector deletes them; node caches stay (the loader's eviction manages them). The handler
   records that in an event, and kopf then removes its finalizer.
-- pods: an index of the workload pods per DOD, and a watcher that rewrites the DOD's status
-  whenever one of its pods changes.
 
 Handlers are registered on `registry`, which `dlo operator run` and the tests pass to kopf.
 They must not build manifests or decide phases themselves.
@@ -16,23 +16,30 @@ They must not build manifests or decide phases themselves.
 
 from __future__ import annotations
 
-import datetime
 import logging
-from collections.abc import Iterable, Mapping
+import os
+import threading
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
 from dlo_operator import metrics, progress
 from dlo_operator.errors import KubeError, KubeTransientError, SpecError
+from dlo_operator.host_paths import DEFAULT_ALLOWED_HOST_PATHS
 from dlo_operator.kube import KubeClient
-from dlo_operator.manifests import build_children
-from dlo_operator.naming import GROUP, LABEL_DEPLOYMENT, PLURAL, VERSION, Owner
-from dlo_operator.spec import parse_spec
-from dlo_operator.status import status_from_pods
+from dlo_operator.naming import GROUP, LABEL_DEPLOYMENT, PLURAL, VERSION
+from dlo_operator.reconcile import ReconcileConfig, reconcile
+from dlo_operator.rollout import BackoffConfig
+from dlo_operator.spec import DEFAULT_LOADER_IMAGE, parse_spec
 
 registry = kopf.OperatorRegistry()
 DOD = (GROUP, VERSION, PLURAL)
+RESYNC_INTERVAL_S = 2.0
+"""How often every DOD is reconciled even without an event (prefill retries, lost events)."""
+PREFILL_BACKOFF_ENV = "DLO_OPERATOR_PREFILL_BACKOFF_SECONDS"
+"""First delay before retrying a failed prefill (doubling up to 600 s); default 10."""
+_OWNED = ("statefulsets", "configmaps", "services", "jobs", "poddisruptionbudgets")
 
 
 @kopf.on.startup(registry=registry)
@@ -46,6 +53,14 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.scanning.disabled = True
     settings.peering.standalone = True
     memo.kube = KubeClient.from_environment()
+    memo.locks = {}
+    memo.pending = set()
+    memo.locks_guard = threading.Lock()
+    memo.retries = {}
+    memo.config = ReconcileConfig(
+        backoff=BackoffConfig(base_s=float(os.environ.get(PREFILL_BACKOFF_ENV) or 10.0)),
+        allowed_host_paths=tuple(memo.get("allowed_host_paths") or DEFAULT_ALLOWED_HOST_PATHS),
+        loader_image=memo.get("loader_image") or DEFAULT_LOADER_IMAGE)
 
 
 @kopf.on.login(registry=registry)
@@ -59,25 +74,22 @@ def close(memo: kopf.Memo, **_: Any) -> None:
     memo.kube.close()
 
 
-@kopf.index("pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT}, registry=registry)
-def workload_pods(namespace: str, labels: Mapping[str, str], body: kopf.Body,
-                  **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
-    return {(namespace, labels[LABEL_DEPLOYMENT]): _plain(body)}
-
-
 @kopf.on.create(*DOD, registry=registry)
-def on_create(**kwargs: Any) -> None:
-    _reconcile(**kwargs)
-
-
 @kopf.on.update(*DOD, registry=registry)
-def on_update(**kwargs: Any) -> None:
-    _reconcile(**kwargs)
-
-
 @kopf.on.resume(*DOD, registry=registry)
-def on_resume(**kwargs: Any) -> None:
-    _reconcile(**kwargs)
+def on_change(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    try:
+        _reconcile(memo, namespace, name)
+    except KubeTransientError as exc:
+        raise kopf.TemporaryError(str(exc), delay=exc.delay_s) from exc
+    except KubeError as exc:
+        raise kopf.PermanentError(str(exc)) from exc
+
+
+@kopf.timer(*DOD, interval=RESYNC_INTERVAL_S, registry=registry)
+def on_timer(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger,
+             **_: Any) -> None:
+    _quietly(memo, namespace, name, logger)
 
 
 @kopf.on.delete(*DOD, registry=registry)
@@ -90,69 +102,63 @@ def on_delete(body: kopf.Body, name: str, namespace: str, **_: Any) -> None:
 
 @kopf.on.event("pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT}, registry=registry)
 def on_pod_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo,
-                 workload_pods: kopf.Index, logger: logging.Logger, **_: Any) -> None:
-    name = labels[LABEL_DEPLOYMENT]
+                 logger: logging.Logger, **_: Any) -> None:
+    _quietly(memo, namespace, labels[LABEL_DEPLOYMENT], logger)
+
+
+for _plural in _OWNED:
+    @kopf.on.event(_plural, labels={LABEL_DEPLOYMENT: kopf.PRESENT}, registry=registry)
+    def on_child_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo,
+                       logger: logging.Logger, **_: Any) -> None:
+        _quietly(memo, namespace, labels[LABEL_DEPLOYMENT], logger)
+
+
+def _quietly(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger) -> None:
+    """Reconcile from a watch event or the timer: errors are logged, the next event retries."""
     try:
-        dod = memo.kube.get_deployment(namespace, name)
-        if dod is None or dod["metadata"].get("deletionTimestamp"):
+        _reconcile(memo, namespace, name)
+    except KubeError as exc:
+        logger.error("cannot reconcile %s/%s: %s", namespace, name, exc)
+    except KubeTransientError as exc:
+        logger.warning("%s/%s not reconciled, the next event retries: %s", namespace, name, exc)
+
+
+def _reconcile(memo: kopf.Memo, namespace: str, name: str) -> None:
+    """At most one reconcile runs and one waits per DOD: a trigger arriving while one waits
+    is covered by it (it reads the cluster after the trigger), so bursts of pod events never
+    pile up threads."""
+    key = (namespace, name)
+    with memo.locks_guard:
+        lock = memo.locks.setdefault(key, threading.Lock())
+        if key in memo.pending:
             return
-        previous = dod.get("status") or {}
-        status = status_from_pods(
-            list(workload_pods.get((namespace, name), ())),
-            replicas=_replicas(dod.get("spec")), previous=previous, now=_now(),
-            invalid_message=_invalid_message(previous))
-        if any(previous.get(key) != value for key, value in status.items()):
-            memo.kube.patch_deployment_status(namespace, name, status)
-        metrics.record_status(namespace, name, status, previous)  # metrics: phase, fills
-    except KubeError as exc:
-        logger.error("cannot update the status of %s/%s: %s", namespace, name, exc)
-    except KubeTransientError as exc:
-        logger.warning("status of %s/%s not updated, next pod event retries: %s",
-                       namespace, name, exc)
-
-
-def _reconcile(*, body: kopf.Body, spec: kopf.Spec, name: str, namespace: str, meta: kopf.Meta,
-               patch: kopf.Patch, memo: kopf.Memo, workload_pods: kopf.Index,
-               logger: logging.Logger, **_: Any) -> None:
-    """Validate, apply the children, write the status; API errors go back to kopf's retries."""
-    pods = list(workload_pods.get((namespace, name), ()))
-    previous = body.get("status") or {}
-    try:
-        deployment = parse_spec(spec)
-    except SpecError as exc:
-        logger.error("invalid spec, nothing created: %s", exc)
-        status = status_from_pods(pods, replicas=_replicas(spec), previous=previous, now=_now(),
-                                  invalid_message=str(exc))
-        patch["status"] = {**status, "observedGeneration": meta.get("generation")}
-        metrics.RECONCILES.labels(outcome="invalid").inc()  # metrics: reconcile outcome
-        metrics.record_status(namespace, name, status, previous)
-        return
-    try:
-        for child in build_children(Owner.from_body(body), deployment):
-            memo.kube.apply(child)
-    except KubeTransientError as exc:
-        metrics.RECONCILES.labels(outcome="retried").inc()  # metrics: reconcile outcome
-        raise kopf.TemporaryError(str(exc), delay=exc.delay_s) from exc
-    except KubeError as exc:
-        metrics.RECONCILES.labels(outcome="failed").inc()  # metrics: reconcile outcome
-        raise kopf.PermanentError(str(exc)) from exc
-    status = status_from_pods(pods, replicas=deployment.replicas, previous=previous, now=_now())
-    patch["status"] = {**status, "observedGeneration": meta.get("generation")}
-    metrics.RECONCILES.labels(outcome="applied").inc()  # metrics: reconcile outcome
-    metrics.record_status(namespace, name, status, previous)
+        memo.pending.add(key)
+    with lock:
+        with memo.locks_guard:
+            memo.pending.discard(key)
+        dod = memo.kube.get_deployment(namespace, name)
+        if dod is None or (dod.get("metadata") or {}).get("deletionTimestamp"):
+            return
+        reconcile(memo.kube, dod, memo.config, memo.retries)
 
 
 @kopf.timer(*DOD, interval=progress.INTERVAL_S, registry=registry)
 def loader_progress(spec: kopf.Spec, name: str, namespace: str, status: kopf.Status,
-                    memo: kopf.Memo, workload_pods: kopf.Index, logger: logging.Logger,
-                    **_: Any) -> None:
-    """Live progress: while loaders run, read their metrics endpoints into `status.progress`;
-    remove it once none runs (the fill summaries in `status.nodes` hold the final figures)."""
+                    memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    """Live progress: while loaders run (the pods' or a prefill's), read their metrics endpoints
+    into `status.progress`; remove it once none runs (the fill summaries in `status.nodes` hold
+    the final figures)."""
     try:
         port = parse_spec(spec).settings.loader.metrics_port
     except SpecError:
         return
-    pods = progress.running_loaders(list(workload_pods.get((namespace, name), ())))
+    try:
+        pods = progress.running_loaders(
+            memo.kube.list("Pod", namespace, {LABEL_DEPLOYMENT: name}))
+    except (KubeError, KubeTransientError) as exc:
+        logger.warning("progress of %s/%s not read, the next tick retries: %s",
+                       namespace, name, exc)
+        return
     current = progress.progress_status(progress.read_all(pods, port) if port else [])
     if current == status.get("progress"):
         return
@@ -161,29 +167,3 @@ def loader_progress(spec: kopf.Spec, name: str, namespace: str, status: kopf.Sta
     except (KubeError, KubeTransientError) as exc:
         logger.warning("progress of %s/%s not written, the next tick retries: %s",
                        namespace, name, exc)
-
-
-def _replicas(spec: Mapping[str, Any] | None) -> int:
-    value = (spec or {}).get("replicas", 1)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
-
-
-def _invalid_message(status: Mapping[str, Any]) -> str | None:
-    """A spec the last reconcile found invalid stays invalid until the next reconcile."""
-    for condition in status.get("conditions") or ():
-        if condition.get("type") == "Valid" and condition.get("status") == "False":
-            return str(condition.get("message", ""))
-    return None
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _plain(value: Any) -> Any:
-    """A deep plain copy of kopf's read-only views, safe to keep in the index."""
-    if isinstance(value, Mapping):
-        return {key: _plain(item) for key, item in value.items()}
-    if isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
-        return [_plain(item) for item in value]
-    return value

@@ -4,8 +4,9 @@ Children are written with server-side apply (field manager `dlo-operator`, force
 request per child that creates it or converges it to the desired manifest, removing fields an older
 manifest set. Restarting the operator therefore cannot create duplicates. The DOD's status is
 patched through its status subresource. Responses stay plain dicts (no client models).
-API failures become `KubeTransientError` (conflicts, throttling, 5xx: kopf retries) or `KubeError`.
-Called by `handlers`; builds no manifest and decides no status.
+API failures become `KubeTransientError` (conflicts, throttling, 5xx, timeouts and broken
+connections: retried with `backoff_delay`) or `KubeError` (anything else: reported, not retried).
+Called by `reconcile` and `handlers`; builds no manifest and decides no status.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import kubernetes.client
 import kubernetes.config
+import urllib3.exceptions
 from kubernetes.client.exceptions import ApiException
 
 from dlo_operator import metrics
@@ -28,6 +30,16 @@ logger = logging.getLogger(__name__)
 _APPLY = "application/apply-patch+yaml"
 _MERGE = "application/merge-patch+json"
 _RETRY_STATUSES = frozenset({409, 429, 500, 502, 503, 504})
+REQUEST_TIMEOUT_S = 30.0
+"""Per request: a hung API server is a timeout (retried), not a handler stuck for ever."""
+BACKOFF_BASE_S = 1.0
+BACKOFF_MAX_S = 300.0
+
+
+def backoff_delay(attempt: int, hinted_s: float = 0.0) -> float:
+    """Seconds before retry `attempt` + 1 (0-based): doubling from 1 s up to 5 minutes, never
+    sooner than the server asked (Retry-After)."""
+    return max(hinted_s, min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2.0 ** max(0, attempt)))
 
 
 class KubeClient:
@@ -37,6 +49,8 @@ class KubeClient:
         self._api = api_client
         self._core = kubernetes.client.CoreV1Api(api_client)
         self._apps = kubernetes.client.AppsV1Api(api_client)
+        self._policy = kubernetes.client.PolicyV1Api(api_client)
+        self._batch = kubernetes.client.BatchV1Api(api_client)
         self._custom = kubernetes.client.CustomObjectsApi(api_client)
 
     @classmethod
@@ -51,18 +65,54 @@ class KubeClient:
     def close(self) -> None:
         self._api.close()
 
+    def _verbs(self, kind: str) -> dict[str, Callable[..., Any]]:
+        api, suffix = {
+            "ConfigMap": (self._core, "config_map"), "Service": (self._core, "service"),
+            "Pod": (self._core, "pod"), "StatefulSet": (self._apps, "stateful_set"),
+            "Job": (self._batch, "job"),
+            "PodDisruptionBudget": (self._policy, "pod_disruption_budget"),
+        }[kind]
+        return {verb: getattr(api, f"{verb}_namespaced_{suffix}")
+                for verb in ("patch", "read", "list", "delete")}
+
     def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
-        """Server-side apply one child (ConfigMap, Service or StatefulSet)."""
-        patchers: dict[str, Callable[..., Any]] = {
-            "ConfigMap": self._core.patch_namespaced_config_map,
-            "Service": self._core.patch_namespaced_service,
-            "StatefulSet": self._apps.patch_namespaced_stateful_set,
-        }
+        """Server-side apply one child (ConfigMap, Service, StatefulSet, Job or
+        PodDisruptionBudget)."""
         kind = manifest["kind"]
         meta = manifest["metadata"]
         what = f"{kind} {meta['namespace']}/{meta['name']}"
-        return self._call(what, patchers[kind], meta["name"], meta["namespace"], dict(manifest),
-                          field_manager=FIELD_MANAGER, force=True, _content_type=_APPLY)
+        return self._call(what, self._verbs(kind)["patch"], meta["name"], meta["namespace"],
+                          dict(manifest), field_manager=FIELD_MANAGER, force=True,
+                          _content_type=_APPLY)
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """One object, or None when it does not exist."""
+        try:
+            return self._call(f"{kind} {namespace}/{name}", self._verbs(kind)["read"], name,
+                              namespace)
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def list(self, kind: str, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+        """Objects of `kind` carrying all `labels` (the server filters; we check again, which
+        costs nothing and keeps a server without selector support honest)."""
+        selector = ",".join(f"{k}={v}" for k, v in labels.items())
+        found = self._call(f"{kind}s in {namespace}", self._verbs(kind)["list"], namespace,
+                           label_selector=selector) or {}
+        return [item for item in found.get("items") or ()
+                if all(((item.get("metadata") or {}).get("labels") or {}).get(k) == v
+                       for k, v in labels.items())]
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        """Delete one child and (background propagation) what it owns; gone already is fine."""
+        try:
+            self._call(f"{kind} {namespace}/{name}", self._verbs(kind)["delete"], name,
+                       namespace, propagation_policy="Background")
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
 
     def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The DOD, or None when it is gone."""
@@ -83,9 +133,14 @@ class KubeClient:
 
     def _call(self, what: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
-            response = method(*args, _preload_content=False, **kwargs)
+            response = method(*args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S,
+                              **kwargs)
         except ApiException as exc:
             raise _api_error(what, exc) from exc
+        except urllib3.exceptions.HTTPError as exc:
+            message = f"Kubernetes API did not answer for {what}: {type(exc).__name__}"
+            logger.warning("%s; retrying", message)
+            raise KubeTransientError(message, delay_s=0.0) from exc
         return json.loads(response.data or b"null")
 
 
@@ -95,10 +150,20 @@ def _api_error(what: str, exc: ApiException) -> KubeError | KubeTransientError:
     message = f"Kubernetes API answered {exc.status} for {what}: {reason}"
     if exc.status in _RETRY_STATUSES or exc.status is None:
         delay = _retry_after(exc)
-        logger.warning("%s; retrying in %.0f s", message, delay)
+        logger.warning("%s; retrying", message)
         return KubeTransientError(message, delay_s=delay)
-    return KubeError(message, status=exc.status,
-                     hint="check the operator's RBAC and the CRD installation")
+    return KubeError(message, status=exc.status, hint=_HINTS.get(
+        exc.status, "check the operator's RBAC and the CRD installation"))
+
+
+_HINTS = {
+    400: "the API server refused a manifest the operator built from the spec; change the field "
+         "the message names",
+    422: "the API server refused a manifest the operator built from the spec; change the field "
+         "the message names",
+    404: "the namespace or the resource kind does not exist; check the namespace and the CRD "
+         "installation",
+}
 
 
 def _status_message(exc: ApiException) -> str:
@@ -113,7 +178,8 @@ def _status_message(exc: ApiException) -> str:
 
 
 def _retry_after(exc: ApiException) -> float:
+    """The server's Retry-After in seconds, 0 when it gave none."""
     try:
-        return max(1.0, float((exc.headers or {}).get("Retry-After", 5)))
+        return max(0.0, float((exc.headers or {}).get("Retry-After", 0)))
     except (TypeError, ValueError):
-        return 5.0
+        return 0.0

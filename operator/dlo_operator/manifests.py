@@ -1,23 +1,48 @@
-"""All children of one DOD, in the order they are applied.
+"""All children of one DOD at one revision, in the order they are applied on create.
 
-The ConfigMap and the Service come before the StatefulSet so that its pods never start without
-their settings or their DNS names. Pure; called by the handlers and by `dlo render`.
+The settings ConfigMap, the fill-group document and the Service come before the StatefulSet so
+that its pods never start without their settings, their group or their DNS names. On create the
+group holds every pod: the first fill is one cooperative group. The inference Service and the PodDisruptionBudget, where the spec asks
+for them, follow. Pure; called by `rollout` and by `dlo render`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from dlo_operator.configmap import build_configmap
+from dlo_contract.fill_group import FillGroup
+from dlo_operator.configmap import build_configmap, build_fill_group_configmap, revision
+from dlo_operator.disruption_budget import build_disruption_budget
 from dlo_operator.naming import Owner
-from dlo_operator.service import build_service
+from dlo_operator.service import build_inference_service, build_service
 from dlo_operator.spec import DeploymentSpec
 from dlo_operator.statefulset import build_statefulset
+
+
+def fill_group(owner: Owner, spec: DeploymentSpec, ordinals: range) -> FillGroup:
+    """The group of the workload pods `ordinals` (a create or a scale-up)."""
+    if len(ordinals) < 2:
+        return FillGroup()
+    first = f"{owner.statefulset_name}-{ordinals[0]}"
+    return FillGroup(
+        revision=revision(spec),
+        members={f"{owner.statefulset_name}-{o}": rank for rank, o in enumerate(ordinals)},
+        master_addr=owner.pod_address(first, owner.service_name),
+        master_port=spec.loader.port)
+
+
+def optional_children(owner: Owner, spec: DeploymentSpec) -> list[dict[str, Any]]:
+    """The inference Service and the PodDisruptionBudget, where the spec asks for them; they
+    never restart a pod, so every stage of a rollout applies them as the spec says."""
+    optional = (build_inference_service(owner, spec), build_disruption_budget(owner, spec))
+    return [child for child in optional if child is not None]
 
 
 def build_children(owner: Owner, spec: DeploymentSpec) -> list[dict[str, Any]]:
     return [
         build_configmap(owner, spec),
+        build_fill_group_configmap(owner, fill_group(owner, spec, range(spec.replicas))),
         build_service(owner, spec),
         build_statefulset(owner, spec),
+        *optional_children(owner, spec),
     ]

@@ -17,22 +17,26 @@ from prometheus_client import CollectorRegistry, Counter, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-PHASES = ("Pending", "Loading", "Ready", "Degraded", "Failed")
+PHASES = ("Pending", "Loading", "Updating", "Ready", "Degraded", "Failed")
 RECONCILE_OUTCOMES = ("applied", "invalid", "retried", "failed")
 FILL_OUTCOMES = ("ok", "cached", "error")
+PREFILL_OUTCOMES = ("started", "succeeded", "failed")
 API_ERROR_KINDS = ("conflict", "throttled", "unavailable", "forbidden", "not_found", "invalid",
                    "other")
 
 METRICS: dict[str, tuple[str, str]] = {
     "dlo_operator_reconciles_total": (
         "counter", "Reconciles of a DOD spec; label `outcome`: " + ", ".join(RECONCILE_OUTCOMES)
-        + " (children applied, spec invalid, API busy so kopf retries, API refused)."),
+        + " (children applied, spec invalid, API busy so retried with backoff, API refused)."),
     "dlo_operator_deployments": (
         "gauge", "DODs by the phase the operator last wrote; label `phase`: "
         + ", ".join(PHASES) + "."),
     "dlo_operator_fills_total": (
         "counter", "Loader fills seen ending; label `outcome`: " + ", ".join(FILL_OUTCOMES)
         + " (filled, found cached, failed)."),
+    "dlo_operator_prefills_total": (
+        "counter", "Prefills of a new cache entry on the serving nodes before a rollout; label "
+        "`outcome`: " + ", ".join(PREFILL_OUTCOMES) + "."),
     "dlo_operator_api_errors_total": (
         "counter", "Kubernetes API errors; label `kind`: " + ", ".join(API_ERROR_KINDS) + "."),
     "dlo_operator_progress_reads_total": (
@@ -47,6 +51,8 @@ RECONCILES = Counter("dlo_operator_reconciles", METRICS["dlo_operator_reconciles
                      ["outcome"], registry=REGISTRY)
 FILLS = Counter("dlo_operator_fills", METRICS["dlo_operator_fills_total"][1], ["outcome"],
                 registry=REGISTRY)
+PREFILLS = Counter("dlo_operator_prefills", METRICS["dlo_operator_prefills_total"][1],
+                   ["outcome"], registry=REGISTRY)
 API_ERRORS = Counter("dlo_operator_api_errors", METRICS["dlo_operator_api_errors_total"][1],
                      ["kind"], registry=REGISTRY)
 PROGRESS_READS = Counter("dlo_operator_progress_reads",
@@ -56,6 +62,10 @@ for _outcome in RECONCILE_OUTCOMES:
     RECONCILES.labels(outcome=_outcome)
 for _outcome in FILL_OUTCOMES:
     FILLS.labels(outcome=_outcome)
+for _outcome in PREFILL_OUTCOMES:
+    PREFILLS.labels(outcome=_outcome)
+_PREFILL_REASONS = {"PrefillStarted": "started", "PrefillSucceeded": "succeeded",
+                    "PrefillFailed": "failed"}
 
 
 def api_error_kind(status: int | None) -> str:
@@ -122,6 +132,17 @@ def record_status(namespace: str, name: str, status: Mapping[str, Any],
         if outcome is not None and (old.get("loader"), old.get("restarts")) != (
                 node.get("loader"), node.get("restarts")):
             FILLS.labels(outcome=outcome).inc()
+
+
+def record_reconcile(outcome: str, owner: Any, status: Mapping[str, Any],
+                     previous: Mapping[str, Any] | None, reports: Sequence[Any] = ()) -> None:
+    """After one reconcile: its outcome, the status it wrote, and the prefill Events it posted."""
+    RECONCILES.labels(outcome=outcome).inc()
+    record_status(owner.namespace, owner.name, status, previous)
+    for report in reports:
+        prefill = _PREFILL_REASONS.get(getattr(report, "reason", ""))
+        if prefill is not None:
+            PREFILLS.labels(outcome=prefill).inc()
 
 
 def serve(port: int, addr: str = "0.0.0.0") -> int:

@@ -20,15 +20,35 @@ PLURAL = "diffusionoffloaddeployments"
 API_VERSION = f"{GROUP}/{VERSION}"
 FIELD_MANAGER = "dlo-operator"
 
+MAX_NAME_LENGTH = 52
+"""Longest DOD name. The StatefulSet (named like the DOD) labels its pods
+`controller-revision-hash: <name>-<hash of up to 10 characters>`, a label value of at most 63
+characters: 63 - 1 - 10 = 52. Every other name fits below it: `<name>-peers` (a DNS-1035 Service
+name, 63), pod `<name>-<index>` (a DNS label, 63), `<name>-settings` (a ConfigMap, 253). The CRD's
+`[name-dns-1035]` rule checks the same bound at `kubectl apply`."""
+
 LABEL_DEPLOYMENT = f"{GROUP}/deployment"
 """On every child and every workload pod: the name of the owning DOD (the pod watcher's key)."""
 LABEL_POD_INDEX = "apps.kubernetes.io/pod-index"
 """Set by the StatefulSet controller (Kubernetes 1.28+); the loader's rank."""
 ANNOTATION_SETTINGS_HASH = f"{GROUP}/settings-sha256"
 """On the pod template: changes with the settings document, so an update rolls the pods."""
+ANNOTATION_REVISION = f"{GROUP}/revision"
+"""On the pod template and the children of one revision: the settings revision they serve."""
+ANNOTATION_ENTRY_KEY = f"{GROUP}/entry-key"
+"""On the pod template: what decides the cache entry; a change of it needs a prefill first."""
+LABEL_ROLE = f"{GROUP}/role"
+"""On children other than the workload: `settings`, `fill-group` or `prefill`."""
+LABEL_REVISION = f"{GROUP}/revision"
+"""On per-revision children (settings ConfigMap, prefill Job and its pods)."""
+LABEL_JOB_INDEX = "batch.kubernetes.io/job-completion-index"
+"""Set by the Job controller on the pods of an Indexed Job: the prefill loader's rank."""
 
 SETTINGS_KEY = SETTINGS_FILE
 """The settings ConfigMap's key, mounted at `DEFAULT_CONFIG_PATH`."""
+LOADER_TMP = "/tmp"
+"""The loader's scratch space (an emptyDir: its root filesystem is read-only)."""
+SHM_PATH = "/dev/shm"
 LOADER_CONTAINER = "loader"
 INFERENCE_CONTAINER = "inference"
 
@@ -52,7 +72,28 @@ class Owner:
 
     @property
     def configmap_name(self) -> str:
+        """Prefix of the per-revision settings ConfigMaps."""
         return f"{self.name}-settings"
+
+    def settings_name(self, revision: str) -> str:
+        """The immutable settings ConfigMap of one revision."""
+        return f"{self.name}-settings-{revision}"
+
+    @property
+    def fill_group_name(self) -> str:
+        """The ConfigMap holding the fill-group document the workload pods' loaders read."""
+        return f"{self.name}-fill-group"
+
+    @property
+    def prefill_service_name(self) -> str:
+        """Headless Service of the prefill Jobs' pods (rank 0 hosts their rendezvous)."""
+        return f"{self.name}-prefill"
+
+    def prefill_name(self, revision: str) -> str:
+        return f"{self.name}-prefill-{revision}"
+
+    def prefill_master_addr(self, revision: str) -> str:
+        return self.pod_address(f"{self.prefill_name(revision)}-0", self.prefill_service_name)
 
     @property
     def service_name(self) -> str:
@@ -63,8 +104,23 @@ class Owner:
     def statefulset_name(self) -> str:
         return self.name
 
+    @property
+    def inference_service_name(self) -> str:
+        """ClusterIP Service of the inference ports (clients address `<name>.<namespace>`)."""
+        return self.name
+
+    @property
+    def disruption_budget_name(self) -> str:
+        return self.name
+
     def master_addr(self) -> str:
-        return f"{self.statefulset_name}-0.{self.service_name}.{self.namespace}.svc.cluster.local"
+        """Pod 0's DNS name (the rendezvous of a create's fill group)."""
+        return self.pod_address(f"{self.statefulset_name}-0", self.service_name)
+
+    def pod_address(self, pod: str, service: str) -> str:
+        """A pod's DNS name under a headless Service, relative to the pod's search domains
+        (`<ns>.svc.<cluster-domain>`), so it resolves whatever the cluster domain is."""
+        return f"{pod}.{service}.{self.namespace}.svc"
 
 
 def selector_labels(owner: Owner) -> dict[str, str]:
@@ -80,11 +136,11 @@ def child_labels(owner: Owner) -> dict[str, str]:
     return {**selector_labels(owner), "app.kubernetes.io/managed-by": FIELD_MANAGER}
 
 
-def child_metadata(owner: Owner, name: str) -> dict[str, Any]:
-    """metadata for a child: name, namespace, labels and (with a known uid) the owner reference
-    that lets the garbage collector delete the child with its DOD."""
+def child_metadata(owner: Owner, name: str, **labels: str) -> dict[str, Any]:
+    """metadata for a child: name, namespace, labels (plus `labels`) and (with a known uid) the
+    owner reference that lets the garbage collector delete the child with its DOD."""
     meta: dict[str, Any] = {
-        "name": name, "namespace": owner.namespace, "labels": child_labels(owner),
+        "name": name, "namespace": owner.namespace, "labels": {**child_labels(owner), **labels},
     }
     if owner.uid:
         meta["ownerReferences"] = [{

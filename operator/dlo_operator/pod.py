@@ -1,8 +1,11 @@
 """The workload pod template: loader init container, inference container, volumes, scheduling.
 
 Contract C2 (the loader's command line and environment) and contract C3 (the inference
-container's `DLO_*` environment and mounts) are written here and nowhere else. Pure; called by
-`statefulset.build_statefulset`. It must not decide names or labels (see `naming`).
+container's `DLO_*` environment and mounts) are written here and nowhere else. Nothing in the
+template depends on the replica count: a workload loader learns its fill group from the
+fill-group document (`DLO_FILL_GROUP`, an optional ConfigMap key) and its own pod name, so scaling
+restarts no pod. `loader_container` is shared with the prefill Job. Pure; called by
+`statefulset.build_statefulset` and `prefill`. It must not decide names or labels (see `naming`).
 """
 
 from __future__ import annotations
@@ -10,30 +13,34 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from dlo_contract.fill_group import FILL_GROUP_KEY
 from dlo_contract.names import (
     CONFIG_ENV,
     DEFAULT_CONFIG_PATH,
     DEFAULT_ENTRY_FILE,
     ENTRY_FILE_ENV,
+    FILL_GROUP_ENV,
     LOADER_METRICS_PORT_NAME,
-    MASTER_ADDR_ENV,
-    MASTER_PORT_ENV,
-    RANK_ENV,
+    POD_NAME_ENV,
+    REVISION_ENV,
     RUN_DIR,
     SETTINGS_MOUNT,
-    WORLD_SIZE_ENV,
 )
 from dlo_operator.naming import (
     INFERENCE_CONTAINER,
-    LABEL_POD_INDEX,
     LOADER_CONTAINER,
+    LOADER_TMP,
     SETTINGS_KEY,
+    SHM_PATH,
     Owner,
     selector_labels,
 )
 from dlo_operator.spec import DeploymentSpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
+SHM_VOLUME = "dshm"
+OWN_VOLUMES = ("settings", "run", "loader-tmp", "cache", "runtime-cache", SHM_VOLUME)
+"""Volume names the operator uses; a user's `volumes` entry may not reuse one."""
 
 LOADER_SECURITY_CONTEXT: dict[str, Any] = {
     "allowPrivilegeEscalation": False,
@@ -46,16 +53,22 @@ LOADER_SECURITY_CONTEXT: dict[str, Any] = {
 image's user so that it can write the root-owned hostPath directory without CAP_DAC_OVERRIDE."""
 
 
-def build_pod_template(owner: Owner, spec: DeploymentSpec,
+def build_pod_template(owner: Owner, spec: DeploymentSpec, revision: str,
                        annotations: dict[str, str]) -> dict[str, Any]:
+    group_env: list[dict[str, Any]] = [
+        {"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": REVISION_ENV, "value": revision},
+        {"name": FILL_GROUP_ENV, "valueFrom": {"configMapKeyRef": {
+            "name": owner.fill_group_name, "key": FILL_GROUP_KEY, "optional": True}}},
+    ]
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": spec.automount_service_account_token,
         "enableServiceLinks": False,
         "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
         "affinity": _affinity(owner, spec),
-        "initContainers": [_loader_container(owner, spec)],
+        "initContainers": [loader_container(spec, group_env)],
         "containers": [_inference_container(spec)],
-        "volumes": _volumes(owner, spec),
+        "volumes": volumes(owner.settings_name(revision), spec),
     }
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
@@ -63,8 +76,15 @@ def build_pod_template(owner: Owner, spec: DeploymentSpec,
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [copy.deepcopy(dict(s)) for s in spec.image_pull_secrets]
+    for key, value in (("priorityClassName", spec.priority_class_name),
+                       ("runtimeClassName", spec.runtime_class_name)):
+        if value:
+            pod_spec[key] = value
     return {
-        "metadata": {"labels": selector_labels(owner), "annotations": annotations},
+        "metadata": {"labels": {**spec.pod_labels, **selector_labels(owner)},
+                     "annotations": {**spec.pod_annotations, **annotations}},
         "spec": pod_spec,
     }
 
@@ -76,10 +96,11 @@ def _runtime_cache_separate(spec: DeploymentSpec) -> bool:
         settings.runtime_cache_root != settings.cache.root)
 
 
-def _volumes(owner: Owner, spec: DeploymentSpec) -> list[dict[str, Any]]:
+def volumes(settings_configmap: str, spec: DeploymentSpec) -> list[dict[str, Any]]:
+    """Settings (the revision's ConfigMap), the run and tmp dirs, the node cache."""
     volumes: list[dict[str, Any]] = [
         {"name": "settings", "configMap": {
-            "name": owner.configmap_name, "items": [{"key": SETTINGS_KEY, "path": SETTINGS_KEY}],
+            "name": settings_configmap, "items": [{"key": SETTINGS_KEY, "path": SETTINGS_KEY}],
         }},
         {"name": "run", "emptyDir": {}},
         {"name": "loader-tmp", "emptyDir": {}},
@@ -91,20 +112,16 @@ def _volumes(owner: Owner, spec: DeploymentSpec) -> list[dict[str, Any]]:
         volumes.append({"name": "runtime-cache", "hostPath": {
             "path": spec.settings.runtime_cache_root, "type": "DirectoryOrCreate",
         }})
-    return volumes
+    shm: dict[str, Any] = {"medium": "Memory"}
+    if spec.shm_size:
+        shm["sizeLimit"] = spec.shm_size
+    volumes.append({"name": SHM_VOLUME, "emptyDir": shm})
+    return volumes + [copy.deepcopy(dict(v)) for v in spec.volumes]
 
 
-def _loader_container(owner: Owner, spec: DeploymentSpec) -> dict[str, Any]:
-    """Contract C2: `dlo cache fill` with rank, world and rendezvous from the environment."""
-    env: list[dict[str, Any]] = [
-        {"name": RANK_ENV, "valueFrom": {"fieldRef": {
-            "fieldPath": f"metadata.labels['{LABEL_POD_INDEX}']",
-        }}},
-        {"name": WORLD_SIZE_ENV, "value": str(spec.replicas)},
-        {"name": MASTER_ADDR_ENV, "value": owner.master_addr()},
-        {"name": MASTER_PORT_ENV, "value": str(spec.loader.port)},
-        {"name": CONFIG_ENV, "value": DEFAULT_CONFIG_PATH},
-    ]
+def loader_container(spec: DeploymentSpec, group_env: list[dict[str, Any]]) -> dict[str, Any]:
+    """Contract C2: `dlo cache fill`; `group_env` says where it learns its fill group."""
+    env: list[dict[str, Any]] = [*group_env, {"name": CONFIG_ENV, "value": DEFAULT_CONFIG_PATH}]
     env += _credential_env(spec)
     return {
         "name": LOADER_CONTAINER,
@@ -120,7 +137,7 @@ def _loader_container(owner: Owner, spec: DeploymentSpec) -> dict[str, Any]:
         "volumeMounts": [
             {"name": "settings", "mountPath": SETTINGS_MOUNT, "readOnly": True},
             {"name": "run", "mountPath": RUN_DIR},
-            {"name": "loader-tmp", "mountPath": "/tmp"},
+            {"name": "loader-tmp", "mountPath": LOADER_TMP},
             {"name": "cache", "mountPath": spec.settings.cache.root},
         ],
     }
@@ -167,6 +184,8 @@ def _inference_container(spec: DeploymentSpec) -> dict[str, Any]:
     ]
     if _runtime_cache_separate(spec):
         mounts.append({"name": "runtime-cache", "mountPath": settings.runtime_cache_root})
+    mounts.append({"name": SHM_VOLUME, "mountPath": SHM_PATH})
+    mounts += [copy.deepcopy(dict(m)) for m in inference.volume_mounts]
     env = [copy.deepcopy(dict(e)) for e in inference.env] + [
         {"name": CONFIG_ENV, "value": DEFAULT_CONFIG_PATH},
         {"name": ENTRY_FILE_ENV, "value": DEFAULT_ENTRY_FILE},
@@ -177,6 +196,7 @@ def _inference_container(spec: DeploymentSpec) -> dict[str, Any]:
         "imagePullPolicy": inference.image_pull_policy,
         "env": env,
         "resources": _inference_resources(spec),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": mounts,
     }
     if inference.command:
@@ -185,8 +205,11 @@ def _inference_container(spec: DeploymentSpec) -> dict[str, Any]:
         container["args"] = list(inference.args)
     if inference.ports:
         container["ports"] = [copy.deepcopy(dict(p)) for p in inference.ports]
-    if inference.readiness_probe:
-        container["readinessProbe"] = copy.deepcopy(dict(inference.readiness_probe))
+    for key, probe in (("readinessProbe", inference.readiness_probe),
+                       ("startupProbe", inference.startup_probe),
+                       ("livenessProbe", inference.liveness_probe)):
+        if probe:
+            container[key] = copy.deepcopy(dict(probe))
     return container
 
 

@@ -1,8 +1,14 @@
-"""`build_service`: the headless Service that gives each workload pod a stable DNS name.
+"""The two Services of a DOD.
 
-The loaders rendezvous at pod 0's name (`<dod>-0.<dod>-peers.<ns>.svc.cluster.local`) while they
-are still init containers, i.e. before any pod is Ready, so the Service publishes not-ready
-addresses. Pure; called by `manifests`.
+`build_service`: the headless Service that gives each workload pod a stable DNS name.
+
+The loaders rendezvous at pod 0's name (`<dod>-0.<dod>-peers.<ns>.svc`, completed by the pod's
+DNS search domains, so no cluster domain is assumed) while they are still init containers, i.e.
+before any pod is Ready, so the Service publishes not-ready addresses.
+
+`build_inference_service`: a ClusterIP Service named like the DOD for `inference.ports`, so that
+clients reach the Ready replicas at `<dod>.<namespace>` (only when ports are declared).
+Pure; called by `manifests`.
 """
 
 from __future__ import annotations
@@ -29,4 +35,24 @@ def build_service(owner: Owner, spec: DeploymentSpec) -> dict[str, Any]:
                 "protocol": "TCP",
             }],
         },
+    }
+
+
+def build_inference_service(owner: Owner, spec: DeploymentSpec) -> dict[str, Any] | None:
+    if not spec.inference.ports:
+        return None
+    ports = []
+    for port in spec.inference.ports:
+        number = port.get("containerPort")
+        ports.append({
+            "name": port.get("name") or f"port-{number}",
+            "port": number,
+            "targetPort": number,
+            "protocol": port.get("protocol", "TCP"),
+        })
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": child_metadata(owner, owner.inference_service_name),
+        "spec": {"type": "ClusterIP", "selector": selector_labels(owner), "ports": ports},
     }

@@ -45,8 +45,10 @@ def _name(path: str) -> str:
     return f"spec.{_CR_PATH[path]}" if path in _CR_PATH else f"spec.{path}"
 
 
-def parse_spec(spec: Mapping[str, Any] | None) -> DeploymentSpec:
-    """Turn a CR spec into a `DeploymentSpec`; raise `SpecError` naming CR paths."""
+def parse_spec(spec: Mapping[str, Any] | None, *,
+               default_loader_image: str = DEFAULT_LOADER_IMAGE) -> DeploymentSpec:
+    """Turn a CR spec into a `DeploymentSpec`; raise `SpecError` naming CR paths. An empty
+    `loader.image` takes `default_loader_image` (the operator's `--loader-image`)."""
     spec = spec or {}
     if not _get(spec, "model.source", ""):
         raise SpecError(
@@ -68,7 +70,10 @@ def parse_spec(spec: Mapping[str, Any] | None) -> DeploymentSpec:
         settings = validate(deployment.settings, names=cr_names)
     except SettingsError as exc:
         raise SpecError(str(exc), hint=exc.hint) from exc
-    return deployment.model_copy(update={"settings": settings})
+    update: dict[str, Any] = {"settings": settings}
+    if not deployment.loader.image:
+        update["loader"] = deployment.loader.model_copy(update={"image": default_loader_image})
+    return deployment.model_copy(update=update)
 
 
 def settings_from_spec(spec: Mapping[str, Any]) -> Settings:

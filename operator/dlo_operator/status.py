@@ -6,11 +6,15 @@ handlers pass the pods (from kopf's in-memory index), the previous status (to ke
 transition times) and the clock. It must not call the cluster or read the settings document.
 
 Phases, first match wins:
-    Failed     the spec is invalid (`Valid=False`); nothing was created
-    Degraded   a loader keeps failing, or an inference container cannot start
+    Failed     the spec is refused (`Valid=False`) or the API refused a child (`Applied=False`)
+    Pending    an API error is being retried, or a pod is Unschedulable
+    Degraded   a pod is in trouble (`pod_troubles`: a loader failing, ImagePullBackOff,
+               OOMKilled, a crash-looping inference container)
     Ready      every replica's pod is Ready
     Loading    a loader or an inference server has started
-    Pending    no loader has started yet (unscheduled, pulling images)
+    Pending    no loader has started yet
+The `Ready` condition carries the reason and message of the phase, so `kubectl wait
+--for=condition=Ready dod/NAME` works and says why not.
 """
 
 from __future__ import annotations
@@ -20,9 +24,20 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dlo_contract.documents import DocumentError, FillSummary
-from dlo_operator.naming import INFERENCE_CONTAINER, LABEL_POD_INDEX, LOADER_CONTAINER
+from dlo_operator.conditions import FALSE, TRUE, Condition, merge_conditions
+from dlo_operator.naming import LABEL_JOB_INDEX, LABEL_POD_INDEX, LOADER_CONTAINER
+from dlo_operator.pod_troubles import Trouble, TroubleReason, pod_troubles
 
-CONDITION_TYPES = ("Valid", "CacheReady", "Available", "Progressing")
+VALID = "Valid"
+APPLIED = "Applied"
+READY = "Ready"
+APPLY_RETRYING = "ApplyRetrying"
+"""The `Applied` reason of an API error that is retried (the others are permanent)."""
+TROUBLE_REASONS = frozenset(reason.value for reason in TroubleReason)
+"""Reasons of the `Ready` condition that mean a pod is in trouble (a Warning Event each)."""
+PREFILLED = "Prefilled"
+CONDITION_TYPES = (VALID, APPLIED, "CacheReady", "Available", "Progressing", READY, PREFILLED)
+"""Every condition type the operator writes (`Prefilled` comes from the rollout, in `reconcile`)."""
 _FAILING_WAIT_REASONS = frozenset({
     "CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
     "CreateContainerConfigError", "CreateContainerError", "RunContainerError",
@@ -55,12 +70,36 @@ def node_entry(pod: Mapping[str, Any]) -> dict[str, Any]:
     }
     if message:
         entry["message"] = message
-    if summary is not None:
-        figures = {"entryId": summary.entry_id, "mode": summary.mode,
-                   "bytesFromStore": summary.bytes_from_store,
-                   "bytesFromPeers": summary.bytes_from_peers, "seconds": summary.seconds}
-        entry.update((name, value) for name, value in figures.items() if value is not None)
+    entry.update(_figures(summary))
     return entry
+
+
+def _figures(summary: FillSummary | None) -> dict[str, Any]:
+    """The loader summary's figures under their status names (absent ones left out)."""
+    if summary is None:
+        return {}
+    figures = {"entryId": summary.entry_id, "mode": summary.mode,
+               "bytesFromStore": summary.bytes_from_store,
+               "bytesFromPeers": summary.bytes_from_peers, "seconds": summary.seconds,
+               "cached": summary.cached}
+    return {name: value for name, value in figures.items() if value is not None}
+
+
+def prefill_node(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """One prefill Job pod's row: node, rank, loader state and the loader's summary figures."""
+    meta = pod.get("metadata") or {}
+    loader = _container_status((pod.get("status") or {}).get("containerStatuses"),
+                               LOADER_CONTAINER)
+    state, message, summary = _loader_state(loader)
+    index = (meta.get("labels") or {}).get(LABEL_JOB_INDEX, "")
+    row: dict[str, Any] = {
+        "pod": meta.get("name", ""), "node": (pod.get("spec") or {}).get("nodeName", ""),
+        "rank": int(index) if str(index).isdigit() else -1, "loader": state.value,
+    }
+    if message:
+        row["message"] = message
+    row.update(_figures(summary))
+    return row
 
 
 def status_from_pods(
@@ -69,19 +108,22 @@ def status_from_pods(
     replicas: int,
     previous: Mapping[str, Any] | None,
     now: str,
-    invalid_message: str | None = None,
+    generation: int | None = None,
+    problems: Sequence[Condition] = (),
 ) -> dict[str, Any]:
-    """The status fields this operator owns. `invalid_message` (the validator's message) marks
-    the spec invalid: phase Failed and `Valid=False`."""
+    """The status fields this operator owns. `problems` are failed conditions found outside the
+    pods (`Valid` for a refused spec, `Applied` for a refused or retried apply); they decide the
+    phase before the pods do."""
     live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
     nodes = sorted((node_entry(p) for p in live), key=lambda n: (n["rank"], n["pod"]))
     ready = sum(1 for n in nodes if n["ready"])
     cached = sum(1 for n in nodes if n["loader"] == LoaderState.CACHED.value)
-    failure = _first_failure(nodes, live)
-    phase, message = _phase(nodes, ready, cached, replicas, failure, invalid_message)
-    conditions = _conditions(phase, message, ready, cached, replicas, failure, invalid_message)
-    old = {c.get("type"): c for c in (previous or {}).get("conditions") or ()}
-    status: dict[str, Any] = {
+    loader_errors = {n["pod"]: n["message"] for n in nodes
+                     if n["loader"] == LoaderState.FAILED.value and n.get("message")}
+    troubles = pod_troubles(live, loader_errors)
+    phase, reason, message = _phase(nodes, ready, cached, replicas, troubles, problems)
+    conditions = _conditions(phase, reason, message, ready, cached, replicas, troubles, problems)
+    return {
         "phase": phase,
         "message": message,
         "replicas": replicas,
@@ -90,70 +132,58 @@ def status_from_pods(
         "ready": f"{ready}/{replicas}",
         "cache": f"{cached}/{replicas}",
         "nodes": nodes,
-        "conditions": [_stamp(c, old.get(c["type"]), now) for c in conditions],
+        "conditions": merge_conditions((previous or {}).get("conditions"), conditions,
+                                       generation=generation, now=now),
     }
-    return status
 
 
 def _phase(nodes: list[dict[str, Any]], ready: int, cached: int, replicas: int,
-           failure: str | None, invalid: str | None) -> tuple[str, str]:
-    if invalid is not None:
-        return "Failed", invalid
-    if failure is not None:
-        return "Degraded", failure
+           troubles: list[Trouble], problems: Sequence[Condition]) -> tuple[str, str, str]:
+    """(phase, the reason of the Ready condition, message)."""
+    for problem in problems:
+        phase = "Pending" if problem.reason == APPLY_RETRYING else "Failed"
+        return phase, problem.reason, problem.message
+    if troubles:
+        trouble = troubles[0]
+        phase = "Pending" if trouble.reason is TroubleReason.UNSCHEDULABLE else "Degraded"
+        return phase, trouble.reason.value, trouble.message
     if ready >= replicas:
-        return "Ready", f"{ready}/{replicas} replicas ready"
+        return "Ready", "Ready", f"{ready}/{replicas} replicas ready"
     started = [n for n in nodes if n["loader"] != LoaderState.WAITING.value]
     if started:
-        return "Loading", f"{cached}/{replicas} nodes cached, {ready}/{replicas} replicas ready"
-    return "Pending", f"{len(nodes)}/{replicas} pods created, no loader started yet"
+        return "Loading", "Loading", (
+            f"{cached}/{replicas} nodes cached, {ready}/{replicas} replicas ready")
+    return "Pending", "Pending", f"{len(nodes)}/{replicas} pods created, no loader started yet"
 
 
-def _conditions(phase: str, message: str, ready: int, cached: int, replicas: int,
-                failure: str | None, invalid: str | None) -> list[dict[str, str]]:
-    valid = ("False", "SpecInvalid", invalid) if invalid is not None else (
-        "True", "SpecValid", "the spec passed the settings validation")
+def _conditions(phase: str, reason: str, message: str, ready: int, cached: int, replicas: int,
+                troubles: list[Trouble], problems: Sequence[Condition]) -> list[Condition]:
+    failed = {p.type: p for p in problems}
+    valid = failed.get(VALID) or Condition(VALID, TRUE, "SpecValid",
+                                           "the spec passed the schema and settings validation")
+    applied = failed.get(APPLIED) or Condition(
+        APPLIED, TRUE, "ChildrenApplied", "the ConfigMap, Services and StatefulSet are applied")
+    loader_trouble = next((t for t in troubles if t.container == LOADER_CONTAINER), None)
     if cached >= replicas:
-        cache = ("True", "AllNodesCached", f"{cached}/{replicas} nodes hold the checkpoint")
-    elif failure is not None and failure.startswith("loader"):
-        cache = ("False", "LoaderFailed", failure)
+        cache = Condition("CacheReady", TRUE, "AllNodesCached",
+                          f"{cached}/{replicas} nodes hold the checkpoint")
+    elif loader_trouble is not None:
+        cache = Condition("CacheReady", FALSE, loader_trouble.reason.value, loader_trouble.message)
     else:
-        cache = ("False", "Loading", f"{cached}/{replicas} nodes hold the checkpoint")
-    available = ("True", "ReplicasReady", f"{ready}/{replicas} replicas ready") if (
-        ready >= replicas) else ("False", "ReplicasNotReady", f"{ready}/{replicas} replicas ready")
+        cache = Condition("CacheReady", FALSE, "Loading",
+                          f"{cached}/{replicas} nodes hold the checkpoint")
+    available = Condition("Available", TRUE if ready >= replicas else FALSE,
+                          "ReplicasReady" if ready >= replicas else "ReplicasNotReady",
+                          f"{ready}/{replicas} replicas ready")
     progressing = {
-        "Failed": ("False", "SpecInvalid", message),
-        "Degraded": ("False", "Stalled", message),
-        "Ready": ("False", "Complete", message),
-        "Loading": ("True", "Loading", message),
-        "Pending": ("True", "Pending", message),
+        "Failed": Condition("Progressing", FALSE, reason, message),
+        "Degraded": Condition("Progressing", FALSE, reason, message),
+        "Ready": Condition("Progressing", FALSE, "Complete", message),
+        "Loading": Condition("Progressing", TRUE, "Loading", message),
+        "Pending": Condition("Progressing", TRUE, reason, message),
     }[phase]
-    rows = zip(CONDITION_TYPES, (valid, cache, available, progressing))
-    return [{"type": t, "status": s, "reason": r, "message": m} for t, (s, r, m) in rows]
-
-
-def _stamp(condition: dict[str, str], old: Mapping[str, Any] | None, now: str) -> dict[str, str]:
-    """Keep the old transition time while the condition's status does not change."""
-    same = old is not None and old.get("status") == condition["status"]
-    time = old.get("lastTransitionTime") if same and old else None
-    return {**condition, "lastTransitionTime": time or now}
-
-
-def _first_failure(nodes: list[dict[str, Any]], pods: list[Mapping[str, Any]]) -> str | None:
-    for node in nodes:
-        if node["loader"] == LoaderState.FAILED.value:
-            where = node["node"] or "an unscheduled node"
-            return (f"loader on {where} (pod {node['pod']}, {node['restarts']} restarts) "
-                    f"failed: {node.get('message', 'no message')}")
-    for pod in pods:
-        inference = _container_status((pod.get("status") or {}).get("containerStatuses"),
-                                      INFERENCE_CONTAINER)
-        waiting = ((inference or {}).get("state") or {}).get("waiting") or {}
-        if waiting.get("reason") in _FAILING_WAIT_REASONS:
-            name = (pod.get("metadata") or {}).get("name", "")
-            detail = waiting.get("message") or _last_message(inference) or "no message"
-            return f"inference container of pod {name} is in {waiting['reason']}: {detail}"
-    return None
+    ready_condition = Condition(READY, TRUE if phase == "Ready" else FALSE, reason, message)
+    return [valid, applied, cache, available, progressing, ready_condition]
 
 
 def _loader_state(
@@ -199,11 +229,6 @@ def _summary(message: Any) -> FillSummary | None:
 def _last_line(message: Any) -> str:
     lines = [line.strip() for line in str(message or "").splitlines() if line.strip()]
     return lines[-1][:_MESSAGE_LIMIT] if lines else ""
-
-
-def _last_message(container: Mapping[str, Any] | None) -> str:
-    last = ((container or {}).get("lastState") or {}).get("terminated") or {}
-    return _last_line(last.get("message"))
 
 
 def _container_status(statuses: Any, name: str) -> Mapping[str, Any] | None:

@@ -26,6 +26,8 @@ NON_DEFAULT = {
     "serviceAccount": {"create": True, "name": "dlo", "annotations": {"team": "ml"}},
     "debug": True,
     "livenessPort": 9090,
+    "allowedHostPaths": ["/mnt/nvme/dlo", "/var/lib/dlo"],
+    "loaderImage": {"repository": "registry.example.com/dlo-loader", "tag": "1.2.3"},
     "podAnnotations": {"scrape": "false"},
     "metrics": {"port": 9191, "serviceMonitor": {"enabled": True, "interval": "15s",
                                                   "labels": {"release": "prom"}},
@@ -83,7 +85,9 @@ def test_defaults_watch_every_namespace_with_a_cluster_role() -> None:
         1, {"type": "Recreate"})
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["args"] == ["operator", "run", "--all-namespaces",
-                                 "--liveness=http://0.0.0.0:8080/healthz", "--metrics-port=8081"]
+                                 "--liveness=http://0.0.0.0:8080/healthz", "--metrics-port=8081",
+                                 "--loader-image=dlo-loader:0.1.0",
+                                 "--allowed-host-path=/var/lib/dlo"]
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}
     assert container["resources"]["requests"] == {"cpu": "100m", "memory": "128Mi"}
     assert container["image"] == "dlo-operator:0.1.0"
@@ -101,7 +105,9 @@ def test_watching_namespaces_uses_namespaced_roles_only() -> None:
         ("inference", "dlo"), ("batch", "dlo")]
     args = kinds["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args == ["--debug", "operator", "run", "--namespace=inference", "--namespace=batch",
-                    "--liveness=http://0.0.0.0:9090/healthz", "--metrics-port=9191"]
+                    "--liveness=http://0.0.0.0:9090/healthz", "--metrics-port=9191",
+                    "--loader-image=registry.example.com/dlo-loader:1.2.3",
+                    "--allowed-host-path=/mnt/nvme/dlo", "--allowed-host-path=/var/lib/dlo"]
 
 
 def test_operator_command_line_in_the_deployment_is_accepted_by_dlo() -> None:
@@ -114,6 +120,10 @@ def test_operator_command_line_in_the_deployment_is_accepted_by_dlo() -> None:
         operator_cli.add_arguments(parser)
         parsed = parser.parse_args(args[2:])
         assert parsed.all_namespaces == (values is None)
+        assert parsed.allowed_host_paths == ((values or {}).get("allowedHostPaths")
+                                             or ["/var/lib/dlo"])
+        assert parsed.loader_image == ("dlo-loader:0.1.0" if values is None
+                                       else "registry.example.com/dlo-loader:1.2.3")
 
 
 def test_rbac_grants_only_what_the_operator_uses() -> None:
@@ -122,11 +132,14 @@ def test_rbac_grants_only_what_the_operator_uses() -> None:
                for g in rule["apiGroups"] for r in rule["resources"]}
     assert granted == {
         ("dlo.dev", "diffusionoffloaddeployments"): ["get", "list", "patch", "watch"],
-        ("dlo.dev", "diffusionoffloaddeployments/status"): ["get", "patch"],
+        ("dlo.dev", "diffusionoffloaddeployments/status"): ["patch"],
+        ("dlo.dev", "diffusionoffloaddeployments/finalizers"): ["update"],
         ("", "pods"): ["list", "watch"],
-        ("", "configmaps"): ["create", "get", "patch"],
-        ("", "services"): ["create", "get", "patch"],
-        ("apps", "statefulsets"): ["create", "get", "patch"],
+        ("", "configmaps"): ["delete", "get", "list", "patch", "watch"],
+        ("", "services"): ["delete", "get", "list", "patch", "watch"],
+        ("apps", "statefulsets"): ["get", "list", "patch", "watch"],
+        ("policy", "poddisruptionbudgets"): ["get", "list", "patch", "watch"],
+        ("batch", "jobs"): ["delete", "get", "list", "patch", "watch"],
         ("", "events"): ["create"],
     }
 

@@ -9,7 +9,14 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from support.crd_schema import EXAMPLES, apply_defaults, load_crd, root_schema, unknown_fields
+from support.crd_schema import (
+    CRD_PATH,
+    EXAMPLES,
+    apply_defaults,
+    load_crd,
+    root_schema,
+    unknown_fields,
+)
 
 from dlo_operator.spec import CR_LEAVES, parse_spec, settings_from_spec
 from dlo_contract.settings import Settings
@@ -26,14 +33,20 @@ def test_crd_is_a_valid_object_for(version: str) -> None:
     assert kubernetes_validate.validate(CRD, version, strict=True) == version
 
 
-def test_names_scope_printer_columns_and_status_subresource() -> None:
+def test_names_scope_printer_columns_status_and_scale_subresources() -> None:
     spec = CRD["spec"]
     assert (spec["group"], spec["scope"], spec["names"]["shortNames"]) == (
         "dlo.dev", "Namespaced", ["dod"])
     version = spec["versions"][0]
-    assert (version["name"], version["subresources"]) == ("v1alpha1", {"status": {}})
+    assert (version["name"], version["subresources"]) == ("v1alpha1", {"status": {}, "scale": {
+        "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector"}})  # `kubectl scale dod NAME --replicas N`
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    assert {"selector", "revision", "stage", "prefill"} <= set(status)
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
-        "Phase", "Ready", "Cache", "Progress", "Age"]
+        "Phase", "Ready", "Cache", "Progress", "Revision", "Stage", "Message", "Age"]
+    assert [c.get("priority", 0) for c in version["additionalPrinterColumns"]] == [
+        0, 0, 0, 0, 0, 0, 1, 0]  # the message is shown by `kubectl get -o wide`
 
 
 def _walk(schema: dict[str, Any], path: str):
@@ -106,3 +119,7 @@ def test_schema_bounds_reject_what_the_validator_rejects(cr_path: str, value: An
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft4Validator(SPEC_SCHEMA).validate(spec)
     assert range_errors(settings_from_spec(spec))
+
+
+def test_the_crd_render_and_the_operator_judge_by_is_the_installed_one() -> None:
+    assert load_crd() == yaml.safe_load(CRD_PATH.read_text())

@@ -8,13 +8,16 @@ from typing import Any
 
 from support.crd_schema import apply_defaults, cel_rules, load_crd, root_schema
 
+from dlo_operator.pod_rules import LOADER_BACKEND_MESSAGE
 from dlo_operator.spec import settings_from_spec
 from dlo_contract.settings import Settings
 from dlo_contract.validation import CR_PATHS, RULES, range_errors, violated_rules
 
 CRD = load_crd()
 SPEC_SCHEMA = root_schema(CRD)["properties"]["spec"]
-RULES_CEL = cel_rules(CRD)
+POD_RULES = ("loader-backend-gloo",)
+"""Rules on the pod rather than the settings document (`dlo_operator.pod_rules`)."""
+RULES_CEL = [rule for rule in cel_rules(CRD) if rule.id not in POD_RULES]
 LOADER_RULE = "loader-memory-two-chunks"
 MIB = 1 << 20
 
@@ -79,6 +82,11 @@ def _validator_ids(values: tuple[Any, ...]) -> set[str]:
 
 def test_every_validation_rule_has_a_cel_twin() -> None:
     assert [r.id for r in RULES_CEL] == [r.id for r in RULES] + [LOADER_RULE]
+
+
+def test_pod_rules_in_cel_say_what_the_operator_says() -> None:
+    (backend,) = [rule for rule in cel_rules(CRD) if rule.id in POD_RULES]
+    assert backend.message == LOADER_BACKEND_MESSAGE
 
 
 def test_cel_and_the_validator_agree_on_the_whole_matrix() -> None:

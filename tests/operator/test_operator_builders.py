@@ -22,7 +22,11 @@ EXAMPLES = sorted(Path(__file__).parents[2].joinpath("examples").glob("*.yaml"))
 
 
 def statefulset(spec: dict[str, Any], owner: Owner = OWNER) -> dict[str, Any]:
-    return build_children(owner, parse_spec(spec))[2]
+    return build_children(owner, parse_spec(spec))[3]
+
+
+def revision_of(spec: dict[str, Any]) -> str:
+    return str(statefulset(spec)["spec"]["template"]["metadata"]["annotations"]["dlo.dev/revision"])
 
 
 def containers(sts: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -41,8 +45,11 @@ def mounts(container: dict[str, Any]) -> dict[str, tuple[str, bool]]:
 
 def test_children_are_owned_and_applied_in_dependency_order() -> None:
     children = build_children(OWNER, parse_spec(MINIMAL))
+    revision = children[3]["spec"]["template"]["metadata"]["annotations"]["dlo.dev/revision"]
     assert [(c["kind"], c["metadata"]["name"]) for c in children] == [
-        ("ConfigMap", "flux-settings"), ("Service", "flux-peers"), ("StatefulSet", "flux")]
+        ("ConfigMap", f"flux-settings-{revision}"), ("ConfigMap", "flux-fill-group"),
+        ("Service", "flux-peers"), ("StatefulSet", "flux")]
+    assert children[0]["immutable"] is True
     for child in children:
         assert child["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
         assert child["metadata"]["labels"]["dlo.dev/deployment"] == "flux"
@@ -58,7 +65,7 @@ def test_configmap_holds_the_normalized_settings_document() -> None:
 
 
 def test_headless_service_publishes_not_ready_pods_for_the_rendezvous() -> None:
-    service = build_children(OWNER, parse_spec(MINIMAL))[1]
+    service = build_children(OWNER, parse_spec(MINIMAL))[2]
     assert (service["spec"]["clusterIP"], service["spec"]["publishNotReadyAddresses"]) == (
         "None", True)
     assert service["spec"]["ports"][0]["port"] == 29500
@@ -83,18 +90,27 @@ def test_user_affinity_is_kept_next_to_the_anti_affinity_term() -> None:
     assert len(affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]) == 1
 
 
-def test_loader_gets_contract_c2_rank_world_and_rendezvous() -> None:
-    loader, _ = containers(statefulset({**MINIMAL, "replicas": 4, "loader": {"port": 29600}}))
+def test_loader_learns_its_group_from_the_fill_group_document_not_the_replicas() -> None:
+    sts = statefulset({**MINIMAL, "replicas": 4, "loader": {"port": 29600}})
+    loader, _ = containers(sts)
+    revision = sts["spec"]["template"]["metadata"]["annotations"]["dlo.dev/revision"]
     assert loader["command"] == ["dlo", "cache", "fill"]
     assert loader["args"] == ["--config", "/etc/dlo/settings.json",
                               "--entry-file", "/run/dlo/entry.json"]
     assert env(loader) == {
-        "RANK": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}},
-        "WORLD_SIZE": "4",
-        "MASTER_ADDR": "flux-0.flux-peers.ml.svc.cluster.local",
-        "MASTER_PORT": "29600",
+        "DLO_POD_NAME": {"fieldRef": {"fieldPath": "metadata.name"}},
+        "DLO_REVISION": revision,
+        "DLO_FILL_GROUP": {"configMapKeyRef": {"name": "flux-fill-group", "key": "group.json",
+                                               "optional": True}},
         "DLO_CONFIG": "/etc/dlo/settings.json",
     }
+    scaled = statefulset({**MINIMAL, "replicas": 9, "loader": {"port": 29600}})
+    assert scaled["spec"]["template"] == sts["spec"]["template"]
+    group = json.loads(build_children(OWNER, parse_spec({**MINIMAL, "replicas": 2}))[1]["data"][
+        "group.json"])
+    assert group == {"revision": revision_of(MINIMAL), "members": {"flux-0": 0, "flux-1": 1},
+                     "masterAddr": "flux-0.flux-peers.ml.svc",
+                     "masterPort": 29500}
     assert mounts(loader) == {"settings": ("/etc/dlo", True), "run": ("/run/dlo", False),
                               "loader-tmp": ("/tmp", False),
                               "cache": ("/var/lib/dlo/cache", False)}
@@ -134,7 +150,9 @@ def test_inference_container_gets_contract_c3_and_a_read_only_cache() -> None:
     assert env(inference) == {"A": "1", "DLO_CONFIG": "/etc/dlo/settings.json",
                               "DLO_ENTRY_FILE": "/run/dlo/entry.json"}
     assert mounts(inference) == {"settings": ("/etc/dlo", True), "run": ("/run/dlo", True),
-                                 "cache": ("/var/lib/dlo/cache", True)}
+                                 "cache": ("/var/lib/dlo/cache", True),
+                                 "dshm": ("/dev/shm", False)}
+    assert inference["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert inference["resources"] == {"limits": {"memory": "10Gi", "nvidia.com/gpu": "8"}}
 
 
@@ -159,10 +177,12 @@ def test_a_settings_change_changes_the_pod_template() -> None:
 def test_render_prints_the_children_of_every_example(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["render", str(EXAMPLES[0])]) == 0
     documents = list(yaml.safe_load_all(capsys.readouterr().out))
-    assert [d["kind"] for d in documents] == ["ConfigMap", "Service", "StatefulSet"]
+    assert [d["kind"] for d in documents] == ["ConfigMap", "ConfigMap", "Service", "StatefulSet",
+                                              "Service", "PodDisruptionBudget"]
     assert all("ownerReferences" not in d["metadata"] for d in documents)
     for example in EXAMPLES:
-        assert len(list(yaml.safe_load_all(render_file(example)))) == 3
+        kinds = [d["kind"] for d in yaml.safe_load_all(render_file(example))]
+        assert kinds[:4] == ["ConfigMap", "ConfigMap", "Service", "StatefulSet"], example.name
 
 
 def test_render_reports_an_invalid_spec_in_one_line(
@@ -175,10 +195,11 @@ def test_render_reports_an_invalid_spec_in_one_line(
                                              "offload": {"useAllgather": False}}}))
     assert cli.main(["render", str(path)]) == 1
     assert capsys.readouterr().err == (
-        "dlo: error: default/bad: invalid settings: spec.parallel.hsdp, spec.parallel.dp, "
-        "spec.parallel.tp: HSDP cannot combine with spec.parallel.dp=2 or spec.parallel.tp=1 "
-        "[hsdp-with-dp-or-tp]; fix: set spec.parallel.dp=1 and spec.parallel.tp=1, "
-        "or spec.parallel.hsdp=false\n")
+        "dlo: error: default/bad: spec.parallel.hsdp: [hsdp-with-dp-or-tp] HSDP cannot combine "
+        "with spec.parallel.dp > 1 or spec.parallel.tp > 1; fix: set spec.parallel.dp=1 and "
+        "spec.parallel.tp=1, or spec.parallel.hsdp=false "
+        "(hint: fix the fields named; `kubectl explain diffusionoffloaddeployment.spec` "
+        "describes each)\n")
 
 
 def test_render_rejects_other_kinds(tmp_path: Path) -> None:

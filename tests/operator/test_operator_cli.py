@@ -39,7 +39,16 @@ def test_namespaces_are_watched_one_by_one(kopf_runs: list[dict[str, Any]]) -> N
                      "--liveness", "http://0.0.0.0:9000/healthz"]) == 0
     assert kopf_runs == [{"registry": handlers.registry, "clusterwide": False,
                           "namespaces": ["a", "b"], "standalone": True,
-                          "liveness_endpoint": "http://0.0.0.0:9000/healthz"}]
+                          "liveness_endpoint": "http://0.0.0.0:9000/healthz",
+                          "memo": kopf.Memo(allowed_host_paths=("/var/lib/dlo",),
+                                            loader_image="dlo-loader:0.1.0")}]
+
+
+def test_the_installation_choices_reach_the_handlers(kopf_runs: list[dict[str, Any]]) -> None:
+    assert cli.main(["operator", "run", "-A", "--allowed-host-path", "/mnt/nvme",
+                     "--allowed-host-path=/var/lib/dlo", "--loader-image=reg/dlo-loader:2"]) == 0
+    assert kopf_runs[0]["memo"] == kopf.Memo(allowed_host_paths=("/mnt/nvme", "/var/lib/dlo"),
+                                             loader_image="reg/dlo-loader:2")
 
 
 def test_all_namespaces(kopf_runs: list[dict[str, Any]]) -> None:

@@ -40,9 +40,18 @@ def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
     return next(c for c in status["conditions"] if c["type"] == kind)
 
 
+def settings_configmap(cluster: ClusterEmulator, name: str) -> dict[str, Any] | None:
+    """The settings ConfigMap the StatefulSet's pod template mounts (one per revision)."""
+    sts = live(cluster, STATEFULSETS, name)
+    if sts is None:
+        return None
+    volume = next(v for v in sts["spec"]["template"]["spec"]["volumes"] if v["name"] == "settings")
+    return live(cluster, CONFIGMAPS, volume["configMap"]["name"])
+
+
 def children(cluster: ClusterEmulator, name: str) -> list[dict[str, Any] | None]:
-    return [live(cluster, CONFIGMAPS, f"{name}-settings"), live(cluster, SERVICES, f"{name}-peers"),
-            live(cluster, STATEFULSETS, name)]
+    return [settings_configmap(cluster, name), live(cluster, CONFIGMAPS, f"{name}-fill-group"),
+            live(cluster, SERVICES, f"{name}-peers"), live(cluster, STATEFULSETS, name)]
 
 
 async def test_create_makes_owned_children_and_pods_drive_the_status(
@@ -75,13 +84,16 @@ async def test_create_makes_owned_children_and_pods_drive_the_status(
             "exitCode": 1, "message": json.dumps({
                 "status": "error", "rank": 1, "error": "s3://models/flux/ not readable: 403"})}}})
     status = await eventually(lambda: _phase_is(cluster, "Degraded"))
-    assert status["message"] == ("loader on gpu-1 (pod flux-1, 3 restarts) failed: "
-                                 "CrashLoopBackOff: s3://models/flux/ not readable: 403")
+    assert status["message"] == (
+        "loader container of pod flux-1 on node gpu-1: LoaderFailed: "
+        "CrashLoopBackOff: s3://models/flux/ not readable: 403")
+    assert await eventually(lambda: _events(cluster, "LoaderFailed")) == [{
+        "type": "Warning", "reason": "LoaderFailed", "message": status["message"]}]
     assert condition(status, "CacheReady")["reason"] == "LoaderFailed"
     assert status["nodes"][0] | {} == {
         "pod": "flux-0", "node": "gpu-0", "rank": 0, "loader": "Cached", "restarts": 0,
         "ready": False, "entryId": "e" * 64, "mode": "multi-reader", "bytesFromStore": 600,
-        "bytesFromPeers": 400, "seconds": 2.5}
+        "bytesFromPeers": 400, "seconds": 2.5, "cached": False}
 
     await _loader(cluster, "flux-1", {"restartCount": 4, "state": {"terminated": {
         "exitCode": 0, "message": json.dumps({**summary, "rank": 1})}}})
@@ -100,14 +112,59 @@ async def test_invalid_spec_is_reported_and_creates_nothing(
 
     status = await eventually(lambda: live(cluster, DOD_RESOURCE, "flux")["status"])
     assert status["phase"] == "Failed"
+    message = ("spec.parallel.hsdp: [hsdp-allgather] HSDP with DLO AllGather would shard "
+               "parameters twice; fix: set spec.offload.useAllgather=false (HSDP then keeps "
+               "rank-local tensors)")
     assert condition(status, "Valid") | {"lastTransitionTime": None} == {
         "type": "Valid", "status": "False", "reason": "SpecInvalid", "lastTransitionTime": None,
-        "message": "invalid settings: spec.parallel.hsdp, spec.offload.useAllgather: HSDP with "
-                   "DLO AllGather would shard parameters twice [hsdp-allgather]; fix: set "
-                   "spec.offload.useAllgather=false (HSDP then keeps rank-local tensors)"}
-    assert children(cluster, "flux") == [None, None, None]
-    assert not [r for r in list(cluster) if r.resource is not None
-                and r.resource.plural in ("configmaps", "services", "statefulsets")]
+        "observedGeneration": 1, "message": message}
+    assert condition(status, "Ready")["reason"] == "SpecInvalid"
+    assert await eventually(lambda: _events(cluster, "SpecInvalid")) == [{
+        "type": "Warning", "reason": "SpecInvalid", "message": message}]
+    assert children(cluster, "flux") == [None, None, None, None]
+    assert not _child_writes(cluster)
+
+
+async def test_an_api_error_is_reported_and_retried_with_backoff(
+        cluster: ClusterEmulator, operator: Operator) -> None:
+    peers = f"/api/v1/namespaces/{NAMESPACE}/services/flux-peers"
+    refused = cluster["patch", peers][:2] << 503 << {
+        "kind": "Status", "code": 503, "message": "etcdserver: leader changed"}
+    await request(cluster, "POST", DOD_PATH, dod())
+
+    retrying = await eventually(lambda: _events(cluster, "ApplyRetrying"))
+    assert retrying[0]["type"] == "Warning"
+    assert retrying[0]["message"].startswith(
+        "Kubernetes API answered 503 for Service inference/flux-peers: etcdserver: leader "
+        "changed; attempt 2 in 1 s")
+    await eventually(lambda: all(children(cluster, "flux")))
+    status = await eventually(lambda: _condition_is(cluster, "Applied", "True"))
+    assert condition(status, "Applied")["reason"] == "ChildrenApplied"
+    refusals = len(list(refused))
+    assert 1 <= refusals <= 2  # the reaction answers at most twice; one event per refusal
+    assert [e["message"][-16:] for e in _events(cluster, "ApplyRetrying")] == [
+        "attempt 2 in 1 s", "attempt 3 in 2 s"][:refusals]
+
+
+async def test_a_refused_apply_waits_for_the_next_spec_change(
+        cluster: ClusterEmulator, operator: Operator) -> None:
+    cluster["patch", f"/api/v1/namespaces/{NAMESPACE}/services/flux-peers"][:1] << 422 << {
+        "kind": "Status", "code": 422, "message": 'Service "flux-peers" is invalid'}
+    await request(cluster, "POST", DOD_PATH, dod())
+
+    status = await eventually(lambda: _condition_is(cluster, "Applied", "False"))
+    assert (status["phase"], condition(status, "Applied")["reason"]) == ("Failed", "ApplyFailed")
+    assert status["message"].startswith(
+        'Kubernetes API answered 422 for Service inference/flux-peers: Service "flux-peers" is '
+        "invalid; retried when the spec changes")
+    assert [e["type"] for e in await eventually(lambda: _events(cluster, "ApplyFailed"))] == [
+        "Warning"]
+    assert live(cluster, STATEFULSETS, "flux") is None  # nothing after the refused child
+
+    await request(cluster, "PATCH", f"{DOD_PATH}/flux", {"spec": {"replicas": 3}})
+    status = await eventually(lambda: _condition_is(cluster, "Applied", "True"))
+    assert condition(status, "Applied")["observedGeneration"] == 2
+    assert live(cluster, STATEFULSETS, "flux")["spec"]["replicas"] == 3
 
 
 async def test_update_rolls_the_statefulset(cluster: ClusterEmulator, operator: Operator) -> None:
@@ -120,7 +177,7 @@ async def test_update_rolls_the_statefulset(cluster: ClusterEmulator, operator: 
 
     after = await eventually(lambda: _rolled(cluster, old_hash))
     assert after["spec"]["replicas"] == 3
-    settings = json.loads(live(cluster, "v1/configmaps", "flux-settings")["data"]["settings.json"])
+    settings = json.loads(settings_configmap(cluster, "flux")["data"]["settings.json"])
     assert (settings["offload"]["use_allgather"], settings["offload"]["resident_layers"]) == (
         False, 2)
     await eventually(lambda: live(cluster, DOD_RESOURCE, "flux")["status"][
@@ -135,13 +192,15 @@ async def test_restart_resumes_without_duplicates(
     writes_before = len(_child_writes(cluster))
 
     await operator.start()
-    await eventually(lambda: len(_child_writes(cluster)) >= writes_before + 3)
+    # The resumed operator reads every child and finds nothing drifted: it writes nothing.
+    reads = len(_statefulset_reads(cluster))
+    await eventually(lambda: len(_statefulset_reads(cluster)) > reads)
     await operator.stop()
 
-    assert [r.method for r in _child_writes(cluster)] == ["PATCH"] * (writes_before + 3)
+    assert len(_child_writes(cluster)) == writes_before
     again = children(cluster, "flux")
     assert [c["metadata"]["uid"] for c in again] == [c["metadata"]["uid"] for c in first]
-    assert [c["metadata"]["generation"] for c in again] == [1, 1, 1]
+    assert [c["metadata"]["generation"] for c in again] == [1, 1, 1, 1]
     assert len([key for key in cluster.objects if key[0].plural == "statefulsets"]) == 1
 
 
@@ -155,13 +214,8 @@ async def test_delete_leaves_children_to_owner_references(
 
     await eventually(lambda: live(cluster, DOD_RESOURCE, "flux") is None)
     assert all(children(cluster, "flux"))  # the cluster's garbage collector removes them
-
-    def deleted_event_posted() -> bool:  # kopf posts events from a background task
-        return any(r.data.get("reason") == "Deleted" for r in list(cluster)
-                   if r.resource is not None and r.resource.plural == "events"
-                   and r.method == "POST")
-
-    await eventually(deleted_event_posted)
+    deleted = await eventually(lambda: _events(cluster, "Deleted"))  # posted in the background
+    assert deleted[0]["type"] == "Normal"
 
 
 async def test_liveness_endpoint_answers(cluster: ClusterEmulator) -> None:
@@ -197,6 +251,19 @@ def _phase_is(cluster: ClusterEmulator, phase: str) -> dict[str, Any] | None:
     return status if status["phase"] == phase else None
 
 
+def _condition_is(cluster: ClusterEmulator, kind: str, value: str) -> dict[str, Any] | None:
+    status = live(cluster, DOD_RESOURCE, "flux").get("status") or {}
+    found = [c for c in status.get("conditions", ()) if c["type"] == kind]
+    return status if found and found[0]["status"] == value else None
+
+
+def _events(cluster: ClusterEmulator, reason: str) -> list[dict[str, str]]:
+    """The Events posted about the DOD with this reason: type, reason and message."""
+    return [{"type": r.data["type"], "reason": r.data["reason"], "message": r.data["message"]}
+            for r in list(cluster) if r.resource is not None and r.resource.plural == "events"
+            and r.method == "POST" and r.data.get("reason") == reason]
+
+
 def _rolled(cluster: ClusterEmulator, old_hash: str) -> dict[str, Any] | None:
     sts = live(cluster, STATEFULSETS, "flux")
     annotations = sts["spec"]["template"]["metadata"]["annotations"]
@@ -205,5 +272,11 @@ def _rolled(cluster: ClusterEmulator, old_hash: str) -> dict[str, Any] | None:
 
 def _child_writes(cluster: ClusterEmulator) -> list[Any]:
     return [r for r in list(cluster) if r.resource is not None
-            and r.resource.plural in ("configmaps", "services", "statefulsets")
-            and r.method in ("POST", "PATCH", "PUT")]
+            and r.resource.plural in ("configmaps", "services", "statefulsets", "jobs",
+                                      "poddisruptionbudgets")
+            and r.method in ("POST", "PATCH", "PUT", "DELETE")]
+
+
+def _statefulset_reads(cluster: ClusterEmulator) -> list[Any]:
+    return [r for r in list(cluster) if r.resource is not None and r.method == "GET"
+            and r.resource.plural == "statefulsets" and r.name == "flux"]

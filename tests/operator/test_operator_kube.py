@@ -8,7 +8,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from dlo_operator.errors import KubeError, KubeTransientError
-from dlo_operator.kube import _api_error
+from dlo_operator.kube import KubeClient, _api_error, backoff_delay
 
 
 def _exception(status: int, message: str, headers: dict[str, str] | None = None) -> ApiException:
@@ -42,3 +42,22 @@ def test_a_body_that_is_not_a_status_falls_back_to_the_reason() -> None:
     exc.body = "<html>proxy error</html>"
     assert str(_api_error("Service ml/p", exc)) == (
         "Kubernetes API answered 400 for Service ml/p: Bad Request")
+
+
+def test_backoff_doubles_up_to_five_minutes_and_honours_retry_after() -> None:
+    assert [backoff_delay(attempt) for attempt in range(10)] == [
+        1, 2, 4, 8, 16, 32, 64, 128, 256, 300]
+    assert backoff_delay(0, hinted_s=7.0) == 7.0
+
+
+def test_a_timeout_or_a_broken_connection_is_retried() -> None:
+    import urllib3.exceptions
+
+    def hangs(*_: object, **kwargs: object) -> None:
+        assert kwargs["_request_timeout"] == 30.0
+        raise urllib3.exceptions.ReadTimeoutError(None, "/api", "read timed out")
+
+    client = KubeClient.__new__(KubeClient)
+    with pytest.raises(KubeTransientError, match="^Kubernetes API did not answer for "
+                                                 "Service ml/p: ReadTimeoutError$"):
+        client._call("Service ml/p", hangs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -10,8 +11,10 @@ import pytest
 import yaml
 from kubernetes_validate.utils import all_versions
 
+from dlo_operator.crd_verdict import cel_rules
 from dlo_operator.manifests import build_children
-from dlo_operator.naming import Owner
+from dlo_operator.naming import MAX_NAME_LENGTH, Owner
+from dlo_operator.prefill import build_prefill_job, build_prefill_service
 from dlo_operator.spec import parse_spec
 
 KUBERNETES_VERSIONS = [f"1.{minor}" for minor in range(29, 38)]
@@ -40,7 +43,22 @@ SPECS: dict[str, dict[str, Any]] = {
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}},
         "resources": {"requests": {"cpu": "4"}, "limits": {"memory": "64Gi"}}},
         "loader": {"resources": {"requests": {"cpu": "500m"}}, "port": 30000}},
+    "pod-complete": {**BASE, "imagePullSecrets": [{"name": "regcred"}],
+                     "priorityClassName": "high", "runtimeClassName": "nvidia",
+                     "podLabels": {"team": "ml"}, "podAnnotations": {"scrape": "true"},
+                     "volumes": [{"name": "lora", "persistentVolumeClaim": {"claimName": "a"}}],
+                     "shmSize": "16Gi", "disruptionBudget": {"enabled": True,
+                                                             "maxUnavailable": "25%"},
+                     "inference": {
+                         "image": "server:1", "ports": [{"containerPort": 8000}],
+                         "volumeMounts": [{"name": "lora", "mountPath": "/adapters"}],
+                         "startupProbe": {"httpGet": {"path": "/h", "port": 8000},
+                                          "failureThreshold": 60},
+                         "livenessProbe": {"tcpSocket": {"port": 8000}}}},
 }
+OPTIONAL_CHILDREN = {"spec:inference-full": 1, "spec:pod-complete": 2,
+                     "example:flux-dp-allgather.yaml": 2}
+"""The inference Service (where ports are declared) and the PodDisruptionBudget (if enabled)."""
 
 
 def _manifests() -> list[tuple[str, dict[str, Any]]]:
@@ -48,8 +66,14 @@ def _manifests() -> list[tuple[str, dict[str, Any]]]:
     cases = [(f"spec:{name}", spec) for name, spec in SPECS.items()]
     cases += [(f"example:{path.name}", yaml.safe_load(path.read_text())["spec"])
               for path in EXAMPLES]
-    return [(f"{case}:{child['kind']}", child)
-            for case, spec in cases for child in build_children(owner, parse_spec(spec))]
+    return [(f"{case}:{child['kind']}:{child['metadata']['name']}", child)
+            for case, spec in cases for child in _all_children(owner, parse_spec(spec))]
+
+
+def _all_children(owner: Owner, spec: Any) -> list[dict[str, Any]]:
+    """What a create makes, plus what a model change adds (the prefill Job and its Service)."""
+    return [*build_children(owner, spec), build_prefill_service(owner, spec),
+            build_prefill_job(owner, spec, ["gpu-a", "gpu-b"])]
 
 
 MANIFESTS = _manifests()
@@ -62,7 +86,7 @@ def test_the_installed_validator_ships_every_version() -> None:
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_every_built_manifest_is_valid_for(version: str) -> None:
-    assert len(MANIFESTS) == 3 * (len(SPECS) + len(EXAMPLES))
+    assert len(MANIFESTS) == 6 * (len(SPECS) + len(EXAMPLES)) + sum(OPTIONAL_CHILDREN.values())
     for case, manifest in MANIFESTS:
         checked = kubernetes_validate.validate(manifest, version, strict=True)
         assert checked == version, case
@@ -73,3 +97,18 @@ def test_strict_validation_catches_a_misspelled_field() -> None:
     broken = {**manifest, "spec": {**manifest["spec"], "podManagmentPolicy": "Parallel"}}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, KUBERNETES_VERSIONS[-1], strict=True)
+
+
+def test_the_longest_allowed_name_fits_every_child_pod_and_revision_label() -> None:
+    dns_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+    name = "d" * MAX_NAME_LENGTH
+    spec = {**SPECS["pod-complete"], "replicas": 1000}
+    children = build_children(Owner(name=name, namespace="ns"), parse_spec(spec))
+    for child in children:
+        assert len(child["metadata"]["name"]) <= (253 if child["kind"] == "ConfigMap" else 63)
+        if child["kind"] == "Service":
+            assert dns_1035.match(child["metadata"]["name"])
+    assert len(f"{name}-{spec['replicas'] - 1}") <= 63  # pod name, a DNS label
+    assert len(f"{name}-{'h' * 10}") == 63  # controller-revision-hash: <sts>-<hash>
+    crd_rule = next(r for r in cel_rules() if r.id == "name-dns-1035")
+    assert f"size(self.metadata.name) <= {MAX_NAME_LENGTH}" in crd_rule.rule

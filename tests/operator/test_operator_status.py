@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from dlo_operator.conditions import Condition
 from dlo_operator.status import node_entry, status_from_pods
 
 NOW = "2030-01-01T00:00:00Z"
@@ -39,9 +40,11 @@ def test_no_pods_is_pending() -> None:
     assert (status["phase"], status["message"]) == (
         "Pending", "0/2 pods created, no loader started yet")
     assert conditions(status) == {"Valid": ("True", "SpecValid"),
+                                  "Applied": ("True", "ChildrenApplied"),
                                   "CacheReady": ("False", "Loading"),
                                   "Available": ("False", "ReplicasNotReady"),
-                                  "Progressing": ("True", "Pending")}
+                                  "Progressing": ("True", "Pending"),
+                                  "Ready": ("False", "Pending")}
 
 
 def test_a_running_loader_is_loading() -> None:
@@ -60,7 +63,7 @@ def test_finished_loaders_report_their_summary_and_ready_pods_make_it_ready() ->
     assert status["nodes"][1] == {
         "pod": "flux-1", "node": "node-1", "rank": 1, "loader": "Cached", "restarts": 0,
         "ready": True, "entryId": "ab" * 32, "mode": "multi-reader", "bytesFromStore": 10,
-        "bytesFromPeers": 30, "seconds": 1.5}
+        "bytesFromPeers": 30, "seconds": 1.5, "cached": False}
 
 
 def test_a_crash_looping_loader_is_degraded_with_its_error() -> None:
@@ -69,10 +72,11 @@ def test_a_crash_looping_loader_is_degraded_with_its_error() -> None:
                    {"status": "error", "rank": 0, "error": "no space left on /var/lib/dlo"})}}}
     status = status_from_pods([pod(0, failing), pod(1, done())], replicas=2, previous=None, now=NOW)
     assert status["phase"] == "Degraded"
-    assert status["message"] == ("loader on node-0 (pod flux-0, 5 restarts) failed: "
+    assert status["message"] == ("loader container of pod flux-0 on node node-0: LoaderFailed: "
                                  "CrashLoopBackOff: no space left on /var/lib/dlo")
     assert conditions(status)["CacheReady"] == ("False", "LoaderFailed")
-    assert conditions(status)["Progressing"] == ("False", "Stalled")
+    assert conditions(status)["Progressing"] == ("False", "LoaderFailed")
+    assert conditions(status)["Ready"] == ("False", "LoaderFailed")
 
 
 def test_a_loader_that_died_without_a_summary_shows_its_log_tail() -> None:
@@ -88,8 +92,9 @@ def test_missing_credentials_secret_is_a_failure_not_a_wait() -> None:
     waiting = {"state": {"waiting": {"reason": "CreateContainerConfigError",
                                      "message": 'secret "keys" not found'}}}
     status = status_from_pods([pod(0, waiting)], replicas=1, previous=None, now=NOW)
-    assert status["message"] == ('loader on node-0 (pod flux-0, 0 restarts) failed: '
-                                 'CreateContainerConfigError: secret "keys" not found')
+    assert status["message"] == (
+        'loader container of pod flux-0 on node node-0: CreateContainerConfigError: '
+        'secret "keys" not found')
 
 
 def test_a_crash_looping_inference_container_is_degraded() -> None:
@@ -97,14 +102,68 @@ def test_a_crash_looping_inference_container_is_degraded() -> None:
         "reason": "CrashLoopBackOff", "message": "back-off 5m0s"}}})], replicas=1,
         previous=None, now=NOW)
     assert (status["phase"], status["message"]) == (
-        "Degraded", "inference container of pod flux-0 is in CrashLoopBackOff: back-off 5m0s")
+        "Degraded",
+        "inference container of pod flux-0 on node node-0: CrashLoopBackOff: back-off 5m0s")
     assert conditions(status)["CacheReady"] == ("True", "AllNodesCached")
+    assert conditions(status)["Ready"] == ("False", "CrashLoopBackOff")
+
+
+def test_an_unschedulable_pod_is_pending_not_loading_and_names_the_pod() -> None:
+    stuck = pod(1)
+    stuck["spec"] = {}
+    stuck["status"]["conditions"] = [{
+        "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+        "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}]
+    status = status_from_pods([pod(0, {"state": {"running": {}}}), stuck], replicas=2,
+                              previous=None, now=NOW)
+    assert (status["phase"], status["message"]) == (
+        "Pending", "pod flux-1 (not scheduled): Unschedulable: 0/4 nodes are available: "
+        "4 Insufficient nvidia.com/gpu.")
+    assert conditions(status)["Ready"] == ("False", "Unschedulable")
+
+
+def test_image_pull_and_oom_kills_are_named_as_such() -> None:
+    pulling = {"state": {"waiting": {"reason": "ImagePullBackOff",
+                                     "message": 'Back-off pulling image "server:9"'}}}
+    status = status_from_pods([pod(0, done(), inference=pulling)], replicas=1, previous=None,
+                              now=NOW)
+    assert (status["phase"], status["message"]) == (
+        "Degraded", "inference container of pod flux-0 on node node-0: ImagePullBackOff: "
+        'Back-off pulling image "server:9"')
+    oom = {"restartCount": 2, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+           "lastState": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}
+    status = status_from_pods([pod(0, oom)], replicas=1, previous=None, now=NOW)
+    assert (status["phase"], status["message"]) == (
+        "Degraded", "loader container of pod flux-0 on node node-0: OOMKilled: killed for "
+        "exceeding the container's memory limit; raise it")
+    assert conditions(status)["CacheReady"] == ("False", "OOMKilled")
 
 
 def test_invalid_spec_is_failed_whatever_the_pods_say() -> None:
+    refused = Condition("Valid", "False", "SpecInvalid", "invalid settings: x")
     status = status_from_pods([pod(0, done(), ready=True)], replicas=1, previous=None, now=NOW,
-                              invalid_message="invalid settings: x")
-    assert (status["phase"], conditions(status)["Valid"]) == ("Failed", ("False", "SpecInvalid"))
+                              generation=3, problems=[refused])
+    assert (status["phase"], status["message"]) == ("Failed", "invalid settings: x")
+    assert conditions(status)["Valid"] == ("False", "SpecInvalid")
+    assert conditions(status)["Ready"] == ("False", "SpecInvalid")
+    assert {c["observedGeneration"] for c in status["conditions"]} == {3}
+
+
+def test_an_api_error_being_retried_is_pending_and_a_refusal_is_failed() -> None:
+    retrying = Condition("Applied", "False", "ApplyRetrying", "answered 503; attempt 2 in 1 s")
+    status = status_from_pods([], replicas=1, previous=None, now=NOW, problems=[retrying])
+    assert (status["phase"], conditions(status)["Applied"]) == (
+        "Pending", ("False", "ApplyRetrying"))
+    refused = Condition("Applied", "False", "ApplyFailed", "answered 422")
+    status = status_from_pods([], replicas=1, previous=status, now=NOW, problems=[refused])
+    assert (status["phase"], conditions(status)["Ready"]) == ("Failed", ("False", "ApplyFailed"))
+
+
+def test_conditions_of_other_owners_are_kept() -> None:
+    previous = {"conditions": [{"type": "Prefilled", "status": "True", "reason": "Done",
+                                "message": "", "lastTransitionTime": NOW}]}
+    status = status_from_pods([], replicas=1, previous=previous, now=LATER)
+    assert status["conditions"][-1] == previous["conditions"][0]
 
 
 def test_terminating_pods_are_not_counted() -> None:
@@ -119,4 +178,5 @@ def test_transition_times_change_only_with_the_condition_status() -> None:
                              previous=None, now=NOW)
     second = status_from_pods([pod(0, done(), ready=True)], replicas=1, previous=first, now=LATER)
     times = {c["type"]: c["lastTransitionTime"] for c in second["conditions"]}
-    assert times == {"Valid": NOW, "CacheReady": LATER, "Available": LATER, "Progressing": LATER}
+    assert times == {"Valid": NOW, "Applied": NOW, "CacheReady": LATER, "Available": LATER,
+                     "Progressing": LATER, "Ready": LATER}

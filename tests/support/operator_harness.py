@@ -35,6 +35,8 @@ DOD_RESOURCE = f"{GROUP}/{VERSION}/{PLURAL}"
 DOD_PATH = f"/apis/{GROUP}/{VERSION}/namespaces/{NAMESPACE}/{PLURAL}"
 PODS_PATH = f"/api/v1/namespaces/{NAMESPACE}/pods"
 _APPLY = "application/apply-patch+yaml"
+TEST_USER_AGENT = "dlo-tests"
+"""Marks the tests' own requests (playing the user, the kubelet, the StatefulSet controller)."""
 
 
 class ClusterEmulator(kmock.KubernetesEmulator):
@@ -53,6 +55,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     def _fill_new(self, request: kmock.Request) -> None:
         meta = request.data.setdefault("metadata", {})
         meta.setdefault("namespace", request.namespace)
+        if not meta.get("name") and meta.get("generateName"):  # kopf's Events
+            meta["name"] = f"{meta['generateName']}{uuid.uuid4().hex[:5]}"
         meta["uid"] = str(uuid.uuid4())
         meta["resourceVersion"] = str(next(self._versions))
         meta["generation"] = 1
@@ -103,6 +107,12 @@ async def cluster(tmp_path: Path,
         emulator.resources["v1/pods"] = kmock.ResourceInfo(
             kind="Pod", singular="pod", namespaced=True, subresources={"status"},
             verbs={"get", "list", "watch", "create", "patch", "delete"})
+        for resource, kind in (("v1/configmaps", "ConfigMap"), ("v1/services", "Service"),
+                               ("apps/v1/statefulsets", "StatefulSet"), ("batch/v1/jobs", "Job"),
+                               ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget")):
+            emulator.resources[resource] = kmock.ResourceInfo(
+                kind=kind, singular=kind.lower(), namespaced=True, subresources={"status"},
+                verbs={"get", "list", "watch", "create", "patch", "delete"})
         # kopf waits for these to be discoverable even when it scans neither of them.
         emulator.resources["v1/namespaces"] = kmock.ResourceInfo(
             kind="Namespace", singular="namespace", namespaced=False, verbs={"get", "list"})
@@ -187,7 +197,8 @@ def live(cluster: ClusterEmulator, resource: str, name: str) -> dict[str, Any] |
 
 async def request(cluster: ClusterEmulator, method: str, path: str, body: Any = None,
                   content_type: str = "application/merge-patch+json") -> dict[str, Any]:
-    headers = {"Content-Type": content_type if method == "PATCH" else "application/json"}
+    headers = {"Content-Type": content_type if method == "PATCH" else "application/json",
+               "User-Agent": TEST_USER_AGENT}
     async with cluster.request(method, path, data=json.dumps(body) if body is not None else None,
                                headers=headers) as response:
         assert response.status < 300, await response.text()

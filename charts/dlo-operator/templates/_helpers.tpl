@@ -28,24 +28,38 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
-{{/* The API rules the operator needs, nothing more: read and patch its CR and the CR's status;
-watch workload pods for the status; server-side apply its three kinds of children; post events. */}}
+{{/* The API rules the operator needs, nothing more (tests/operator/test_operator_rbac.py derives
+them from the requests the operator makes): watch and patch its CR (kopf's finalizer and
+annotations) and the CR's status; read one CR when a pod or child changes; list and watch its
+pods and children (drift correction); read a child before applying it; server-side apply (patch)
+its children; delete superseded settings ConfigMaps, prefill Jobs and Services; post events. `update` on the finalizers
+subresource lets the children's owner references block the DOD's deletion where the API server
+enforces OwnerReferencesPermissionEnforcement. */}}
 {{- define "dlo-operator.rules" -}}
 - apiGroups: ["dlo.dev"]
   resources: ["diffusionoffloaddeployments"]
   verbs: ["get", "list", "watch", "patch"]
 - apiGroups: ["dlo.dev"]
   resources: ["diffusionoffloaddeployments/status"]
-  verbs: ["get", "patch"]
+  verbs: ["patch"]
+- apiGroups: ["dlo.dev"]
+  resources: ["diffusionoffloaddeployments/finalizers"]
+  verbs: ["update"]
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch"]
 - apiGroups: [""]
   resources: ["configmaps", "services"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "list", "watch", "patch", "delete"]
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "list", "watch", "patch", "delete"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]

@@ -30,7 +30,7 @@ from dlo_contract.cache.errors import (
     CacheLockTimeout,
     CacheSpaceError,
 )
-from dlo_contract.cache.evict import EntryInfo, evict, list_entries, remove_entry
+from dlo_contract.cache.evict import EntryInfo, evict, list_entries, make_room, remove_entry
 from dlo_contract.cache.identity import (
     ObjectIdentity,
     canonical_json,
@@ -71,6 +71,7 @@ __all__ = [
     "find_entry",
     "hexdigest",
     "list_entries",
+    "make_room",
     "open_entry",
     "publish_entry",
     "read_manifest",

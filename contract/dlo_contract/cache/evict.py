@@ -2,9 +2,10 @@
 
 Owns the cache's housekeeping: `list_entries` (kind, bytes, last use, in use), `evict` (LRU
 removal until the root is under its byte limit and above its free-space floor, never touching an
-entry whose `.use` lock is held or whose id is being published) and the sweep of leftovers whose
-owner is gone (tmp dirs, lock files of vanished entries). Called by `dlo cache gc`, `dlo cache ls`
-and by the loader before a fill. Must not write entries or decide what a valid entry is (that is
+entry whose `.use` lock is held or whose id is being published), `make_room` (the same, counting
+an entry about to be written, and an error naming the entries in use when it still cannot fit)
+and the sweep of leftovers whose owner is gone (tmp dirs, lock files of vanished entries). Called
+by `dlo cache gc`, `dlo cache ls` and by the loader before every fill. Must not write entries or decide what a valid entry is (that is
 `manifest` and `check`).
 
 Last use is the mtime of `locks/<id>.use`, touched by every `open_entry`; an entry never opened
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 from dlo_contract.cache import locks
 from dlo_contract.cache.entry import RootLike
-from dlo_contract.cache.errors import CacheCorruptError
+from dlo_contract.cache.errors import CacheCorruptError, CacheSpaceError
 from dlo_contract.cache.fsutil import free_bytes, fsync_dir, remove_tree, tree_bytes
 from dlo_contract.cache.layout import CacheRoot, check_entry_id, is_entry_id
 from dlo_contract.cache.manifest import read_manifest
@@ -77,18 +78,23 @@ def list_entries(root: RootLike) -> list[EntryInfo]:
     return sorted(infos, key=lambda info: (info.last_used, info.entry_id))
 
 
-def _over_limits(cache: CacheRoot, total: int, max_bytes: int, min_free_bytes: int) -> bool:
-    if max_bytes > 0 and total > max_bytes:
+def _over_limits(cache: CacheRoot, total: int, max_bytes: int, min_free_bytes: int,
+                 incoming_bytes: int = 0) -> bool:
+    if max_bytes > 0 and total + incoming_bytes > max_bytes:
         return True
-    return min_free_bytes > 0 and free_bytes(cache.entries) < min_free_bytes
+    if min_free_bytes <= 0 and incoming_bytes <= 0:
+        return False
+    return free_bytes(cache.entries) - incoming_bytes < min_free_bytes
 
 
 def evict(
-    root: RootLike, *, max_bytes: int, min_free_bytes: int, keep: Iterable[str] = ()
+    root: RootLike, *, max_bytes: int, min_free_bytes: int, keep: Iterable[str] = (),
+    incoming_bytes: int = 0,
 ) -> list[str]:
-    """Remove least recently used entries (invalid ones first) until the total is at most
-    `max_bytes` (0: no limit) and at least `min_free_bytes` are free (0: no floor). Entries in
-    use, being published, or listed in `keep` stay. Returns the removed ids in removal order."""
+    """Remove least recently used entries (invalid ones first) until the total plus
+    `incoming_bytes` (an entry about to be written) is at most `max_bytes` (0: no limit) and at
+    least `min_free_bytes` stay free once it is written (0: no floor). Entries in use, being
+    published, or listed in `keep` stay. Returns the removed ids in removal order."""
     cache = CacheRoot.of(root)
     if not cache.entries.is_dir():
         return []
@@ -98,18 +104,50 @@ def evict(
     total = sum(info.bytes for info in infos)
     removed: list[str] = []
     for info in sorted(infos, key=lambda i: (i.kind != INVALID_KIND, i.last_used, i.entry_id)):
-        if not _over_limits(cache, total, max_bytes, min_free_bytes):
+        if not _over_limits(cache, total, max_bytes, min_free_bytes, incoming_bytes):
             break
         if info.entry_id in kept or not remove_entry(cache, info.entry_id):
             continue
         total -= info.bytes
         removed.append(info.entry_id)
-    if _over_limits(cache, total, max_bytes, min_free_bytes):
+    if _over_limits(cache, total, max_bytes, min_free_bytes, incoming_bytes):
         log.warning(
-            "cache %s still holds %d bytes with %d bytes free after eviction; the rest is in use",
-            cache.path, total, free_bytes(cache.entries),
+            "cache %s still holds %d bytes with %d bytes free after eviction (%d incoming); "
+            "the rest is in use", cache.path, total, free_bytes(cache.entries), incoming_bytes,
         )
     return removed
+
+
+def make_room(
+    root: RootLike, entry_id: str, *, incoming_bytes: int, max_bytes: int, min_free_bytes: int,
+) -> list[str]:
+    """Evict until `entry_id` (`incoming_bytes`) fits within the limits, or raise
+    `CacheSpaceError` naming the entries in use that keep it from fitting. Returns the removed
+    ids. The loader calls it before every fill, so no node needs a person to run the gc."""
+    cache = CacheRoot.of(root)
+    if max_bytes > 0 and incoming_bytes > max_bytes:
+        raise CacheSpaceError(
+            f"cache entry {entry_id} needs {incoming_bytes} bytes, more than cache.max_bytes="
+            f"{max_bytes} allows even in an empty cache", needed_bytes=incoming_bytes,
+            free_bytes=free_bytes(cache.path) if cache.path.exists() else 0,
+            hint="raise cache.maxBytes (0 means no limit) or narrow model.include")
+    cache.ensure()
+    removed = evict(cache, max_bytes=max_bytes, min_free_bytes=min_free_bytes,
+                    keep=(entry_id,), incoming_bytes=incoming_bytes)
+    infos = [i for i in list_entries(cache) if i.entry_id != entry_id]
+    total = sum(info.bytes for info in infos)
+    if not _over_limits(cache, total, max_bytes, min_free_bytes, incoming_bytes):
+        return removed
+    free = free_bytes(cache.entries)
+    in_use = ", ".join(f"{i.entry_id} ({i.bytes} bytes)" for i in infos if i.in_use) or "none"
+    raise CacheSpaceError(
+        f"no room for cache entry {entry_id} ({incoming_bytes} bytes) in {cache.path}: "
+        f"{total} bytes in entries (cache.max_bytes={max_bytes}), {free} bytes free "
+        f"(cache.min_free_bytes={min_free_bytes}) after evicting {len(removed)} unused "
+        f"entries; in use: {in_use}",
+        needed_bytes=incoming_bytes + max(min_free_bytes, 0), free_bytes=free,
+        hint="stop the pods that map the entries in use, raise cache.maxBytes, or enlarge "
+             "the volume")
 
 
 def remove_entry(root: RootLike, entry_id: str) -> bool:

@@ -113,8 +113,8 @@ def test_gc_and_ls_commands(root: CacheRoot, workers: Workers, tmp_path: Path) -
     assert lines[0] == f"evicted {first}"
     assert re.fullmatch(rf"1 evicted; {SIZE} bytes in entries, \d+ bytes free", lines[1])
     assert lines[2] == (
-        "limits not met (max 100 bytes, min free 0 bytes): the entries left are in use, or the "
-        "space is taken outside the cache"
+        "limits not met (max 100 bytes, min free 0 bytes, incoming 0 bytes): the entries left "
+        f"are in use ({held}), or the space is taken outside the cache"
     )
     assert root.entry_ids() == [held]
     assert os.listdir(root.tmp) == []  # the dead writer's tmp dir went too

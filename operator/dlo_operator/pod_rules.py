@@ -1,0 +1,117 @@
+"""Refusals that compare the DOD's settings with the pod it asks for.
+
+Each rule has an id (in brackets in its message, like the settings validator's). They read the
+container resources the user wrote as core/v1 objects, which the CRD keeps as free-form maps, so
+the CRD cannot express them; the operator and `dlo render` check them through `admission`.
+`[loader-backend-gloo]` alone has a CEL twin in the CRD with the same message. Pure.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from dlo_operator.naming import Owner, selector_labels
+from dlo_operator.pod import GPU_RESOURCE, OWN_VOLUMES
+from dlo_operator.spec import DeploymentSpec
+
+LOADER_BACKEND_MESSAGE = (
+    "[loader-backend-gloo] spec.loader.backend=nccl needs a GPU, but the loader is a CPU-only "
+    "init container; fix: set spec.loader.backend=gloo")
+
+
+def pod_problems(spec: DeploymentSpec) -> list[str]:
+    found = (_gpu_limit(spec), _ranks(spec), _loader_memory(spec), _backend(spec),
+             _reserved_labels(spec), _volume_names(spec), _mounts(spec))
+    return [problem for problem in found if problem]
+
+
+def ranks_per_pod(spec: DeploymentSpec) -> int:
+    """Processes the engine runs in one pod, one per GPU: the product of the parallel sizes
+    (expert parallelism reuses these ranks; HSDP shards over its own ranks, not counted)."""
+    p = spec.settings.parallel
+    return p.dp * p.sp * p.tp * p.cfg_parallel * p.pp
+
+
+def _gpu_limit(spec: DeploymentSpec) -> str | None:
+    for kind in ("limits", "requests"):
+        own = (spec.inference.resources.get(kind) or {}).get(GPU_RESOURCE)
+        if own is not None and spec.gpus_per_pod and _quantity(own) != spec.gpus_per_pod:
+            return (f"[gpus-per-pod-resources] spec.inference.resources.{kind}"
+                    f"[{GPU_RESOURCE!r}]={own!r} contradicts spec.gpusPerPod={spec.gpus_per_pod}; "
+                    f"remove it (gpusPerPod sets the {GPU_RESOURCE} limit) or make them equal")
+    return None
+
+
+def _ranks(spec: DeploymentSpec) -> str | None:
+    ranks = ranks_per_pod(spec)
+    if not spec.gpus_per_pod or spec.settings.parallel.hsdp or ranks == spec.gpus_per_pod:
+        return None
+    p = spec.settings.parallel
+    return (f"[gpus-per-pod-ranks] spec.parallel dp={p.dp} x sp={p.sp} x tp={p.tp} x "
+            f"cfgParallel={p.cfg_parallel} x pp={p.pp} = {ranks} ranks per pod, but "
+            f"spec.gpusPerPod={spec.gpus_per_pod} (one rank per GPU); set spec.gpusPerPod="
+            f"{ranks} or change the parallel sizes")
+
+
+def _loader_memory(spec: DeploymentSpec) -> str | None:
+    limit = (spec.loader.resources.get("limits") or {}).get("memory")
+    wanted = spec.settings.loader.memory_limit_bytes
+    if limit is None or _quantity(limit) is None or wanted < _quantity(limit):
+        return None
+    return (f"[loader-memory-container-limit] spec.loader.memoryLimitBytes={wanted} does not fit "
+            f"in the loader container's memory limit {limit!r} (the kernel would OOM-kill it); "
+            "lower loader.memoryLimitBytes or raise spec.loader.resources.limits.memory, "
+            "leaving room for the process itself")
+
+
+def _backend(spec: DeploymentSpec) -> str | None:
+    return LOADER_BACKEND_MESSAGE if spec.settings.loader.backend == "nccl" else None
+
+
+_QUANTITY = re.compile(r"^([+]?[0-9.]+(?:[eE][+-]?[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?$")
+_SUFFIX = {None: Decimal(1), "m": Decimal("0.001"), "k": Decimal(10) ** 3,
+           "M": Decimal(10) ** 6, "G": Decimal(10) ** 9, "T": Decimal(10) ** 12,
+           "P": Decimal(10) ** 15, "E": Decimal(10) ** 18, "Ki": Decimal(2) ** 10,
+           "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30, "Ti": Decimal(2) ** 40,
+           "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60}
+
+
+def _reserved_labels(spec: DeploymentSpec) -> str | None:
+    owned = sorted(set(spec.pod_labels) & set(selector_labels(Owner(name="x", namespace="x"))))
+    if not owned:
+        return None
+    return (f"[pod-labels-reserved] spec.podLabels sets {', '.join(owned)}, which the operator "
+            "uses to select the DOD's pods; remove them")
+
+
+def _volume_names(spec: DeploymentSpec) -> str | None:
+    names = [str(v.get("name", "")) for v in spec.volumes]
+    taken = sorted({n for n in names if n in OWN_VOLUMES or names.count(n) > 1})
+    if not taken:
+        return None
+    return (f"[volume-names] spec.volumes names {', '.join(map(repr, taken))} more than once or "
+            f"as one of the operator's own volumes ({', '.join(OWN_VOLUMES)}); rename them")
+
+
+def _mounts(spec: DeploymentSpec) -> str | None:
+    names = {str(v.get("name", "")) for v in spec.volumes}
+    unknown = sorted({str(m.get("name", "")) for m in spec.inference.volume_mounts} - names)
+    if not unknown:
+        return None
+    names = ", ".join(map(repr, unknown))
+    return (f"[volume-mounts-known] spec.inference.volumeMounts mounts {names}, which "
+            "spec.volumes does not define; add the volume or remove the mount")
+
+
+def _quantity(value: Any) -> Decimal | None:
+    """A Kubernetes resource quantity (`4Gi`, `500M`, `2`, `1e9`) as a number; None when it is
+    not one (the API server refuses those itself)."""
+    match = _QUANTITY.match(str(value).strip())
+    if not match:
+        return None
+    try:
+        return Decimal(match.group(1)) * _SUFFIX[match.group(2)]
+    except InvalidOperation:
+        return None

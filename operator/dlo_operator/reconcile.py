@@ -1,0 +1,262 @@
+"""`reconcile`: read what one DOD owns, let `rollout.decide` say what should be, make it so.
+
+One path for every trigger (the DOD changed, one of its pods or children changed, the periodic
+timer): observe the children and pods, decide, apply only the children that drifted from their
+manifests (comparing just the fields this operator sets, so fields other controllers own are
+never fought over), delete what is no longer used, post the Events, and write the status.
+
+The spec is admitted first (`admission`: CRD verdict, settings validator, host-path allowlist,
+pod rules); a refused spec gets `Valid=False` and one Warning Event, and its children stay as
+they are. An API error while applying gets `Applied=False` and a Warning Event per attempt:
+conflicts, throttling, 5xx and timeouts are retried after `backoff_delay` (`ApplyRetrying`),
+anything else (`ApplyFailed`) waits for the next change of the spec. A pod falling into
+trouble (the `Ready` condition's reason) gets one Warning Event per new message.
+Called by `handlers` under a per-DOD lock; the only caller of `rollout`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import time
+from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dlo_contract.fill_group import FILL_GROUP_KEY, FillGroup
+from dlo_operator import metrics
+from dlo_operator.admission import admit
+from dlo_operator.conditions import (
+    FALSE,
+    TRUE,
+    Condition,
+    find,
+    merge_conditions,
+    post_event,
+    report_event,
+)
+from dlo_operator.errors import KubeError, KubeTransientError, SpecError
+from dlo_operator.host_paths import DEFAULT_ALLOWED_HOST_PATHS
+from dlo_operator.kube import KubeClient, backoff_delay
+from dlo_operator.naming import LABEL_DEPLOYMENT, LABEL_ROLE, Owner, selector_labels
+from dlo_operator.rollout import BackoffConfig, Decision, Observed, PrefillState, Stage, decide
+from dlo_operator.spec import DEFAULT_LOADER_IMAGE
+from dlo_operator.status import (
+    APPLIED,
+    APPLY_RETRYING,
+    PREFILLED,
+    READY,
+    TROUBLE_REASONS,
+    VALID,
+    status_from_pods,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReconcileConfig:
+    backoff: BackoffConfig = BackoffConfig()
+    """Prefill retries."""
+    allowed_host_paths: tuple[str, ...] = DEFAULT_ALLOWED_HOST_PATHS
+    loader_image: str = DEFAULT_LOADER_IMAGE
+
+
+@dataclass(frozen=True, kw_only=True)
+class ApplyRetry:
+    """A failed apply of one DOD generation: when the next attempt may run (never, for a
+    permanent failure: the next spec change retries) and the condition that reports it."""
+
+    generation: int | None
+    attempt: int
+    not_before: float
+    condition: Condition
+
+
+Retries = MutableMapping[tuple[str, str], ApplyRetry]
+
+
+def reconcile(kube: KubeClient, dod: Mapping[str, Any], config: ReconcileConfig,
+              retries: Retries | None = None) -> Decision | None:
+    """One step for `dod`; returns the decision (None for a refused spec). `retries` keeps the
+    failed applies between steps (the handlers keep one per operator)."""
+    retries = {} if retries is None else retries
+    owner = Owner.from_body(dod)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    previous = dict(dod.get("status") or {})
+    generation = (dod.get("metadata") or {}).get("generation")
+    pods = kube.list("Pod", owner.namespace, {LABEL_DEPLOYMENT: owner.name})
+    workload = [p for p in pods if LABEL_ROLE not in _labels(p)]
+    try:
+        spec = admit(dod, allowed_host_paths=config.allowed_host_paths,
+                     loader_image=config.loader_image)
+    except SpecError as exc:
+        log.error("%s/%s: spec refused, children left as they are: %s", owner.namespace,
+                  owner.name, exc)
+        problem = Condition(VALID, FALSE, "SpecInvalid", str(exc))
+        status = status_from_pods(workload, replicas=_replicas(dod.get("spec")),
+                                  previous=previous, now=_stamp(now), generation=generation,
+                                  problems=[problem])
+        _report_new(dod, previous, status, (VALID,))
+        _write_status(kube, owner, dod, previous, status)
+        metrics.record_reconcile("invalid", owner, status, previous)
+        return None
+    seen = _observe(kube, owner, pods, workload, previous, now)
+    decision = decide(owner, spec, seen, config.backoff)
+    problem = _apply(kube, owner, dod, decision, retries, generation)
+    for report in decision.reports:
+        post_event(dod, report)
+    status = status_from_pods(workload, replicas=spec.replicas, previous=previous,
+                              now=_stamp(now), generation=generation,
+                              problems=[problem] if problem else [])
+    status.update(_rollout_status(owner, decision, status, previous, _stamp(now), generation))
+    _report_new(dod, previous, status, (READY,))
+    _write_status(kube, owner, dod, previous, status)
+    outcome = "applied" if problem is None else (
+        "retried" if problem.reason == APPLY_RETRYING else "failed")
+    metrics.record_reconcile(outcome, owner, status, previous, decision.reports)
+    return decision
+
+
+def _apply(kube: KubeClient, owner: Owner, dod: Mapping[str, Any], decision: Decision,
+           retries: Retries, generation: int | None) -> Condition | None:
+    """Converge, unless an earlier failure of this generation says to wait. A new failure
+    becomes an `Applied=False` condition and a Warning Event."""
+    key = (owner.namespace, owner.name)
+    before = retries.get(key)
+    if before is not None and before.generation != generation:
+        before = None
+    if before is not None and time.monotonic() < before.not_before:
+        return before.condition
+    try:
+        _converge(kube, owner, decision)
+    except KubeTransientError as exc:
+        attempt = before.attempt + 1 if before is not None else 0
+        delay = backoff_delay(attempt, exc.delay_s)
+        condition = Condition(APPLIED, FALSE, APPLY_RETRYING,
+                              f"{exc}; attempt {attempt + 2} in {delay:.0f} s")
+        retries[key] = ApplyRetry(generation=generation, attempt=attempt,
+                                  not_before=time.monotonic() + delay, condition=condition)
+    except KubeError as exc:
+        condition = Condition(APPLIED, FALSE, "ApplyFailed",
+                              f"{exc}; retried when the spec changes ({exc.hint})")
+        retries[key] = ApplyRetry(generation=generation, attempt=0, not_before=math.inf,
+                                  condition=condition)
+    else:
+        retries.pop(key, None)
+        return None
+    report_event(dod, condition)
+    return condition
+
+
+def _report_new(dod: Mapping[str, Any], previous: Mapping[str, Any], status: Mapping[str, Any],
+                kinds: Sequence[str]) -> None:
+    """A Warning Event for each failed condition of `kinds` whose message is new (a refused
+    spec; a pod in trouble, named by the `Ready` condition's reason)."""
+    for kind in kinds:
+        now, before = find(status, kind), find(previous, kind)
+        if now is None or not now.failed or (before is not None and before == now):
+            continue
+        if kind == READY and now.reason not in TROUBLE_REASONS:
+            continue
+        report_event(dod, now)
+
+
+def _observe(kube: KubeClient, owner: Owner, pods: list[dict[str, Any]],
+             workload: list[dict[str, Any]], previous: Mapping[str, Any],
+             now: datetime.datetime) -> Observed:
+    group_map = kube.get("ConfigMap", owner.namespace, owner.fill_group_name)
+    group = None
+    if group_map is not None:
+        try:
+            group = FillGroup.from_json((group_map.get("data") or {}).get(FILL_GROUP_KEY, "{}"))
+        except ValueError:
+            group = FillGroup()
+    mine = {LABEL_DEPLOYMENT: owner.name}
+    return Observed(
+        statefulset=kube.get("StatefulSet", owner.namespace, owner.statefulset_name),
+        pods=workload, group=group,
+        jobs=kube.list("Job", owner.namespace, {**mine, LABEL_ROLE: "prefill"}),
+        job_pods=[p for p in pods if _labels(p).get(LABEL_ROLE) == "prefill"],
+        settings_configmaps=kube.list("ConfigMap", owner.namespace,
+                                      {**mine, LABEL_ROLE: "settings"}),
+        prefill=previous.get("prefill") or {}, now=now)
+
+
+def _converge(kube: KubeClient, owner: Owner, decision: Decision) -> None:
+    for manifest in decision.apply:
+        meta = manifest["metadata"]
+        live = kube.get(manifest["kind"], owner.namespace, meta["name"])
+        if live is None or drifted(manifest, live):
+            log.info("%s/%s: applying %s %s (%s)", owner.namespace, owner.name,
+                     manifest["kind"], meta["name"], "missing" if live is None else "drifted")
+            if manifest.get("immutable") and live is not None:
+                kube.delete(manifest["kind"], owner.namespace, meta["name"])
+            kube.apply(manifest)
+    for kind, name in decision.delete:
+        log.info("%s/%s: deleting %s %s", owner.namespace, owner.name, kind, name)
+        kube.delete(kind, owner.namespace, name)
+
+
+def drifted(desired: Any, live: Any) -> bool:
+    """True when a field `desired` sets differs in `live`. Fields only `live` has (defaults,
+    other controllers' fields, status) are not drift."""
+    if isinstance(desired, Mapping):
+        return not isinstance(live, Mapping) or any(
+            drifted(value, live.get(key)) for key, value in desired.items())
+    if isinstance(desired, list):
+        return not isinstance(live, list) or len(desired) != len(live) or any(
+            drifted(d, v) for d, v in zip(desired, live))
+    return desired != live
+
+
+def _rollout_status(owner: Owner, decision: Decision, status: Mapping[str, Any],
+                    previous: Mapping[str, Any], now: str,
+                    generation: int | None) -> dict[str, Any]:
+    """The lifecycle fields: stage, revision, prefill record, `Prefilled` condition, selector
+    (for the scale subresource)."""
+    prefill = decision.prefill
+    state = prefill.get("state")
+    if not prefill:
+        prefilled = Condition(PREFILLED, TRUE, "NotNeeded", "no prefill has been needed")
+    elif state == PrefillState.FAILED.value:
+        prefilled = Condition(PREFILLED, FALSE, "PrefillFailed", decision.message)
+    elif state == PrefillState.RUNNING.value:
+        prefilled = Condition(PREFILLED, FALSE, "Prefilling", decision.message)
+    else:
+        prefilled = Condition(PREFILLED, TRUE, "PrefillSucceeded",
+                              str(prefill.get("message", "")))
+    stamped = merge_conditions(previous.get("conditions"), [prefilled], generation=generation,
+                               now=now)[0]
+    conditions = [c for c in status["conditions"] if c.get("type") != PREFILLED] + [stamped]
+    fields: dict[str, Any] = {
+        "stage": decision.stage.value, "stageMessage": decision.message,
+        "revision": decision.revision,
+        "conditions": conditions,
+        "selector": ",".join(f"{k}={v}" for k, v in selector_labels(owner).items()),
+    }
+    if decision.stage in (Stage.PREFILLING, Stage.BACKOFF):
+        fields["phase"] = "Updating" if status["phase"] == "Ready" else status["phase"]
+    fields["prefill"] = prefill or None
+    return fields
+
+
+def _write_status(kube: KubeClient, owner: Owner, dod: Mapping[str, Any],
+                  previous: Mapping[str, Any], status: dict[str, Any]) -> None:
+    status["observedGeneration"] = (dod.get("metadata") or {}).get("generation")
+    if any(previous.get(key) != value for key, value in status.items()):
+        kube.patch_deployment_status(owner.namespace, owner.name, status)
+
+
+def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
+    return (obj.get("metadata") or {}).get("labels") or {}
+
+
+def _replicas(spec: Mapping[str, Any] | None) -> int:
+    value = (spec or {}).get("replicas", 1)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+
+
+def _stamp(now: datetime.datetime) -> str:
+    return now.strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -1,0 +1,92 @@
+"""The operator's RBAC is exactly what it uses: the verbs are derived from every request the
+operator makes to the API emulator over a DOD's life (create, pods reporting, an update, a
+refused spec, an API error, deletion), and compared with the chart's rules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kmock
+import yaml
+
+from support.operator_harness import (
+    DOD_PATH,
+    DOD_RESOURCE,
+    NAMESPACE,
+    PODS_PATH,
+    TEST_USER_AGENT,
+    ClusterEmulator,
+    Operator,
+    eventually,
+    live,
+    request,
+    workload_pod,
+)
+
+CHART = Path(__file__).parents[2] / "charts" / "dlo-operator"
+_VERBS = {kmock.action.FETCH: "get", kmock.action.LIST: "list", kmock.action.WATCH: "watch",
+          kmock.action.CREATE: "create", kmock.action.DELETE: "delete"}
+NOT_OBSERVABLE = {("dlo.dev", "diffusionoffloaddeployments/finalizers"): {"update"}}
+"""Checked by the API server's OwnerReferencesPermissionEnforcement admission plugin when a
+child's owner reference sets blockOwnerDeletion; an emulator sees no request for it."""
+AFTER_A_MODEL_CHANGE = {("", "configmaps"): {"delete"}, ("", "services"): {"delete"},
+                        ("batch", "jobs"): {"get", "patch", "delete"}}
+"""Used only by a model change (the prefill Job and its Service, created and then removed with
+the superseded settings ConfigMap once the new revision serves); tests/operator/
+test_operator_lifecycle.py drives that life, with stand-in Job and StatefulSet controllers."""
+
+
+def chart_rules() -> dict[tuple[str, str], set[str]]:
+    with helm.Chart.load(CHART) as chart:
+        rendered = chart.render(None, name="dlo", namespace="dlo-system", is_install=True)
+    role = next(doc for name, text in rendered.items() if name.endswith(".yaml")
+                for doc in yaml.safe_load_all(text)
+                if doc and doc["kind"] == "ClusterRole")
+    return {(group, resource): set(rule["verbs"]) for rule in role["rules"]
+            for group in rule["apiGroups"] for resource in rule["resources"]}
+
+
+def used_rules(requests: list[Any]) -> dict[tuple[str, str], set[str]]:
+    used: dict[tuple[str, str], set[str]] = {}
+    for r in requests:
+        if r.resource is None or r.resource.plural is None or r.action is None:
+            continue
+        verb = _VERBS.get(r.action) or ("update" if r.method == "PUT" else "patch")
+        resource = f"{r.resource.plural}/{r.subresource}" if r.subresource else r.resource.plural
+        used.setdefault((r.resource.group or "", resource), set()).add(verb)
+    return used
+
+
+async def test_the_chart_grants_exactly_the_verbs_the_operator_uses(
+        cluster: ClusterEmulator, operator: Operator) -> None:
+    body = {"apiVersion": "dlo.dev/v1alpha1", "kind": "DiffusionOffloadDeployment",
+            "metadata": {"name": "flux", "namespace": NAMESPACE},
+            "spec": {"model": {"source": "s3://models/flux/"},
+                     "inference": {"image": "server:1", "ports": [{"containerPort": 8000}]},
+                     "disruptionBudget": {"enabled": True}}}
+    cluster["patch", f"/api/v1/namespaces/{NAMESPACE}/services/flux-peers"][:1] << 503
+    await request(cluster, "POST", DOD_PATH, body)
+    await eventually(lambda: live(cluster, DOD_RESOURCE, "flux")["status"]["conditions"][1][
+        "status"] == "True")  # Applied, once the retried apply went through
+    assert live(cluster, "policy/v1/poddisruptionbudgets", "flux")
+    assert live(cluster, "v1/services", "flux")
+    await request(cluster, "POST", PODS_PATH, workload_pod("flux", 0, "gpu-0"))
+    await request(cluster, "PATCH", f"{PODS_PATH}/flux-0/status", {"status": {
+        "initContainerStatuses": [{"name": "loader", "restartCount": 0,
+                                   "state": {"running": {}}}]}})
+    await eventually(lambda: live(cluster, DOD_RESOURCE, "flux")["status"]["phase"] == "Loading")
+    await request(cluster, "PATCH", f"{DOD_PATH}/flux", {"spec": {"parallel": {"hsdp": True}}})
+    await eventually(lambda: live(cluster, DOD_RESOURCE, "flux")["status"]["phase"] == "Failed")
+    await request(cluster, "DELETE", f"{DOD_PATH}/flux")
+    await eventually(lambda: live(cluster, DOD_RESOURCE, "flux") is None)
+    await operator.stop()
+
+    used = used_rules([r for r in list(cluster)
+                       if r.headers.get("User-Agent") != TEST_USER_AGENT])
+    expected = dict(used)
+    for extra in (NOT_OBSERVABLE, AFTER_A_MODEL_CHANGE):
+        for rule, verbs in extra.items():
+            expected[rule] = expected.get(rule, set()) | verbs
+    assert expected == chart_rules()

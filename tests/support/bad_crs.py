@@ -1,0 +1,123 @@
+"""One table of DiffusionOffloadDeployments the system must refuse: the names, paths, URIs and
+typos a platform engineer writes, every row of the DLO compatibility matrix, and the pod-level
+contradictions. Each row names what the refusal message must contain, and whether the CRD
+(schema + CEL, at `kubectl apply`) refuses it too or only the operator and `dlo render` do
+(an installation's host-path allowlist, or a comparison of free-form core/v1 resources)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+NAMESPACE = "inference"
+GOOD_SPEC: dict[str, Any] = {"replicas": 2, "model": {"source": "s3://models/flux/"},
+                             "inference": {"image": "server:1"}}
+RANK_LOCAL = {"useAllgather": False, "enableRuntimeCache": True}
+
+
+@dataclass(frozen=True)
+class BadCR:
+    id: str
+    spec: dict[str, Any] = field(default_factory=dict)
+    """Merged into GOOD_SPEC (nested objects merged, values replaced)."""
+    expect: str = ""
+    """A fragment of the refusal message."""
+    crd: bool = True
+    """False: the CRD accepts it; only the operator and `dlo render` refuse it."""
+    name: str = ""
+    """metadata.name; empty derives a valid one from the id."""
+
+    def document(self) -> dict[str, Any]:
+        return {"apiVersion": "dlo.dev/v1alpha1", "kind": "DiffusionOffloadDeployment",
+                "metadata": {"name": self.name or f"bad-{self.id}"[:52].rstrip("-"),
+                             "namespace": NAMESPACE},
+                "spec": _merged(GOOD_SPEC, self.spec)}
+
+
+def _merged(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in patch.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(
+            out.get(key), dict) else value
+    return out
+
+
+NAME_RULE = "[name-dns-1035]"
+ROWS: tuple[BadCR, ...] = (
+    # Names: a dot or a leading digit is no Service name; 53+ characters break the
+    # controller-revision-hash label (pods are never created).
+    BadCR("name-dot", name="flux.dev", expect=NAME_RULE),
+    BadCR("name-digit", name="9flux", expect=NAME_RULE),
+    BadCR("name-upper", name="Flux", expect=NAME_RULE),
+    BadCR("name-53", name="f" * 53, expect=NAME_RULE),
+    # Object-store URIs.
+    BadCR("source-no-bucket", {"model": {"source": "s3://"}}, "spec.model.source: 's3://'"),
+    BadCR("source-empty-bucket", {"model": {"source": "s3:///x/"}},
+          "spec.model.source: 's3:///x/' does not match"),
+    BadCR("source-http", {"model": {"source": "http://x"}}, "spec.model.source: 'http://x'"),
+    # Typos are refused, not pruned (`kubectl apply` validates fields strictly).
+    BadCR("typo-replica", {"replica": 3}, "spec.replica: unknown field"),
+    BadCR("typo-nested", {"offload": {"useAllGather": False}},
+          "spec.offload.useAllGather: unknown field"),
+    # Host paths.
+    BadCR("host-path-relative", {"cache": {"hostPath": "cache"}}, "spec.cache.hostPath: 'cache'"),
+    BadCR("host-path-root", {"cache": {"hostPath": "/"}}, "spec.cache.hostPath: '/'"),
+    BadCR("host-path-dotdot", {"cache": {"hostPath": "/var/lib/../../etc"}},
+          "spec.cache.hostPath: '/var/lib/../../etc'"),
+    BadCR("host-path-trailing-slash", {"cache": {"hostPath": "/var/lib/dlo/cache/"}},
+          "spec.cache.hostPath: '/var/lib/dlo/cache/'"),
+    BadCR("host-path-etc", {"cache": {"hostPath": "/etc"}},
+          "spec.cache.hostPath='/etc' is outside the allowed host paths (/var/lib/dlo)", crd=False),
+    BadCR("host-path-outside", {"cache": {"hostPath": "/mnt/nvme/dlo"}},
+          "spec.cache.hostPath='/mnt/nvme/dlo' is outside the allowed host paths", crd=False),
+    BadCR("runtime-root-relative", {"offload": {**RANK_LOCAL, "runtimeCacheRoot": "rt"}},
+          "spec.offload.runtimeCacheRoot: 'rt'"),
+    BadCR("runtime-root-outside", {"offload": {**RANK_LOCAL, "runtimeCacheRoot": "/etc/dlo"}},
+          "spec.offload.runtimeCacheRoot='/etc/dlo' is outside the allowed host paths",
+          crd=False),
+    BadCR("runtime-root-nested", {"offload": {
+        **RANK_LOCAL, "runtimeCacheRoot": "/var/lib/dlo/cache/runtime"}},
+        "spec.offload.runtimeCacheRoot='/var/lib/dlo/cache/runtime' and "
+        "spec.cache.hostPath='/var/lib/dlo/cache' are nested", crd=False),
+    # Bounds.
+    BadCR("dp-zero", {"parallel": {"dp": 0}}, "spec.parallel.dp: 0 is less than the minimum of 1"),
+    BadCR("cfg-parallel-3", {"parallel": {"cfgParallel": 3}},
+          "spec.parallel.cfgParallel: 3 is not one of [1, 2]"),
+    BadCR("replicas-zero", {"replicas": 0}, "spec.replicas: 0 is less than the minimum of 1"),
+    # The compatibility matrix of the DLO design, one row per rule.
+    BadCR("hsdp-allgather", {"parallel": {"hsdp": True}}, "[hsdp-allgather]"),
+    BadCR("resident-layers-allgather", {"offload": {"residentLayers": 2}},
+          "[resident-layers-allgather]"),
+    BadCR("quantization-allgather", {"quantization": "int8_weight_only"},
+          "[quantization-allgather]"),
+    BadCR("runtime-cache-allgather", {"offload": {"enableRuntimeCache": True}},
+          "[runtime-cache-allgather]"),
+    BadCR("runtime-cache-quantization", {"offload": RANK_LOCAL, "quantization": "fp8_per_tensor"},
+          "[runtime-cache-quantization]"),
+    BadCR("runtime-cache-hsdp", {"offload": RANK_LOCAL, "parallel": {"hsdp": True}},
+          "[runtime-cache-hsdp]"),
+    BadCR("runtime-cache-ep", {"offload": RANK_LOCAL, "parallel": {"ep": 2}},
+          "[runtime-cache-ep]"),
+    BadCR("runtime-cache-cfg-parallel", {"offload": RANK_LOCAL, "parallel": {"cfgParallel": 2}},
+          "[runtime-cache-cfg-parallel]"),
+    BadCR("runtime-cache-pp", {"offload": RANK_LOCAL, "parallel": {"pp": 4}},
+          "[runtime-cache-pp]"),
+    BadCR("pin-limit-needs-runtime-cache", {"offload": {"runtimeCachePinLimitGiB": 0.5}},
+          "[pin-limit-needs-runtime-cache]"),
+    BadCR("hsdp-with-dp-or-tp", {"offload": {"useAllgather": False},
+                                 "parallel": {"hsdp": True, "dp": 2}}, "[hsdp-with-dp-or-tp]"),
+    BadCR("loader-memory-two-chunks", {"loader": {"chunkBytes": 1 << 30}},
+          "[loader-memory-two-chunks]"),
+    # The pod against the settings.
+    BadCR("loader-backend-gloo", {"loader": {"backend": "nccl"}}, "[loader-backend-gloo]"),
+    BadCR("gpus-per-pod-resources", {"gpusPerPod": 1, "inference": {
+        "resources": {"limits": {"nvidia.com/gpu": 2}}}}, "[gpus-per-pod-resources]", crd=False),
+    BadCR("gpus-per-pod-ranks", {"gpusPerPod": 4, "parallel": {"dp": 8}},
+          "[gpus-per-pod-ranks] spec.parallel dp=8 x sp=1 x tp=1 x cfgParallel=1 x pp=1 = 8 "
+          "ranks per pod, but spec.gpusPerPod=4", crd=False),
+    BadCR("loader-memory-container-limit", {"loader": {
+        "memoryLimitBytes": 8 << 30, "resources": {"limits": {"memory": "4Gi"}}}},
+        "[loader-memory-container-limit] spec.loader.memoryLimitBytes=8589934592 does not fit",
+        crd=False),
+)
