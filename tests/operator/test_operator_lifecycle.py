@@ -174,7 +174,10 @@ async def test_model_change_prefills_while_old_pods_serve_then_restarts_cached(
     assert standin.store_bytes - before == STORE[V2]  # the whole update: one model's bytes
     assert standin.rendezvous_timeouts == []
     assert set(uids(standin, "flux-0", "flux-1").values()).isdisjoint(old.values())
-    assert [n.get("cached") for n in s["nodes"]] == [True, True]
+    # The node rows follow the pods' loader results; a status written between two pod events
+    # may still show one row from before, so wait for the next one.
+    s = await eventually(lambda: (lambda st: st if [n.get("cached") for n in st["nodes"]]
+                                  == [True, True] else None)(_status(cluster)))
     assert (s["prefill"]["state"], s["prefill"]["bytesFromStore"]) == ("Succeeded", STORE[V2])
     await eventually(lambda: [e["reason"] for e in events(cluster)][-2:] == [
         "PrefillStarted", "PrefillSucceeded"])
