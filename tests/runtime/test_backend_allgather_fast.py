@@ -5,29 +5,19 @@ a gather still writes (`ready`) fails here, not only in the slow suite."""
 
 from __future__ import annotations
 
-import json
-import socket
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.multiprocessing as mp
 from support import stream_dist_worker
+from support.gloo_world import run_world
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out_dir = tmp_path_factory.mktemp("allgather")
-    mp.spawn(stream_dist_worker.main, args=(WORLD, _free_port(), str(out_dir)), nprocs=WORLD)
-    return [json.loads(Path(out_dir, f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    return run_world(stream_dist_worker.main, WORLD, out_dir)
 
 
 def test_every_rank_gathers_the_exact_blocks(ranks: list[dict[str, Any]]) -> None:

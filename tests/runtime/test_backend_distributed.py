@@ -6,14 +6,11 @@ Processes start once per world size and run every case (see `runtime_dist_worker
 
 from __future__ import annotations
 
-import json
-import socket
-from pathlib import Path
 from typing import Any
 
 import pytest
 from support import runtime_dist_worker
-import torch.multiprocessing as mp
+from support.gloo_world import run_world
 
 pytestmark = pytest.mark.slow
 
@@ -23,19 +20,12 @@ CASES = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda world: f"world{world}")
 def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
     """Outcomes of every case on every rank of one gloo world."""
     world = request.param
     out_dir = tmp_path_factory.mktemp(f"world{world}")
-    mp.spawn(runtime_dist_worker.main, args=(world, _free_port(), str(out_dir)), nprocs=world)
-    return [json.loads(Path(out_dir, f"rank{rank}.json").read_text()) for rank in range(world)]
+    return run_world(runtime_dist_worker.main, world, out_dir)
 
 
 def test_every_case_ran_on_every_rank(ranks: list[dict[str, Any]]) -> None:

@@ -5,14 +5,11 @@ hanging in a collective later."""
 
 from __future__ import annotations
 
-import json
-import socket
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.multiprocessing as mp
 from support import stack_dist_worker
+from support.gloo_world import run_world
 from support.stack_models import STACK_MODELS
 
 from dlo_bench.models import KINDS
@@ -21,17 +18,10 @@ pytestmark = pytest.mark.slow
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out_dir = tmp_path_factory.mktemp("stacks")
-    mp.spawn(stack_dist_worker.main, args=(WORLD, _free_port(), str(out_dir)), nprocs=WORLD)
-    return [json.loads(Path(out_dir, f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    return run_world(stack_dist_worker.main, WORLD, out_dir)
 
 
 @pytest.mark.parametrize("name", [*sorted(STACK_MODELS), *KINDS])
