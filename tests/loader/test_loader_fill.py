@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import struct
 from pathlib import Path
 
@@ -57,17 +56,14 @@ def test_single_loader_publishes_a_verified_copy(
 def test_cached_entry_means_no_object_reads_and_no_rendezvous(
     s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
 ) -> None:
+    """A loader the operator placed in no group (a pod restarted after a prefill, a pod whose
+    group has closed) finds the entry and exits: no object read, no rendezvous. A holder that
+    *is* placed in a group joins it to serve its share from disk (test_loader_group.py)."""
     root = tmp_path / "cache"
     first = fill(FillRequest(settings=settings_for(checkpoint.source, s3.endpoint_url, root)))
-    with socket.socket() as master, FaultProxy(s3.endpoint_url) as proxy:
-        master.bind(("127.0.0.1", 0))
-        master.listen()
-        master.setblocking(False)
+    with FaultProxy(s3.endpoint_url) as proxy:
         settings = settings_for(checkpoint.source, proxy.url, root)
-        again = fill(FillRequest(settings=settings, rank=1, world_size=3,
-                                 master_addr="127.0.0.1", master_port=master.getsockname()[1]))
-        with pytest.raises(BlockingIOError):
-            master.accept()  # nobody tried to join a group
+        again = fill(FillRequest(settings=settings))
     assert proxy.object_requests == 0
     assert (again.cached, again.entry_id, again.path) == (True, first.entry_id, first.path)
     assert again.summary().bytes_from_store == 0
