@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import mmap
 import os
 import shutil
 import statistics
@@ -30,6 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import botocore.session
+from botocore.config import Config
+from dlo_loader.fetch import chunk_buffer
 from dlo_loader.fill import FillRequest, fill
 from dlo_loader.plan import Chunk
 from dlo_loader.sink import FileSink
@@ -111,7 +113,8 @@ def measure(args: argparse.Namespace, server: S3Server, work: Path) -> dict[str,
         "fill_to_bound_ratio": round(fill / min(ceiling, disk), 4),
         "stage_seconds": stages,
         "stage_seconds_note": "per fill, thread-seconds summed over the loader's threads: GET "
-                              "(16 readers at once), digest (CRC64-NVME per chunk), write "
+                              "(16 readers at once, each hashing what it reads), digest (CRC64-NVME of "
+                              "chunks received from peers), write "
                               "(positioned, O_DIRECT), exchange (none alone)",
     }
 
@@ -162,9 +165,13 @@ def _ranges(server: S3Server, chunk_bytes: int) -> list[tuple[str, int, int]]:
 
 def _ceiling(server: S3Server, ranges: list[tuple[str, int, int]], readers: int) -> float:
     """Seconds to GET every range with `readers` threads, reading each body and dropping it,
-    from creating the client on (the fill's time includes its client too)."""
+    from creating the client on (the fill's time includes its client too). The client comes from
+    a fresh botocore session, as the loader's does (a fresh process has no service model
+    loaded); a pool of `readers` connections, as the loader's."""
     started = time.perf_counter()
-    client = server.client()
+    client = botocore.session.get_session().create_client(
+        "s3", endpoint_url=server.endpoint_url,
+        config=Config(s3={"addressing_style": "path"}, max_pool_connections=readers))
 
     def get(item: tuple[str, int, int]) -> int:
         key, start, length = item
@@ -187,7 +194,7 @@ def _disk(directory: Path, total: int, chunk_bytes: int) -> float:
     """Seconds to write and fsync `total` bytes where the cache goes, chunk by chunk through the
     loader's own sink (direct writes where the filesystem allows): the node's other limit."""
     directory.mkdir(exist_ok=True)
-    block = mmap.mmap(-1, chunk_bytes)  # page-aligned, as the loader's chunk buffers are
+    block = chunk_buffer(chunk_bytes)  # the loader's own kind of buffer
     block.write(os.urandom(chunk_bytes))
     started = time.perf_counter()
     sink = FileSink(directory, [ObjectIdentity("probe", total, "")])

@@ -1,33 +1,48 @@
 """Fetching one rank's chunks: reader threads, the chunk buffers, and the digest of each chunk.
 
 Owns the threads that read (through a `Reader`, so the object store and a cached entry look the
-same), the pool of chunk buffers, and hashing each chunk once it is complete. Which part a free
+same), the pool of chunk buffers, and each chunk's digest, combined from the running CRCs the
+reads return (see [Note: hashing while reading] in `digest`). Which part a free
 reader fetches next is `schedule.FetchOrder`'s decision. Called by `exchange`. Must not write
 files, talk to peers, or decide what a failure means (it hands the error to the caller).
 
-[Note: chunk buffers] A buffer is an anonymous page-aligned mapping of `chunk_bytes`, made on
-first need and reused after the chunk is written, so a fill touches fresh memory only for the
-buffers it holds at once, not for every chunk; the alignment lets the sink write it with direct
-I/O. A chunk opens (its first part is claimed) only with a free buffer, so at most `limit`
+[Note: chunk buffers] A buffer is a private anonymous page-aligned mapping of `chunk_bytes`,
+made on first need and reused after the chunk is written, so a fill touches fresh memory only for
+the buffers it holds at once, not for every chunk; the alignment lets the sink write it with
+direct I/O. Private, not `mmap`'s default shared mapping: a shared anonymous page is a shmem page
+(page-cache bookkeeping on every first touch) and never a transparent huge page, while a
+private one is asked for huge pages (`MADV_HUGEPAGE`), so filling a buffer costs a handful of page
+faults instead of one per 4 KiB (a fill's buffers are a few hundred MiB). A chunk opens (its
+first part is claimed) only with a free buffer, so at most `limit`
 chunks are in flight or waiting to be consumed: the memory bound.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import threading
 import time
 from collections.abc import Callable
 
-from dlo_loader.digest import chunk_digest
+from dlo_loader import digest
 from dlo_loader.plan import Chunk
 from dlo_loader.schedule import FetchOrder, FetchShape, Part
 
-Reader = Callable[[int, int, memoryview], None]
+Reader = Callable[[int, int, memoryview], int]
 """`read(file, offset, into)` fills `into` with bytes `[offset, offset + len(into))` of the plan's
-file `file`, exactly, or raises."""
+file `file`, exactly, and returns their running CRC (`digest.extend`, see [Note: hashing while
+reading]), or raises."""
 POLL_S = 0.2
 """Longest a waiting thread sleeps before it looks at the stop flag again."""
+
+
+def chunk_buffer(size: int) -> mmap.mmap:
+    """A private anonymous page-aligned buffer of `size` bytes (see [Note: chunk buffers])."""
+    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(AttributeError, OSError):  # huge pages are a hint, not a need
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    return buffer
 
 
 class BufferPool:
@@ -50,7 +65,7 @@ class BufferPool:
                 return self._free.pop()
             if self._made < self.limit:
                 self._made += 1
-                return mmap.mmap(-1, self.size)
+                return chunk_buffer(self.size)
             return None
 
     def wait(self, timeout: float) -> mmap.mmap | None:
@@ -78,6 +93,8 @@ class Fetcher:
                                  open_limit=shape.open_chunks)
         self._cond = threading.Condition()
         self._open: dict[int, mmap.mmap] = {}
+        self._parts: dict[int, dict[int, tuple[int, int]]] = {}
+        """Per open chunk: each fetched part's `(length, running CRC)` by its start."""
         self._ready: dict[int, tuple[mmap.mmap, str]] = {}
         self.error: BaseException | None = None
         for number in range(min(shape.readers, len(chunks))):
@@ -103,8 +120,8 @@ class Fetcher:
         """A complete chunk (`position`, else the lowest ready one), its buffer and digest."""
         with self._cond:
             key = min(self._ready) if position is None else position
-            buffer, digest = self._ready.pop(key)
-            return self._chunks[key], buffer, digest
+            buffer, found = self._ready.pop(key)
+            return self._chunks[key], buffer, found
 
     def _work(self) -> None:
         while not self._stop.is_set():
@@ -120,26 +137,25 @@ class Fetcher:
             view = memoryview(buffer)[part.start:part.start + part.length]
             try:
                 began = time.monotonic()
-                self._read(chunk.file, chunk.offset + part.start, view)
+                crc = self._read(chunk.file, chunk.offset + part.start, view)
                 self._timed("get", time.monotonic() - began)
+                self._fetched(part, buffer, crc)
             except BaseException as exc:  # handed to the consumer, which reports it
                 with self._cond:
                     self.error = self.error or exc
                     self._cond.notify_all()
                 return
-            with self._cond:
-                complete = self._order.complete(part)
-                if complete:
-                    del self._open[part.position]
-                self._cond.notify_all()  # a slot for a new chunk may be free now
-            if complete:
-                # Hashed here, by the thread that finished the chunk, while the others read on.
-                began = time.monotonic()
-                digest = chunk_digest(memoryview(buffer)[:chunk.length])
-                self._timed("digest", time.monotonic() - began)
-                with self._cond:
-                    self._ready[part.position] = (buffer, digest)
-                    self._cond.notify_all()
+
+    def _fetched(self, part: Part, buffer: mmap.mmap, crc: int) -> None:
+        """Record a fetched part; the chunk's last one makes it ready, with its digest."""
+        with self._cond:
+            parts = self._parts.setdefault(part.position, {})
+            parts[part.start] = (part.length, crc)
+            if self._order.complete(part):
+                del self._open[part.position], self._parts[part.position]
+                chunk_digest = digest.of_parts([parts[start] for start in sorted(parts)])
+                self._ready[part.position] = (buffer, chunk_digest)
+            self._cond.notify_all()  # a chunk is ready, or a slot for a new one is free
 
     def _claim(self) -> Part | None:
         """The next part (caller holds `_cond`); opening a chunk takes a buffer for it."""

@@ -15,10 +15,11 @@ rank). Must not parse flags or print: it returns a `FillResult`.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -276,9 +277,10 @@ class _Fill:
         self.progress.start()
         self.progress.phase = "transferring"  # metrics: phase
         try:
-            digests = Exchange(plan, rank=self.request.rank, group=group, read=read, sink=sink,
-                               progress=self.progress, config=self.loader,
-                               deadline=self.deadline, stop=self.stop).run()
+            with _young_objects_only():
+                digests = Exchange(plan, rank=self.request.rank, group=group, read=read,
+                                   sink=sink, progress=self.progress, config=self.loader,
+                                   deadline=self.deadline, stop=self.stop).run()
         finally:
             self.progress.stop()
             if sink is not None:
@@ -306,11 +308,27 @@ class _Fill:
         return checked
 
     def _reader(self, plan: Plan) -> Reader:
-        def read(file: int, offset: int, into: memoryview) -> None:
-            self.store.read(plan.files[file], offset, into)
+        def read(file: int, offset: int, into: memoryview) -> int:
+            crc = self.store.read(plan.files[file], offset, into)
             self.progress.add(from_store=len(into))
+            return crc
 
         return read
+
+
+@contextlib.contextmanager
+def _young_objects_only() -> Iterator[None]:
+    """During the transfer, the garbage collector looks at objects made since it began only.
+
+    Every ranged GET makes a few hundred short-lived objects; each time enough pile up, a full
+    collection would walk everything the process holds (the S3 client's service model, the
+    imports: several hundred thousand objects), on the one core the readers share. Objects
+    that exist when the transfer starts are set aside (`gc.freeze`) and put back after it."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _agree(group: Group, fingerprint: str) -> None:

@@ -6,8 +6,8 @@ fetched) and writes chunks at their offsets from any thread. A descriptor is ope
 write (a checkpoint of thousands of files must not need one per file for the whole fill under a
 1024 open-file limit). `EntryChunks` reads byte ranges of
 an entry this node already holds, so a rank that has the checkpoint serves its share from disk.
-Called by `fill` and `exchange`. Must not publish (that is `dlo_contract.cache`), hash or talk to
-peers.
+Called by `fill` and `exchange`. Must not publish (that is `dlo_contract.cache`) or talk to
+peers; it hashes only what it reads (see [Note: hashing while reading] in `digest`).
 
 [Note: direct writes] Chunks are written with `O_DIRECT` where the filesystem allows it: the
 device reads them straight from the (page-aligned) chunk buffer, so the CPU neither copies every
@@ -26,6 +26,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from dlo_loader import digest
 from dlo_loader.errors import LoaderError
 from dlo_loader.plan import Chunk
 from dlo_contract.cache import ObjectIdentity, safe_relpath
@@ -37,6 +38,8 @@ ALIGN = 4096
 logical block size of common devices)."""
 _NO_FALLOCATE = frozenset({errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS})
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+_READ_PIECE_BYTES = 1 << 20
+"""Bytes read from a cached entry per call, hashed while they are in the CPU's cache."""
 
 
 class FileSink:
@@ -114,16 +117,18 @@ class EntryChunks:
         self.entry_dir = entry_dir
         self.files = tuple(files)
 
-    def read(self, file: int, offset: int, into: memoryview) -> None:
-        """Fill `into` with bytes `[offset, offset + len(into))` of the plan's file `file`."""
+    def read(self, file: int, offset: int, into: memoryview) -> int:
+        """Fill `into` with bytes `[offset, offset + len(into))` of the plan's file `file`;
+        returns their running CRC (`digest.extend`), a piece at a time while it is cached."""
         path = self.entry_dir / safe_relpath(self.files[file].key)
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            got = 0
+            got = crc = 0
             while got < len(into):
-                count = os.preadv(fd, [into[got:]], offset + got)
+                count = os.preadv(fd, [into[got:got + _READ_PIECE_BYTES]], offset + got)
                 if not count:
                     break
+                crc = digest.extend(crc, into[got:got + count])
                 got += count
         finally:
             os.close(fd)
@@ -133,3 +138,4 @@ class EntryChunks:
                 f"{len(into)} bytes at offset {offset})",
                 hint="verify the entry with dlo cache verify --full",
             )
+        return crc

@@ -36,7 +36,7 @@ import urllib3.exceptions
 from botocore.config import Config
 from botocore.response import StreamingBody
 
-from dlo_loader import metrics
+from dlo_loader import digest, metrics
 from dlo_loader.digest import StoreChecksum
 from dlo_loader.errors import LocalResourceError, SourceChanged, SourceError, SourceUnavailable
 from dlo_contract.cache import ObjectIdentity
@@ -46,6 +46,10 @@ _T = TypeVar("_T")
 
 _PIECE_BYTES = 1 << 20
 """Read size on the public path: a piece stays in the CPU cache between urllib3's two copies."""
+_DIRECT_PIECE_BYTES = 256 << 10
+"""Most bytes one socket read delivers on the direct path: small enough to still be in the
+core's cache when they are hashed (a socket with a full receive buffer would otherwise hand
+over several MiB at once), large enough that the reads cost nothing next to the copy."""
 _BACKOFF_BASE_S = 0.1
 _BACKOFF_CAP_S = 5.0
 _THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
@@ -175,13 +179,13 @@ class ObjectStore:
             return StoreChecksum(others[0] if others else None)
         return StoreChecksum("crc64nvme", base64.b64decode(value).hex())
 
-    def read(self, obj: ObjectIdentity, start: int, into: memoryview) -> None:
-        """Fill `into` with bytes `[start, start+len(into))` of `obj`, exactly, or raise after
-        the retries."""
+    def read(self, obj: ObjectIdentity, start: int, into: memoryview) -> int:
+        """Fill `into` with bytes `[start, start+len(into))` of `obj`, exactly, and return their
+        running CRC (`digest.extend`), or raise after the retries."""
         what = f"{self.uri}{obj.key} bytes {start}-{start + len(into) - 1}"
-        self._retrying(what, lambda: self._get(obj, start, into))
+        return self._retrying(what, lambda: self._get(obj, start, into))
 
-    def _get(self, obj: ObjectIdentity, start: int, into: memoryview) -> None:
+    def _get(self, obj: ObjectIdentity, start: int, into: memoryview) -> int:
         length = len(into)
         response = self._client.get_object(
             Bucket=self.uri.bucket, Key=self.uri.prefix + obj.key,
@@ -190,13 +194,14 @@ class ObjectStore:
         body = response["Body"]
         try:
             _check_response(response, obj, start, length, f"{self.uri}{obj.key}")
-            got, extra = _read_body(body, into)
+            got, extra, crc = _read_body(body, into)
         except (urllib3.exceptions.ReadTimeoutError, bexc.ReadTimeoutError, TimeoutError) as exc:
             raise _Stalled(f"no bytes for {self.stall_timeout_s:g} s") from exc
         finally:
             body.close()  # returns nothing to the pool unless the body was read to its end
         if got != length or extra:
             raise _ShortBody(f"got {got}{'+' if extra else ''} of {length} bytes")
+        return crc
 
     def _retrying(self, what: str, call: Callable[[], _T]) -> _T:
         """Run `call`, retrying transient failures with exponential backoff and full jitter."""
@@ -292,8 +297,9 @@ def _raise_if_local(exc: BaseException, what: str) -> None:
             current = current.__cause__ or current.__context__
 
 
-def _read_body(body: StreamingBody, into: memoryview) -> tuple[int, bool]:
-    """Read the response body into `into`: the bytes read, and whether more followed.
+def _read_body(body: StreamingBody, into: memoryview) -> tuple[int, bool, int]:
+    """Read the response body into `into`: the bytes read, whether more followed, and the
+    running CRC of the bytes read (each piece hashed as it lands: [Note: hashing while reading]).
 
     [Note: one copy] botocore's `readinto` goes through urllib3's, which reads into a new bytes
     object and copies that: a fresh allocation and a second copy of every byte. When the body is
@@ -306,29 +312,31 @@ def _read_body(body: StreamingBody, into: memoryview) -> tuple[int, bool]:
     if (type(body) is not StreamingBody or not isinstance(raw, urllib3.HTTPResponse)
             or not isinstance(response, http.client.HTTPResponse) or raw.decode_content):
         return _read_public(body, into)
-    got = 0
+    got = crc = 0
     while got < len(into):
-        count = response.readinto(into[got:])
+        count = response.readinto(into[got:got + _DIRECT_PIECE_BYTES])
         if not count:
             break
+        crc = digest.extend(crc, into[got:got + count])
         got += count
     if got < len(into):
-        return got, False
+        return got, False, crc
     extra = bool(response.length) or bool(response.length is None and response.read(1))
     if not extra and response.isclosed():
         raw.release_conn()
-    return got, extra
+    return got, extra, crc
 
 
-def _read_public(body: StreamingBody, into: memoryview) -> tuple[int, bool]:
+def _read_public(body: StreamingBody, into: memoryview) -> tuple[int, bool, int]:
     """botocore's own path, a piece at a time (urllib3 allocates a buffer per call)."""
-    got = 0
+    got = crc = 0
     while got < len(into):
         count = body.readinto(into[got:got + _PIECE_BYTES])
         if not count:
             break
+        crc = digest.extend(crc, into[got:got + count])
         got += count
-    return got, got == len(into) and bool(body.read(1))
+    return got, got == len(into) and bool(body.read(1)), crc
 
 
 def _client_error_reason(exc: bexc.ClientError, what: str) -> str:

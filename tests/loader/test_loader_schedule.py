@@ -7,6 +7,7 @@ import threading
 from fractions import Fraction
 
 import pytest
+from dlo_loader import digest
 from dlo_loader.digest import chunk_digest
 from dlo_loader.fetch import BufferPool, Fetcher
 from dlo_loader.plan import build_plan
@@ -103,10 +104,11 @@ def test_fetcher_delivers_every_chunk_in_parts_with_its_digest() -> None:
     reads: list[tuple[int, int, int]] = []
     lock = threading.Lock()
 
-    def read(file: int, offset: int, into: memoryview) -> None:
+    def read(file: int, offset: int, into: memoryview) -> int:
         with lock:
             reads.append((file, offset, len(into)))
         into[:] = content[file][offset:offset + len(into)]
+        return digest.extend(0, into)
 
     shape = FetchShape(part_bytes=4 * MIB, open_chunks=2, readers=3)
     stop = threading.Event()
@@ -114,11 +116,11 @@ def test_fetcher_delivers_every_chunk_in_parts_with_its_digest() -> None:
     try:
         for position, chunk in enumerate(plan.owned(0)):
             assert fetcher.wait_ready(60.0, position)
-            taken, buffer, digest = fetcher.take(position)
+            taken, buffer, found = fetcher.take(position)
             expected = content[chunk.file][chunk.offset:chunk.offset + chunk.length]
             assert taken == chunk
             assert bytes(memoryview(buffer)[:chunk.length]) == expected
-            assert digest == chunk_digest(expected)
+            assert found == chunk_digest(expected)
             fetcher.give_back(buffer)
     finally:
         stop.set()
@@ -127,11 +129,23 @@ def test_fetcher_delivers_every_chunk_in_parts_with_its_digest() -> None:
                              (1, 0, 3 * MIB)]
 
 
+@pytest.mark.parametrize("cuts", [(), (1,), (4096, 4097), (1, 2, 3, 99_000)])
+def test_a_chunk_digest_from_the_running_crcs_of_its_parts_equals_one_pass(
+        cuts: tuple[int, ...]) -> None:
+    data = bytes(range(256)) * 390 + b"tail"
+    bounds = [0, *cuts, len(data)]
+    parts = [(hi - lo, digest.extend(digest.extend(0, data[lo:(lo + hi) // 2]),
+                                     data[(lo + hi) // 2:hi]))
+             for lo, hi in zip(bounds, bounds[1:])]
+    assert digest.of_parts(parts) == chunk_digest(data)
+    assert digest.of_parts(parts[:-1]) != chunk_digest(data)
+
+
 def test_fetcher_hands_a_failed_read_to_the_consumer() -> None:
     plan = build_plan([ObjectIdentity("a", 100, "e")], mode="independent", world_size=1,
                       chunk_bytes=64)
 
-    def read(file: int, offset: int, into: memoryview) -> None:
+    def read(file: int, offset: int, into: memoryview) -> int:
         raise OSError("disk on fire")
 
     stop = threading.Event()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from dlo_loader.errors import LoaderError
 from dlo_loader.plan import build_plan
+from dlo_loader.digest import chunk_digest
 from dlo_loader.sink import ALIGN, EntryChunks, FileSink
 from dlo_contract.cache import ObjectIdentity
 
@@ -57,8 +58,9 @@ def test_entry_chunks_read_ranges_and_name_a_short_file(tmp_path: Path) -> None:
     (tmp_path / "big.safetensors").write_bytes(data)
     entry = EntryChunks(tmp_path, [ObjectIdentity("big.safetensors", 20_000, "e")])
     into = bytearray(4000)
-    entry.read(0, 5000, memoryview(into))
+    crc = entry.read(0, 5000, memoryview(into))
     assert into == data[5000:9000]
+    assert f"{crc:016x}" == chunk_digest(data[5000:9000])
     with pytest.raises(LoaderError) as caught:
         entry.read(0, 8000, memoryview(into))
     assert str(caught.value) == (

@@ -17,6 +17,7 @@ from botocore.response import StreamingBody
 from dlo_bench.faultproxy import FAULT_KINDS, FaultPlan, FaultProxy
 from dlo_bench.s3server import S3Server
 from dlo_loader.errors import SourceError, SourceUnavailable
+from dlo_loader.digest import chunk_digest
 from dlo_loader.source import ObjectStore, _read_body, parse_source
 from dlo_contract.cache import ObjectIdentity
 from support.loader_fleet import BUCKET, Checkpoint, upload_files
@@ -64,8 +65,10 @@ def test_each_fault_kind_is_retried_to_exact_bytes(
         store = store_for(checkpoint.source, proxy.url)
         obj = next(o for o in store.list(["*.safetensors"]) if o.key == name)
         data = bytearray(300_000)
-        store.read(obj, 1000, memoryview(data))
+        crc = store.read(obj, 1000, memoryview(data))
     assert data == checkpoint.files[name][1000:301_000]
+    # The running CRC covers the bytes delivered, not what failed attempts sent first.
+    assert f"{crc:016x}" == chunk_digest(checkpoint.files[name][1000:301_000])
     assert proxy.faults == {kind: 2}
     assert proxy.object_requests == 3
 
@@ -184,5 +187,7 @@ def test_bodies_not_read_directly_take_botocore_path_with_the_same_checks(
     sent: bytes, expected: tuple[int, bool]
 ) -> None:
     into = bytearray(10)
-    assert _read_body(StreamingBody(io.BytesIO(sent), len(sent)), memoryview(into)) == expected
-    assert into[:expected[0]] == sent[:expected[0]]
+    got, extra, crc = _read_body(StreamingBody(io.BytesIO(sent), len(sent)), memoryview(into))
+    assert (got, extra) == expected
+    assert into[:got] == sent[:got]
+    assert f"{crc:016x}" == chunk_digest(sent[:got])
