@@ -24,6 +24,14 @@ fetched chunks (gloo also stages one round, N chunks, while it runs), which a re
 the writer returns once the chunk is on disk (and forwarded). Readers open chunks in plan order,
 so the chunk the main thread waits for always holds a buffer or is done: no deadlock.
 
+[Note: reading before the group] The plan is a pure function of the listing and the settings, so a
+rank that will join a group builds it and starts reading its own chunks at once, then joins: the
+rendezvous (which waits for the last loader to start, seconds apart in a rollout) and the plan
+agreement overlap its first reads, up to the fetch buffers' bound. Chunks wait in their buffers
+for their round. If the group does not form and the loader falls back to reading alone, the
+exchange is abandoned and a new plan read from the start; if the plans differ across ranks, the
+agreement fails before any byte is written or exchanged.
+
 [Note: failing together] Every failure (a read that gave up, a write error, the deadline) is
 reported in the next round's status exchange, so all ranks raise in the same round. A rank that
 dies instead closes its sockets, which fails the others' next collective at once.
@@ -41,7 +49,7 @@ from typing import TYPE_CHECKING
 
 from dlo_loader.digest import chunk_digest
 from dlo_loader.errors import GroupError, LoaderError
-from dlo_loader.fetch import POLL_S, BufferPool, Fetcher, Reader
+from dlo_loader.fetch import POLL_S, BufferPool, Fetcher, Reader, Span, span_of
 from dlo_loader.plan import Chunk, Plan
 from dlo_loader.progress import Progress
 from dlo_loader.schedule import fetch_shape
@@ -105,34 +113,59 @@ class _Writer:
 class Exchange:
     """One fill's data path. `run()` returns the digest of every chunk, by chunk index."""
 
-    def __init__(self, plan: Plan, *, rank: int, group: Group | None, read: Reader,
+    def __init__(self, plan: Plan, *, rank: int, grouped: bool, read: Reader,
                  sink: FileSink | None, progress: Progress, config: LoaderConfig,
-                 deadline: float, stop: threading.Event) -> None:
-        self.plan, self.group, self.progress = plan, group, progress
-        self.rank = rank if group is not None else 0
+                 deadline: float, stop: threading.Event,
+                 fetched: dict[Span, tuple[mmap.mmap, str]] | None = None) -> None:
+        """Reading starts here (see [Note: reading before the group]); `grouped`: `run` will
+        be given the group the plan was made for; `fetched`: chunks an abandoned exchange read
+        already (`abandon`), not read again."""
+        self.plan, self.grouped, self.progress = plan, grouped, progress
+        self.group: Group | None = None
+        self.rank = rank if grouped else 0
         self.deadline, self.stop, self.timeout_s = deadline, stop, config.timeout_s
+        self._fetch_stop = threading.Event()
+        """Stops this exchange's readers alone (`abandon`); `stop` also ends the store's retries."""
         buffers = max(config.memory_limit_bytes // plan.chunk_bytes, 2)
-        receive = 2 * (plan.world_size - 1) if group is not None else 0
-        if group is not None and buffers - receive < 1:
+        receive = 2 * (plan.world_size - 1) if grouped else 0
+        if grouped and buffers - receive < 1:
             raise LoaderError(
                 f"loader.memory_limit_bytes={config.memory_limit_bytes} holds {buffers} chunks "
                 f"of {plan.chunk_bytes} bytes; {plan.world_size} loaders need at least "
                 f"{receive + 1}", hint="raise loader.memory_limit_bytes or lower chunk_bytes")
         self._receive = BufferPool(receive, plan.chunk_bytes)
         self._writer = _Writer(plan, sink, progress)
+        owned = plan.owned(self.rank)
+        self._fetched = [(c, fetched[span_of(c)]) for c in owned if span_of(c) in (fetched or {})]
+        """Chunks of this plan read by an abandoned exchange: written first, not read again."""
+        fetch_buffers = max(buffers - receive - len(self._fetched), 1)
         shape = fetch_shape(chunk_bytes=plan.chunk_bytes, readers=config.readers,
-                            buffers=buffers - receive, ordered=group is not None)
-        self._fetcher = Fetcher(plan.owned(self.rank), read, shape=shape, stop=stop,
-                                pool=BufferPool(buffers - receive, plan.chunk_bytes),
+                            buffers=fetch_buffers, ordered=grouped)
+        self._to_read = tuple(c for c in owned if span_of(c) not in (fetched or {}))
+        self._fetcher = Fetcher(self._to_read, read, shape=shape, stop=self._fetch_stop,
+                                pool=BufferPool(fetch_buffers, plan.chunk_bytes),
                                 timed=progress.timed)
 
-    def run(self) -> list[str]:
+    def abandon(self) -> dict[Span, tuple[mmap.mmap, str]]:
+        """Stop reading for this plan (the group it was made for did not form): a read in flight
+        finishes unused, nothing is written. Returns the complete chunks, for the exchange of
+        the plan that replaces this one."""
+        self._fetch_stop.set()
+        return self._fetcher.take_all_ready()
+
+    def run(self, group: Group | None = None) -> list[str]:
+        """Exchange (with the `group` the plan was made for), write and hash every chunk."""
+        if (group is not None) != self.grouped:
+            raise LoaderError(f"an exchange planned {'with' if self.grouped else 'without'} a "
+                              "group must run that way")
+        self.group = group
         try:
             if self.group is None:
                 self._run_alone()
             else:
                 self._run_group()
         finally:
+            self._fetch_stop.set()
             self.stop.set()  # readers still retrying must give up now
         digests = self._writer.digests
         missing = [index for index, digest in enumerate(digests) if digest is None]
@@ -142,7 +175,10 @@ class Exchange:
 
     def _run_alone(self) -> None:
         """Nothing waits on the order: write each chunk as soon as it is complete."""
-        for _ in self.plan.owned(self.rank):
+        for chunk, (data, digest) in self._fetched:  # read before a fallback: its own buffers
+            self._writer.submit(chunk, data, lambda buffer: None, digest)
+        self._fetched = []
+        for _ in self._to_read:
             while not self._fetcher.wait_ready(POLL_S):
                 self._raise_problem()
             self._raise_problem()

@@ -45,6 +45,15 @@ def chunk_buffer(size: int) -> mmap.mmap:
     return buffer
 
 
+Span = tuple[int, int, int]
+"""A chunk's bytes, `(file, offset, length)`: the same in every plan of one listing and chunk
+size, whoever owns the chunk."""
+
+
+def span_of(chunk: Chunk) -> Span:
+    return chunk.file, chunk.offset, chunk.length
+
+
 class BufferPool:
     """At most `limit` page-aligned buffers of `size` bytes (see [Note: chunk buffers])."""
 
@@ -99,6 +108,12 @@ class Fetcher:
         self.error: BaseException | None = None
         for number in range(min(shape.readers, len(chunks))):
             threading.Thread(target=self._work, name=f"dlo-read-{number}", daemon=True).start()
+
+    def take_all_ready(self) -> dict[Span, tuple[mmap.mmap, str]]:
+        """Every complete chunk not taken yet, by its span, with its buffer and digest."""
+        with self._cond:
+            ready, self._ready = self._ready, {}
+            return {span_of(self._chunks[position]): found for position, found in ready.items()}
 
     def give_back(self, buffer: mmap.mmap) -> None:
         """Return a consumed chunk's buffer; a reader may open the next chunk with it."""

@@ -47,7 +47,11 @@ from dlo_contract.names import DEFAULT_RENDEZVOUS_PORT
 from dlo_contract.settings import Settings
 
 if TYPE_CHECKING:  # transport imports torch: loaded only when a group is needed
-    from dlo_loader.exchange import Reader
+    import mmap
+
+    from dlo_loader.exchange import Exchange, Reader
+    from dlo_loader.fetch import Span
+    from dlo_loader.sink import FileSink
     from dlo_loader.transport import Group
 
 TRANSFER_MODULES = ("dlo_loader.exchange", "dlo_loader.sink", "dlo_contract.safetensors_header")
@@ -134,6 +138,8 @@ class _Fill:
         )
         self.root = CacheRoot(self.cache.root)
         self.store_check: digests_of.StoreCheck | None = None
+        self._sink: FileSink | None = None
+        """The files being written in the publication's tmp dir, made by the first exchange."""
         self.progress = Progress(total_bytes=0, emit=request.emit,
                                  prefix=rank_prefix(request.rank, request.world_size))
         metrics.FILL.attach(self.progress)  # metrics: /metrics reads this fill's progress
@@ -174,13 +180,19 @@ class _Fill:
             with repeating(self.request.emit or log.info, lambda waited: self._publication_line(
                     eid, waited), interval_s=WAIT_LINE_INTERVAL_S, at_once=False):
                 pub = held.enter_context(publication)
+            early = self._read_before_joining(pub, files)
             group, mode = self._join_group()
+            fetched = None
+            if early is not None and group is None:  # fell back: read the rest alone
+                fetched = early[1].abandon()
+                early = None
             if group is None and pub.existing is not None:
                 return self._result(eid, pub.existing, mode, cached=True)
             try:
-                plan = build_plan(files, mode=mode, world_size=self.request.world_size,
-                                  chunk_bytes=self.loader.chunk_bytes)
-                self._transfer(pub, plan, group, identity)
+                plan = early[0] if early else build_plan(
+                    files, mode=mode, world_size=self.request.world_size,
+                    chunk_bytes=self.loader.chunk_bytes)
+                self._transfer(pub, plan, group, identity, early[1] if early else None, fetched)
             finally:
                 if group is not None:
                     group.close()
@@ -259,32 +271,54 @@ class _Fill:
                 f"(on_rendezvous_timeout={loader.on_rendezvous_timeout}); a loader whose node "
                 "already holds the entry does not join")
 
-    def _transfer(self, pub: Publication, plan: Plan, group: Group | None,
-                  identity: dict[str, Any]) -> None:
-        """Exchange, check and (unless this node holds the entry already) commit."""
+    def _read_before_joining(self, pub: Publication,
+                             files: list[ObjectIdentity]) -> tuple[Plan, Exchange] | None:
+        """For a loader about to join a group to fill this node: the group's plan, and its
+        exchange with this rank's reads already started (see [Note: reading before the group]
+        in `exchange`)."""
+        if not self._in_group() or pub.existing is not None:
+            return None
+        plan = build_plan(files, mode=self.loader.mode, world_size=self.request.world_size,
+                          chunk_bytes=self.loader.chunk_bytes)
+        return plan, self._exchange(pub, plan, grouped=True)
+
+    def _exchange(self, pub: Publication, plan: Plan, *, grouped: bool,
+                  fetched: dict[Span, tuple[mmap.mmap, str]] | None = None) -> Exchange:
+        """The plan's data path, its reads started: from the store, or from this node's entry."""
         from dlo_loader.exchange import Exchange
         from dlo_loader.sink import EntryChunks, FileSink
 
-        if group is not None:
-            _agree(group, plan.fingerprint)
-        rank = self.request.rank if group is not None else 0
+        rank = self.request.rank if grouped else 0
         log.info("plan: %s over %d rank(s), %d chunks of %s; this rank reads %s%s", plan.mode,
                  plan.world_size, len(plan.chunks), human_bytes(plan.chunk_bytes),
                  human_bytes(plan.owned_bytes(rank)),
                  " from its cached entry" if pub.existing else "")
-        sink = None if pub.existing is not None else FileSink(pub.tmp_dir, plan.files)
+        if pub.existing is None and self._sink is None:  # one per publication, kept on fallback
+            self._sink = FileSink(pub.tmp_dir, plan.files)
+        sink = None if pub.existing is not None else self._sink
         read = EntryChunks(pub.existing, plan.files).read if pub.existing else self._reader(plan)
         self.progress.start()
         self.progress.phase = "transferring"  # metrics: phase
+        return Exchange(plan, rank=self.request.rank, grouped=grouped, read=read, sink=sink,
+                        progress=self.progress, config=self.loader, deadline=self.deadline,
+                        stop=self.stop, fetched=fetched)
+
+    def _transfer(self, pub: Publication, plan: Plan, group: Group | None,
+                  identity: dict[str, Any], exchange: Exchange | None,
+                  fetched: dict[Span, tuple[mmap.mmap, str]] | None) -> None:
+        """Exchange (`exchange`: started before the group formed; `fetched`: chunks read
+        before a fallback), check and (unless this node holds the entry already) commit."""
         try:
+            if group is not None:
+                _agree(group, plan.fingerprint)
+            if exchange is None:
+                exchange = self._exchange(pub, plan, grouped=group is not None, fetched=fetched)
             with _young_objects_only():
-                digests = Exchange(plan, rank=self.request.rank, group=group, read=read,
-                                   sink=sink, progress=self.progress, config=self.loader,
-                                   deadline=self.deadline, stop=self.stop).run()
+                digests = exchange.run(group)
         finally:
+            if exchange is not None:
+                exchange.abandon()
             self.progress.stop()
-            if sink is not None:
-                sink.close()
         self.progress.phase = "checking"  # metrics: phase
         if pub.existing is not None:
             _conclude(group, digests, lambda: None)

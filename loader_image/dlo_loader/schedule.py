@@ -12,8 +12,9 @@ are: the exchange idles, then runs after the reads instead of beside them. With 
 therefore keeps only a few chunks open and splits each into parts, so that `readers` GETs still
 run (throughput on a fast link) while chunk `k` completes before chunk `k + open` (the first
 round is ready after a few chunks' worth of bytes whatever `readers` is). Parts are never smaller
-than `MIN_PART_BYTES`: every GET costs a request's latency and the client's CPU, so chunks too
-small to split run at most `MAX_OPEN_CHUNKS` GETs, fewer than `readers`. Open chunks, and
+than `MIN_PART_BYTES` and a chunk has at most `MAX_PARTS`: every GET costs a request's latency and
+the client's CPU, so small chunks run fewer GETs than `readers` (at most `MAX_OPEN_CHUNKS` chunks
+of `MAX_PARTS` parts). Open chunks, and
 complete ones waiting for their round, each hold one of the buffers the memory budget leaves for
 fetching (`loader.memory_limit_bytes // chunk_bytes` less the receive buffers): that bounds the
 read-ahead. Alone (no group), nothing waits on the order: chunks are fetched whole, `readers` at
@@ -26,9 +27,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-MIN_PART_BYTES = 4 << 20
-"""Smallest ranged GET a chunk is split into (the S3 guidance for ranged reads is 8-16 MB; a 16
-MiB chunk in four parts keeps the extra requests to three per chunk)."""
+MIN_PART_BYTES = 1 << 20
+"""Smallest ranged GET a chunk is split into: a 2 MiB chunk on a slow link still arrives in two
+halves at once, so the first round waits for one chunk's bytes, not two chunks'."""
+MAX_PARTS = 4
+"""Most ranged GETs per chunk (the S3 guidance for ranged reads is 8-16 MB; a 16 MiB chunk in four
+parts keeps the extra requests to three per chunk)."""
 MAX_OPEN_CHUNKS = 4
 """With a group: chunks in flight at once, whatever `readers` is (see [Note: ordered fetching])."""
 
@@ -49,7 +53,7 @@ def fetch_shape(*, chunk_bytes: int, readers: int, buffers: int, ordered: bool) 
     if not ordered:
         open_chunks = max(1, min(readers, buffers))
         return FetchShape(part_bytes=chunk_bytes, open_chunks=open_chunks, readers=open_chunks)
-    parts = max(1, min(readers, chunk_bytes // MIN_PART_BYTES))
+    parts = max(1, min(readers, chunk_bytes // MIN_PART_BYTES, MAX_PARTS))
     # At least two open chunks, so the next one streams while the last part of this one trails.
     open_chunks = max(1, min(max(2, math.ceil(readers / parts)), MAX_OPEN_CHUNKS, buffers))
     part_bytes = math.ceil(chunk_bytes / parts)

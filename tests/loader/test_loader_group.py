@@ -109,13 +109,29 @@ def test_persistent_fault_fails_every_rank_and_publishes_nothing(
     assert no_entry(fleet.root(0)) and no_entry(fleet.root(1))
 
 
+def joined(port: int) -> int:
+    """How many loaders have joined the group whose master listens on `port` (0: none yet)."""
+    import datetime
+
+    import torch.distributed as dist
+    from dlo_loader import transport
+
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                              timeout=datetime.timedelta(seconds=1))
+        return int(store.add(transport._JOINED_KEY, 0))
+    except (RuntimeError, dist.DistError):
+        return 0
+
+
 def test_killed_rank_fails_the_others_and_a_rerun_succeeds(
     s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
 ) -> None:
     with proxies(s3, FaultPlan(), FaultPlan(), FaultPlan(delay_s=0.5)) as slow:
         fleet = Fleet(tmp_path, checkpoint.source, 3, [p.url for p in slow])
         processes = {rank: fleet.start(rank) for rank in range(3)}
-        wait_until(lambda: slow[2].object_requests >= 1)  # rank 2 is mid-fill
+        # Ranks read before the group forms: kill rank 2 once all three joined and it reads.
+        wait_until(lambda: joined(fleet.master_port) == 3 and slow[2].object_requests >= 1)
         os.kill(processes[2].pid, signal.SIGKILL)
         outcomes = [finish(rank, processes[rank]) for rank in (0, 1)]
         finish(2, processes[2])

@@ -24,8 +24,10 @@ MIB = 1 << 20
     # With a group: four open chunks of four 4 MiB parts keep 16 GETs in flight.
     (16 * MIB, 16, 62, True, FetchShape(part_bytes=4 * MIB, open_chunks=4, readers=16)),
     (16 * MIB, 4, 62, True, FetchShape(part_bytes=4 * MIB, open_chunks=2, readers=4)),
-    # Chunks too small to split: still only four in flight, not sixteen.
-    (2 * MIB, 16, 510, True, FetchShape(part_bytes=2 * MIB, open_chunks=4, readers=4)),
+    # Small chunks: halves of 1 MiB, four chunks open, so eight GETs in flight, not sixteen.
+    (2 * MIB, 16, 510, True, FetchShape(part_bytes=1 * MIB, open_chunks=4, readers=8)),
+    (2 * MIB, 2, 510, True, FetchShape(part_bytes=1 * MIB, open_chunks=2, readers=2)),
+    (1 * MIB, 16, 510, True, FetchShape(part_bytes=1 * MIB, open_chunks=4, readers=4)),
     (16 * MIB, 1, 62, True, FetchShape(part_bytes=16 * MIB, open_chunks=2, readers=1)),
     (16 * MIB, 16, 1, True, FetchShape(part_bytes=4 * MIB, open_chunks=1, readers=4)),
 ])
@@ -75,7 +77,7 @@ def shared_link_completions(lengths: list[int], shape: FetchShape) -> dict[int, 
 
 
 @pytest.mark.parametrize(("chunk", "readers", "first_after_chunks"), [
-    (16 * MIB, 16, 4), (16 * MIB, 4, 1), (2 * MIB, 16, 4), (2 * MIB, 2, 2)])
+    (16 * MIB, 16, 4), (16 * MIB, 4, 1), (2 * MIB, 16, 4), (2 * MIB, 2, 1)])
 def test_on_a_shared_link_chunks_complete_in_exchange_order(
     chunk: int, readers: int, first_after_chunks: int
 ) -> None:

@@ -1,0 +1,72 @@
+"""The exchange reads before its group forms, and a fallback keeps what it read: the chunks an
+abandoned group exchange completed are written by the exchange that replaces it, never read
+twice."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from dlo_loader.digest import chunk_digest, extend
+from dlo_loader.exchange import Exchange
+from dlo_loader.plan import build_plan
+from dlo_loader.progress import Progress
+from dlo_loader.sink import FileSink
+from dlo_contract.cache import ObjectIdentity
+from dlo_contract.settings import LoaderConfig
+
+KIB = 1 << 10
+FILES = [ObjectIdentity("a.bin", 70 * KIB + 3, "e"), ObjectIdentity("b.bin", 40 * KIB, "e")]
+CONTENT = {index: bytes((index * 7 + n) % 251 for n in range(obj.size))
+           for index, obj in enumerate(FILES)}
+
+
+class CountingReader:
+    """Serves `CONTENT` and records every span it is asked for."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[int, int, int]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, file: int, offset: int, into: memoryview) -> int:
+        with self._lock:
+            self.spans.append((file, offset, len(into)))
+        into[:] = CONTENT[file][offset:offset + len(into)]
+        return extend(0, into)
+
+
+def exchange(plan, read, tmp_path: Path, *, grouped: bool, fetched=None) -> Exchange:
+    config = LoaderConfig(source="s3://b/p/", readers=2, chunk_bytes=plan.chunk_bytes,
+                          memory_limit_bytes=64 * plan.chunk_bytes)
+    sink = FileSink(tmp_path, plan.files) if not grouped else None
+    return Exchange(plan, rank=1, grouped=grouped, read=read, sink=sink,
+                    progress=Progress(total_bytes=plan.total_bytes, emit=None, prefix=""),
+                    config=config,
+                    deadline=time.monotonic() + 60, stop=threading.Event(), fetched=fetched)
+
+
+def test_a_fallback_writes_the_chunks_read_for_the_group_and_reads_only_the_rest(
+        tmp_path: Path) -> None:
+    grouped_plan = build_plan(FILES, mode="multi-reader", world_size=3, chunk_bytes=16 * KIB)
+    early_reader = CountingReader()
+    early = exchange(grouped_plan, early_reader, tmp_path, grouped=True)  # reads start here
+    owned = grouped_plan.owned(1)
+    deadline = time.monotonic() + 30
+    while len(early_reader.spans) < len(owned) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # the last read's chunk is recorded as complete
+    fetched = early.abandon()
+    assert sorted(fetched) == sorted((c.file, c.offset, c.length) for c in owned)
+
+    alone_plan = build_plan(FILES, mode="independent", world_size=1, chunk_bytes=16 * KIB)
+    rest_reader = CountingReader()
+    digests = exchange(alone_plan, rest_reader, tmp_path, grouped=False,
+                       fetched=fetched).run()
+
+    assert not set(rest_reader.spans) & set(fetched)  # nothing read twice
+    assert len(rest_reader.spans) + len(fetched) == len(alone_plan.chunks)
+    for index, obj in enumerate(FILES):
+        assert (tmp_path / obj.key).read_bytes() == CONTENT[index]
+    assert digests == [chunk_digest(CONTENT[c.file][c.offset:c.offset + c.length])
+                       for c in alone_plan.chunks]
