@@ -65,7 +65,7 @@ bench-loader: $(STAMP) $(MINISTACK_VENV)/.installed
 # Namespaces and shaped links (root, iproute2): N = 2..8 at peer/store 10x and 40x; then the scale
 # model, fed with what this run and bench-loader measured.
 bench-cluster: $(STAMP) $(MINISTACK_VENV)/.installed
-	$(VENV)/bin/dlo bench cluster --json --ministack $(MINISTACK_VENV)/bin/ministack --out bench/results
+	$(VENV)/bin/dlo bench cluster --json --ministack $(MINISTACK_VENV)/bin/ministack --modes multi-reader --head-dim 768 --out bench/results
 	$(MAKE) bench-scale
 
 bench-scale: $(STAMP)

@@ -39,7 +39,7 @@ from dlo_contract.settings import Settings, SettingsError
 from dlo_runtime.slots import DeviceSlots
 from dlo_runtime.streams import HostMemory, StreamSet
 from dlo_runtime.tensors import ModelTensors, OffloadError, restore_device
-from dlo_runtime.transfer import DirectSource, ShardStore, StagedSource
+from dlo_runtime.transfer import DirectSource, MappedSource, ShardStore, StagedSource
 from dlo_contract.validation import validate
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class DistributedLayerwiseOffloadBackend:
         self.enabled = False
         self.layouts: list[BlockLayout] = []
         self.slots: DeviceSlots | None = None
-        self._source: ShardStore | StagedSource | DirectSource | None = None
+        self._source: ShardStore | StagedSource | DirectSource | MappedSource | None = None
         self._scheduler: BlockScheduler | None = None
         self._hooks: list[DistributedLayerwiseOffloadHook] = []
         self._tensors: ModelTensors | None = None
@@ -130,11 +130,18 @@ class DistributedLayerwiseOffloadBackend:
             [block.path for block in model.streamed], tensors.streamed_names, sources,
             self.shard_count, align,
         )
-        self.slots = DeviceSlots(slot_sizes(self.layouts), self._streams)
-        slot_views = [
-            [views(layout, slot.flats) for layout in self.layouts] for slot in self.slots.slots
-        ]
-        self._source = self._build_source(sources, plan, slot_views)
+        if self._in_place(plan):
+            # The blocks are used where the mapping holds them: the slots hold no memory.
+            self._source = MappedSource(self.layouts, sources, self._streams)
+            self.slots = DeviceSlots({}, self._streams)
+            slot_views = [self._source.views for _ in self.slots.slots]
+        else:
+            self.slots = DeviceSlots(slot_sizes(self.layouts), self._streams)
+            slot_views = [
+                [views(layout, slot.flats) for layout in self.layouts]
+                for slot in self.slots.slots
+            ]
+            self._source = self._build_source(sources, plan, slot_views)
         tensors.replace_meta()
         tensors.place_resident(sources, self.device)
         on_demand_layouts = tensors.layouts(
@@ -215,6 +222,11 @@ class DistributedLayerwiseOffloadBackend:
             hook = DistributedLayerwiseOffloadHook(position, self._scheduler)
             hook.attach(block.module)
             self._hooks.append(hook)
+
+    def _in_place(self, plan: HostPlan | None) -> bool:
+        """Rank-local blocks from a mapped entry on a device that computes on host memory."""
+        return (plan is not None and self.group is None and _kind(plan) != "ordinary"
+                and self._streams.reads_host_in_place)
 
     def _build_source(
         self,

@@ -21,7 +21,7 @@ from typing import Any
 
 from dlo_runtime.layout import BlockLayout
 from dlo_runtime.streams import StreamSet
-from dlo_runtime.transfer import DirectSource, StagedSource
+from dlo_runtime.transfer import DirectSource, MappedSource, StagedSource
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,9 @@ def load_bytes(layouts: Sequence[BlockLayout], source: object) -> tuple[list[int
     """Per block, the bytes one load copies host-to-device (this rank's shard when sharded, the
     padded block when staged, the tensors themselves when copied view by view) and the bytes it
     receives from the other ranks of the DLO group."""
-    if isinstance(source, DirectSource):
+    if isinstance(source, MappedSource):
+        h2d = [0] * len(layouts)  # used in place: nothing is copied
+    elif isinstance(source, DirectSource):
         h2d = [layout.tensor_bytes for layout in layouts]
     elif isinstance(source, StagedSource):
         h2d = [layout.nbytes for layout in layouts]

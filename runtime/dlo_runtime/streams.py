@@ -68,6 +68,9 @@ class StreamSet:
         `dlo_runtime.pinned_arena`); None allocates pageable memory (the CPU device)."""
         self.align_bytes = CUDA_ALIGN_BYTES if self.is_cuda else ALIGN_BYTES
         """Alignment of every tensor, shard and part in the flat buffers (see `layout`)."""
+        self.reads_host_in_place = not self.is_cuda and host_memory is None
+        """True when the device computes on pageable host memory (the CPU): rank-local blocks
+        mapped from the entry are used where they lie (`MappedSource`), never copied."""
         self.copies_registered_views = self.is_cuda
         """True when views registered with the device runtime (`HostWeightPlan.sources_pinned`)
         can be copied straight to the device, so the backend picks `DirectSource` for them."""

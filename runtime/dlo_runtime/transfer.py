@@ -1,6 +1,6 @@
 """Host sources of streamed blocks, and the transfers that fill a device slot from them.
 
-Owns the host side of the hot path, in three forms chosen by the backend:
+Owns the host side of the hot path, in four forms chosen by the backend:
 - `ShardStore`: this rank's 1/G of every streamed block, packed per dtype (page-locked on CUDA).
   A load copies the shard into its place in the slot and, when G > 1, rebuilds the block in place
   with one AllGather per dtype over the existing group. G = 1 is rank-local mode with the
@@ -9,6 +9,8 @@ Owns the host side of the hot path, in three forms chosen by the backend:
   runtime: each block is packed into one of two bounded host staging slots, then copied.
 - `DirectSource`: rank-local mode over registered (pinned) views: each view is copied straight
   to its offset in the slot.
+- `MappedSource`: rank-local mode on the CPU over mapped files: the mapped views are the block's
+  weights (the device is the host; a copy would only double the bytes the forward reads).
 Called by the hook scheduler; it must not repoint parameters or decide which block comes next.
 Every event record and wait follows [Note: slot events] in `dlo_runtime.slots`.
 
@@ -188,4 +190,28 @@ class DirectSource:
             for target, source in zip(self.slot_views[slot.index][index], self.sources[index]):
                 target.copy_(source, non_blocking=True)
             # ready: compute waits on this before the block reads the slot.
+            slot.ready.record(self.streams.copy)
+
+
+class MappedSource:
+    """Rank-local blocks on the CPU, used where the entry's mapping holds them.
+
+    The scheduler points a block's tensors at `views[block]` (read-only mapped pages: the forward
+    reads them, nothing writes weights under inference) and a load copies nothing. The first
+    forward after a fill reads the pages the loader or the runtime's prefetch left in the page
+    cache; later forwards find them resident."""
+
+    def __init__(self, layouts: Sequence[BlockLayout], sources: Mapping[str, torch.Tensor],
+                 streams: StreamSet) -> None:
+        self.streams = streams
+        self.views = [[sources[e.meta.name] for e in layout.entries] for layout in layouts]
+        """`views[block]`: the mapped tensors of the block, in layout order."""
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        return [t for block in self.views for t in block]
+
+    def load(self, index: int, slot: DeviceSlot) -> None:
+        with self.streams.on(self.streams.copy):
+            _wait_reusable(self.streams, slot)
+            # ready: nothing to copy; recorded so the slot's bookkeeping is the same as a copy's.
             slot.ready.record(self.streams.copy)

@@ -18,12 +18,12 @@ from dlo_bench.models import example_inputs, tiny_model
 from dlo_runtime.backend import DistributedLayerwiseOffloadBackend, host_bytes
 from dlo_runtime.host_weight_plan import HostPlanError, HostWeightPlan, runtime_tensors
 from dlo_runtime.tensors import OffloadError
-from dlo_runtime.transfer import StagedSource
+from dlo_runtime.transfer import MappedSource
 
 RANK_LOCAL = offload_settings(use_allgather=False)
 
 
-def test_mapped_plan_streams_through_staging_and_is_released_at_disable() -> None:
+def test_mapped_plan_is_used_in_place_on_the_cpu_and_released_at_disable() -> None:
     reference = tiny_model("flux")
     inputs = example_inputs("flux", reference)
     expected = forward(reference, inputs)
@@ -38,12 +38,10 @@ def test_mapped_plan_streams_through_staging_and_is_released_at_disable() -> Non
         assert torch.equal(forward(model, inputs), expected)
         assert torch.equal(forward(model, inputs), expected)
         assert not mapping.closed
-        staging = 2 * max(layout.nbytes for layout in backend.layouts)
-        assert host_bytes(backend.host_tensors()) == backend.streamed_bytes + staging
-        source = backend._source
-        assert isinstance(source, StagedSource)
-        assert len({slot[torch.float32].untyped_storage().data_ptr()
-                    for slot in source.staging}) == 1
+        # No staging and no slot memory: the mapped views are the blocks' weights.
+        assert isinstance(backend._source, MappedSource)
+        assert host_bytes(backend.host_tensors()) == backend.streamed_bytes
+        assert backend.slot_bytes == 0
     assert mapping.closed
     with pytest.raises(HostPlanError, match="sources were released"):
         plan.source_views()

@@ -26,7 +26,7 @@ from support.runtime_helpers import (
 from dlo_bench.models import example_inputs, tiny_model
 from dlo_runtime.backend import DistributedLayerwiseOffloadBackend
 from dlo_runtime.streams import StreamSet
-from dlo_runtime.transfer import DirectSource, StagedSource
+from dlo_runtime.transfer import DirectSource, MappedSource, StagedSource
 
 RANK_LOCAL = offload_settings(use_allgather=False)
 
@@ -139,17 +139,27 @@ def test_registered_views_are_copied_directly_and_exactly(schedule: Schedule) ->
     assert _mapped_run(schedule, registered=True) == (DirectSource, True, True)
 
 
-def test_the_in_order_cpu_streams_stage_registered_views() -> None:
-    """Only a stream set that can copy registered views directly selects `DirectSource`."""
-    assert not StreamSet(torch.device("cpu")).copies_registered_views
-    plan, _ = mapped_plan(tiny_model("wan"))
+def test_the_cpu_uses_mapped_views_in_place_even_when_registered() -> None:
+    """The CPU computes on host memory: the mapped views are the weights, nothing is copied
+    (only a device with memory of its own copies registered views, `DirectSource`)."""
+    streams = StreamSet(torch.device("cpu"))
+    assert streams.reads_host_in_place and not streams.copies_registered_views
+    reference = tiny_model("wan")
+    inputs = example_inputs("wan", reference)
+    expected = forward(reference, inputs)
+    plan, _ = mapped_plan(reference)
     plan.attach_registration(Registration())
-    model = tiny_model("wan")
+    model = tiny_model("wan", seed=7)
     strip_parameters(model)
     with DistributedLayerwiseOffloadBackend(
         model, settings=RANK_LOCAL, device="cpu", host_plan=plan
     ) as backend:
-        assert isinstance(backend._source, StagedSource)
+        assert isinstance(backend._source, MappedSource)
+        assert backend.slot_bytes == 0
+        assert all(torch.equal(forward(model, inputs), expected) for _ in range(2))
+        stats = backend.stats()
+        assert stats.total.bytes_h2d == 0 and stats.total.blocks_loaded > 0
+    assert torch.equal(forward(model, inputs), expected)
 
 
 @pytest.mark.parametrize("schedule", list(Schedule), ids=lambda s: s.value)

@@ -128,6 +128,7 @@ class AsyncStreamSet(StreamSet):
         super().__init__(torch.device("cpu"))
         self.schedule = schedule
         self.copies_registered_views = True  # registered views stand in as plain host tensors
+        self.reads_host_in_place = False  # it models a device with memory of its own
         self.host = ModelStream(self, HOST)
         self._compute = ModelStream(self, COMPUTE)
         self.copy = ModelStream(self, COPY)
