@@ -181,7 +181,13 @@ class _Fill:
                     eid, waited), interval_s=WAIT_LINE_INTERVAL_S, at_once=False):
                 pub = held.enter_context(publication)
             early = self._read_before_joining(pub, files)
-            group, mode = self._join_group()
+            try:
+                group, mode = self._join_group()
+            except BaseException:
+                if early is not None:  # stop reading, and the progress lines before the summary
+                    early[1].abandon()
+                    self.progress.stop()
+                raise
             fetched = None
             if early is not None and group is None:  # fell back: read the rest alone
                 fetched = early[1].abandon()
@@ -259,17 +265,19 @@ class _Fill:
         return group, loader.mode
 
     def _waiting_line(self, waited_s: float) -> str:
-        """What an operator reading the pod log needs while the rendezvous blocks: a loader whose
-        node holds the entry already never joins (it needs nothing), so on a partial rollout the
-        others wait out the timeout, then apply the policy."""
+        """What an operator reading the pod log needs while the rendezvous blocks: every loader
+        placed in the group joins it (one whose node holds the entry serves its share from disk),
+        so a wait this long means a loader of the group has not started (a pod pending or
+        crashing); past the timeout, the policy applies."""
         request, loader = self.request, self.loader
         left = max(loader.rendezvous_timeout_s - waited_s, 0.0)
         then = ("this loader reads everything itself"
                 if loader.on_rendezvous_timeout == "independent" else "this loader fails")
         return (f"{self.progress.prefix} waiting for {request.world_size} loaders at "
                 f"{request.master_addr}:{request.master_port}; after {left:.0f} s {then} "
-                f"(on_rendezvous_timeout={loader.on_rendezvous_timeout}); a loader whose node "
-                "already holds the entry does not join")
+                f"(on_rendezvous_timeout={loader.on_rendezvous_timeout}); this loader reads its "
+                "own share meanwhile; a loader that has not joined has not started (check the "
+                "group's pods)")
 
     def _read_before_joining(self, pub: Publication,
                              files: list[ObjectIdentity]) -> tuple[Plan, Exchange] | None:

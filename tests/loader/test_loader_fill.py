@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,9 @@ def test_waiting_for_the_group_says_what_happens_after_the_timeout(
     if policy == "fail":
         with pytest.raises(RendezvousTimeout):
             fill(request)
+        # It read its share while it waited; its progress lines end with the fill, so the
+        # summary the CLI prints next is the last line.
+        assert "dlo-progress" not in {thread.name for thread in threading.enumerate()}
     else:
         result = fill(request)
         # Chunks read for the group before the timeout are kept; one still in flight at the
@@ -93,8 +97,8 @@ def test_waiting_for_the_group_says_what_happens_after_the_timeout(
         assert verify_entry(tmp_path / "cache", result.entry_id, full=True) == []
     assert lines[0] == (
         f"[rank 1/3] waiting for 3 loaders at 127.0.0.1:{port}; after 1 s {then} "
-        f"(on_rendezvous_timeout={policy}); a loader whose node already holds the entry does "
-        "not join")
+        f"(on_rendezvous_timeout={policy}); this loader reads its own share meanwhile; a "
+        "loader that has not joined has not started (check the group's pods)")
 
 
 def _header(tensors: dict) -> bytes:
