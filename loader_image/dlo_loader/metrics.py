@@ -16,8 +16,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client import CollectorRegistry, Counter, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -134,12 +136,27 @@ FILL = FillCollector()
 REGISTRY.register(FILL)
 
 
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base's name)
+        """Scrapes are not news: the loader's log is for the fill."""
+
+
 class Endpoint:
-    """`/metrics` on a port, served by a daemon thread until `close()`."""
+    """`/metrics` on a port, served by a daemon thread until `close()`.
+
+    The serve loop looks for `close()` every `_POLL_S`: the standard loop's half-second poll
+    would hold the loader's exit (and the pod's start) for up to that long."""
+
+    _POLL_S = 0.02
 
     def __init__(self, port: int, addr: str = "0.0.0.0") -> None:
-        self._server, self._thread = start_http_server(port, addr=addr, registry=REGISTRY)
+        self._server = make_server(addr, port, make_wsgi_app(REGISTRY), ThreadingWSGIServer,
+                                   handler_class=_QuietHandler)
         self.port = self._server.server_port
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        kwargs={"poll_interval": self._POLL_S},
+                                        name="dlo-metrics", daemon=True)
+        self._thread.start()
 
     def close(self) -> None:
         self._server.shutdown()
