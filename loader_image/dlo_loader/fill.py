@@ -4,9 +4,10 @@ Owns the order of the steps and the decisions between them: list the source and 
 id first, and if this node already holds a valid entry, return at once (no object-store reads, no
 rendezvous) unless the operator placed this loader in a fill group (then it joins and serves its
 ranges from disk); else evict unused entries until the new one fits the cache limits, take the
-publication (the cache's `.publish` lock), join the group (or fall back to reading alone, per
-policy), agree on the plan, run the exchange, validate every safetensors
-header and compare chunk digests across ranks, and only then commit. A node whose entry appeared
+publication (the cache's `.publish` lock), start reading this rank's share of the group's plan
+(see [Note: reading before the group] in `exchange`), join the group (or fall back to reading
+alone, per policy, keeping what was read), agree on the plan, run the exchange, validate every
+safetensors header and compare chunk digests across ranks, and only then commit. A node whose entry appeared
 while it waited for the lock serves its share from disk and publishes nothing. Any failure leaves
 no entry (the publication removes its tmp dir). Called by `cli` (and by tests in-process for one
 rank). Must not parse flags or print: it returns a `FillResult`.
