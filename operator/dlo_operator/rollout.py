@@ -181,6 +181,15 @@ def _prefill(owner: Owner, spec: DeploymentSpec, seen: Observed,
     record = {"revision": rev, "attempt": max(attempt, 1), "nodes": nodes,
               "bytesFromStore": sum(int(n.get("bytesFromStore", 0)) for n in nodes)}
     state = _job_state(job)
+    if state is PrefillState.SUCCEEDED and _summaries_pending(nodes, job, seen.now):
+        # The Job's success and its pods' termination messages arrive as separate events: the
+        # record is final once the pods restart, so wait for the loaders' figures.
+        decision = Decision(stage=Stage.PREFILLING, message=(
+            f"prefill of revision {rev} succeeded; waiting for the loaders' summaries "
+            f"({_cached(nodes)}/{_completions(job, nodes)})"), apply=keep)
+        decision.prefill = {**record, "state": PrefillState.RUNNING.value,
+                            "message": decision.message}
+        return decision
     if state is PrefillState.SUCCEEDED:
         decision = Decision(stage=Stage.RESTARTING, message=(
             f"every node holds the entry of revision {rev}; restarting pods"))
@@ -208,9 +217,8 @@ def _prefill(owner: Owner, spec: DeploymentSpec, seen: Observed,
             f"prefill of revision {rev} (attempt {record['attempt']}) failed: {why}; the old "
             f"pods keep serving; retrying in {delay:.0f} s")))
         return decision
-    done = sum(1 for n in nodes if n["loader"] == LoaderState.CACHED.value)
     decision = Decision(stage=Stage.PREFILLING, message=(
-        f"prefilling revision {rev}: {done}/{job['spec'].get('completions', len(nodes))} nodes "
+        f"prefilling revision {rev}: {_cached(nodes)}/{_completions(job, nodes)} nodes "
         "hold the entry; the old pods keep serving"), apply=keep)
     decision.prefill = {**record, "state": PrefillState.RUNNING.value,
                         "message": decision.message}
@@ -228,6 +236,29 @@ def _finished(group: FillGroup, pods: Sequence[Mapping[str, Any]]) -> bool:
     by_name = {(p.get("metadata") or {}).get("name"): p for p in pods}
     states = [node_entry(by_name[m])["loader"] if m in by_name else None for m in group.members]
     return all(s in (LoaderState.CACHED.value, LoaderState.FAILED.value) for s in states)
+
+
+SUMMARY_GRACE_S = 60.0
+"""How long after a prefill Job completed the operator waits for its pods' summaries before it
+records the prefill without them (pods removed by the pod garbage collector never report)."""
+
+
+def _cached(nodes: Sequence[Mapping[str, Any]]) -> int:
+    return sum(1 for n in nodes if n["loader"] == LoaderState.CACHED.value)
+
+
+def _completions(job: Mapping[str, Any], nodes: Sequence[Mapping[str, Any]]) -> int:
+    return int((job.get("spec") or {}).get("completions") or len(nodes))
+
+
+def _summaries_pending(nodes: Sequence[Mapping[str, Any]], job: Mapping[str, Any],
+                       now: datetime.datetime) -> bool:
+    """A completed Job whose pods' summaries this view does not all show yet, within the grace
+    period after its `completionTime` (no such time: wait)."""
+    if _cached(nodes) >= _completions(job, nodes):
+        return False
+    done_at = _parse_time((job.get("status") or {}).get("completionTime"))
+    return done_at is None or now < done_at + datetime.timedelta(seconds=SUMMARY_GRACE_S)
 
 
 def _job_state(job: Mapping[str, Any]) -> PrefillState:

@@ -1,0 +1,73 @@
+"""The rollout decision for a finished prefill: its record is final once the pods restart, so the
+operator waits for the loaders' summaries that arrive after the Job's success."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from dlo_contract.documents import FillStatus, FillSummary
+from dlo_operator.configmap import revision
+from dlo_operator.manifests import build_children
+from dlo_operator.naming import LABEL_JOB_INDEX, LABEL_REVISION, LOADER_CONTAINER, Owner
+from dlo_operator.rollout import SUMMARY_GRACE_S, BackoffConfig, Observed, Stage, decide
+from dlo_operator.spec import parse_spec
+
+OWNER = Owner(name="flux", namespace="ml", uid="uid-1")
+OLD = parse_spec({"model": {"source": "s3://models/flux-v1/"}, "inference": {"image": "s:1"},
+                  "replicas": 2})
+NEW = parse_spec({"model": {"source": "s3://models/flux-v2/"}, "inference": {"image": "s:1"},
+                  "replicas": 2})
+NOW = datetime.datetime(2026, 12, 1, 9, 0, tzinfo=datetime.timezone.utc)
+NODES = ("gpu-0", "gpu-1")
+
+
+def serving_pod(index: int) -> dict[str, Any]:
+    return {"metadata": {"name": f"flux-{index}", "labels": {}}, "spec": {"nodeName": NODES[index]}}
+
+
+def job_pod(index: int, bytes_from_store: int) -> dict[str, Any]:
+    summary = FillSummary(status=FillStatus.OK, rank=index, world_size=2, entry_id="e",
+                          mode="multi-reader", bytes_from_store=bytes_from_store,
+                          bytes_from_peers=0, bytes_to_peers=0, seconds=1.0, cached=False)
+    return {"metadata": {"name": f"flux-prefill-{index}",
+                         "labels": {LABEL_REVISION: revision(NEW), LABEL_JOB_INDEX: str(index)}},
+            "spec": {"nodeName": NODES[index]},
+            "status": {"containerStatuses": [{"name": LOADER_CONTAINER, "state": {"terminated": {
+                "exitCode": 0, "message": summary.to_json()}}}]}}
+
+
+def seen(job_pods: list[dict[str, Any]], completed_s_ago: float | None) -> Observed:
+    status: dict[str, Any] = {"conditions": [{"type": "Complete", "status": "True"}]}
+    if completed_s_ago is not None:
+        done = NOW - datetime.timedelta(seconds=completed_s_ago)
+        status["completionTime"] = done.strftime("%Y-%m-%dT%H:%M:%SZ")
+    job = {"metadata": {"name": OWNER.prefill_name(revision(NEW))},
+           "spec": {"completions": 2}, "status": status}
+    return Observed(statefulset=build_children(OWNER, OLD)[3], pods=[serving_pod(0),
+                    serving_pod(1)], group=None, jobs=[job], job_pods=job_pods,
+                    settings_configmaps=[], prefill={"revision": revision(NEW), "attempt": 1},
+                    now=NOW)
+
+
+def test_a_completed_prefill_waits_for_its_loaders_summaries() -> None:
+    decision = decide(OWNER, NEW, seen([job_pod(0, 600)], completed_s_ago=1), BackoffConfig())
+    assert decision.stage is Stage.PREFILLING
+    assert decision.message.endswith("succeeded; waiting for the loaders' summaries (1/2)")
+    assert not decision.reports and ("Job", OWNER.prefill_name(revision(NEW))) not in (
+        decision.delete)
+
+
+def test_a_completed_prefill_with_every_summary_restarts_with_the_bytes_read() -> None:
+    decision = decide(OWNER, NEW, seen([job_pod(0, 600), job_pod(1, 600)], completed_s_ago=1),
+                      BackoffConfig())
+    assert decision.stage is Stage.RESTARTING
+    assert (decision.prefill["state"], decision.prefill["bytesFromStore"]) == ("Succeeded", 1200)
+    assert [r.reason for r in decision.reports] == ["PrefillSucceeded"]
+
+
+def test_summaries_that_never_come_are_not_waited_for_past_the_grace_period() -> None:
+    decision = decide(OWNER, NEW, seen([job_pod(0, 600)], completed_s_ago=SUMMARY_GRACE_S + 1),
+                      BackoffConfig())
+    assert decision.stage is Stage.RESTARTING
+    assert decision.prefill["message"] == "1/1 nodes hold the entry, 600 bytes read from the store"
