@@ -135,13 +135,13 @@ class Exchange:
                 f"{receive + 1}", hint="raise loader.memory_limit_bytes or lower chunk_bytes")
         self._receive = BufferPool(receive, plan.chunk_bytes)
         self._writer = _Writer(plan, sink, progress)
-        owned = plan.owned(self.rank)
-        self._fetched = [(c, fetched[span_of(c)]) for c in owned if span_of(c) in (fetched or {})]
+        owned, fetched = plan.owned(self.rank), fetched or {}
+        self._fetched = [(c, fetched[span_of(c)]) for c in owned if span_of(c) in fetched]
         """Chunks of this plan read by an abandoned exchange: written first, not read again."""
         fetch_buffers = max(buffers - receive - len(self._fetched), 1)
         shape = fetch_shape(chunk_bytes=plan.chunk_bytes, readers=config.readers,
                             buffers=fetch_buffers, ordered=grouped)
-        self._to_read = tuple(c for c in owned if span_of(c) not in (fetched or {}))
+        self._to_read = tuple(c for c in owned if span_of(c) not in fetched)
         self._fetcher = Fetcher(self._to_read, read, shape=shape, stop=self._fetch_stop,
                                 pool=BufferPool(fetch_buffers, plan.chunk_bytes),
                                 timed=progress.timed)

@@ -4,13 +4,11 @@ AllGather mode over the world group, each case's outcome written as JSON for the
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-from pathlib import Path
+from typing import Any
 
-import torch
 import torch.distributed as dist
 from support.compiled_helpers import COMPILES, compiled_case
+from support.gloo_world import in_gloo_rank
 from support.runtime_helpers import offload_settings
 
 CASES = {
@@ -21,20 +19,15 @@ CASES = {
 
 
 def main(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    try:
-        group = dist.new_group(list(range(world)))
-        settings = offload_settings(dp=world)
-        outcomes = {
-            name: dataclasses.asdict(
-                compiled_case(kind, settings, COMPILES[how], group=group, order=order)
-            )
-            for name, (kind, how, order) in CASES.items()
-        }
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcomes))
-    finally:
-        dist.destroy_process_group()
+    in_gloo_rank(rank, world, port, out_dir, _outcomes)
+
+
+def _outcomes(world: int, group: dist.ProcessGroup) -> dict[str, Any]:
+    settings = offload_settings(dp=world)
+    outcomes = {
+        name: dataclasses.asdict(
+            compiled_case(kind, settings, COMPILES[how], group=group, order=order)
+        )
+        for name, (kind, how, order) in CASES.items()
+    }
+    return outcomes

@@ -1,14 +1,18 @@
 """Start a world of real gloo ranks for a test module: each rank runs a worker's `main(rank,
-world, port, out_dir)` and writes `rank<r>.json`; the results come back in rank order."""
+world, port, out_dir)` and writes `rank<r>.json`; the results come back in rank order. A worker's
+`main` hands its cases to `in_gloo_rank`, which owns the rank's process group."""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -23,3 +27,19 @@ def run_world(main: Callable[..., None], world: int, out_dir: Path) -> list[dict
     JSON result."""
     mp.spawn(main, args=(world, free_port(), str(out_dir)), nprocs=world)
     return [json.loads(Path(out_dir, f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
+def in_gloo_rank(rank: int, world: int, port: int, out_dir: str,
+                 cases: Callable[[int, dist.ProcessGroup], dict[str, Any]]) -> None:
+    """One rank: one CPU thread, a gloo group of `world` ranks on loopback, `cases(world, group)`
+    written to `rank<r>.json`, the process group destroyed whatever happens."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        outcomes = cases(world, dist.new_group(list(range(world))))
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcomes))
+    finally:
+        dist.destroy_process_group()

@@ -9,13 +9,12 @@ gather with their copies, AllGathers and compute in separately scheduled queues.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from support.async_streams import AsyncStreamSet, Schedule
+from support.gloo_world import in_gloo_rank
 from support.runtime_helpers import (
     Outcome,
     forward,
@@ -94,20 +93,15 @@ def _group_size_error(world: int, group: dist.ProcessGroup) -> str:
 
 
 def main(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    try:
-        group = dist.new_group(list(range(world)))
-        outcomes, released = _cases(world, group)
-        plain: dict[str, object] = {
-            name: dataclasses.asdict(o) for name, o in outcomes.items()
-        }
-        plain["group-size-error"] = _group_size_error(world, group)
-        plain["mapped-plan-released"] = released
-        plain["on-demand-dp"] = _on_demand_case(world, group)
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(plain))
-    finally:
-        dist.destroy_process_group()
+    in_gloo_rank(rank, world, port, out_dir, _outcomes)
+
+
+def _outcomes(world: int, group: dist.ProcessGroup) -> dict[str, Any]:
+    outcomes, released = _cases(world, group)
+    plain: dict[str, object] = {
+        name: dataclasses.asdict(o) for name, o in outcomes.items()
+    }
+    plain["group-size-error"] = _group_size_error(world, group)
+    plain["mapped-plan-released"] = released
+    plain["on-demand-dp"] = _on_demand_case(world, group)
+    return plain

@@ -9,13 +9,11 @@ blocks in a different order on each rank, which the backend must refuse by name.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from support.gloo_world import in_gloo_rank
 from support.runtime_helpers import forward, offload_settings
 from support.stack_models import STACK_MODELS, stack_inputs, stack_model
 from torch import nn
@@ -75,23 +73,18 @@ def _order_mismatch(group: dist.ProcessGroup, world: int) -> str:
 
 
 def main(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    try:
-        group = dist.new_group(list(range(world)))
-        outcomes: dict[str, Any] = {}
-        for name in sorted(STACK_MODELS):
-            reference = stack_model(name)
-            outcomes[name] = _case(stack_model(name), reference,
-                                   stack_inputs(name, reference), group, world)
-        for kind in KINDS:
-            reference = tiny_model(kind)
-            outcomes[kind] = _case(tiny_model(kind), reference,
-                                   example_inputs(kind, reference), group, world)
-        outcomes["order-mismatch"] = _order_mismatch(group, world)
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcomes))
-    finally:
-        dist.destroy_process_group()
+    in_gloo_rank(rank, world, port, out_dir, _outcomes)
+
+
+def _outcomes(world: int, group: dist.ProcessGroup) -> dict[str, Any]:
+    outcomes: dict[str, Any] = {}
+    for name in sorted(STACK_MODELS):
+        reference = stack_model(name)
+        outcomes[name] = _case(stack_model(name), reference,
+                               stack_inputs(name, reference), group, world)
+    for kind in KINDS:
+        reference = tiny_model(kind)
+        outcomes[kind] = _case(tiny_model(kind), reference,
+                               example_inputs(kind, reference), group, world)
+    outcomes["order-mismatch"] = _order_mismatch(group, world)
+    return outcomes

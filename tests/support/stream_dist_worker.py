@@ -6,13 +6,12 @@ Writes each case's outcome as JSON for the test to read."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from support.async_streams import AsyncStreamSet, Schedule
+from support.gloo_world import in_gloo_rank
 from support.runtime_helpers import forward, offload_settings, run_case
 
 from dlo_bench.models import example_inputs, tiny_model
@@ -38,20 +37,15 @@ def _skip_case(world: int, group: dist.ProcessGroup) -> dict[str, bool]:
 
 
 def main(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    try:
-        group = dist.new_group(list(range(world)))
-        dp = offload_settings(dp=world)
-        outcomes: dict[str, object] = {
-            "flux-dp-lazy": dataclasses.asdict(
-                run_case("flux", dp, group=group, streams=AsyncStreamSet(Schedule.LAZY))
-            ),
-            "sd3-skip-dp-lazy": _skip_case(world, group),
-        }
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcomes))
-    finally:
-        dist.destroy_process_group()
+    in_gloo_rank(rank, world, port, out_dir, _outcomes)
+
+
+def _outcomes(world: int, group: dist.ProcessGroup) -> dict[str, Any]:
+    dp = offload_settings(dp=world)
+    outcomes: dict[str, object] = {
+        "flux-dp-lazy": dataclasses.asdict(
+            run_case("flux", dp, group=group, streams=AsyncStreamSet(Schedule.LAZY))
+        ),
+        "sd3-skip-dp-lazy": _skip_case(world, group),
+    }
+    return outcomes
