@@ -1,7 +1,7 @@
 """Serve a DiT with DLO the way an inference server in a dlo pod does.
 
-In a pod, the loader init container has already filled the node cache and written
-`/run/dlo/entry.json`, and the operator mounted the settings document at `$DLO_CONFIG`. This
+In a pod, the loader sidecar fills the node cache and writes `/run/dlo/entry.json` while the
+server starts (`pod.build_dit` waits for it, `DLO_ENTRY_WAIT_SECONDS`), and the operator mounted the settings document at `$DLO_CONFIG`. This
 example plays those parts first (a tiny random Flux published into a scratch cache), then runs the
 server side, which is the part to copy:
 

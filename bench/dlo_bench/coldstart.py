@@ -4,13 +4,15 @@ Owns the cold-start benchmark. ministack serves the checkpoint of `coldstart_mod
 configuration runs in fresh processes after the benchmark's files are made cold
 (`page_cache.evict`, or `--cold system` for the whole machine's page cache), in interleaved
 rounds, and is timed from spawning its first process to the end of the first forward:
-- `dlo`: `dlo cache fill` (a fresh cache root: the init container), then the server process of
-  `coldstart_paths dlo` (the main container); the two run one after the other, as in a pod;
+- `dlo`: `dlo cache fill` (a fresh cache root: the pod's loader sidecar) and, started with it,
+  the server process of `coldstart_paths dlo` (the main container), which waits for the entry
+  document (`DLO_ENTRY_WAIT_SECONDS`) as in a pod: the server's imports overlap the fill;
 - `plain`: boto3 download and `from_pretrained` in one process;
 - `runai`: runai-model-streamer into a meta-initialized model in one process;
 - `dlo_late`: as `dlo`, but the server does not call `prefetch.start()` before its imports, so
   the entry is warmed from `pod.build_dit` on (a server that does nothing for dlo's sake);
-- `dlo_warm`: the entry already on disk (a second pod on the node), cold: fill (finds it), server.
+- `dlo_warm`: the entry already on disk (a second pod on the node), cold: fill (finds it) and
+  server, started together.
 Every first-forward output must equal the plain path's (`torch.equal`). The report gives each
 configuration's median total and phases, the loader's start-to-transfer time and peak memory,
 and the ratios dlo/plain, dlo/runai and dlo_warm/plain against the goals. `--json` prints one JSON
@@ -30,12 +32,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from dlo_contract.names import CONFIG_ENV, ENTRY_FILE_ENV
+from dlo_contract.names import CONFIG_ENV, ENTRY_FILE_ENV, ENTRY_WAIT_ENV
 from dlo_contract.settings import CacheConfig, OffloadConfig, Settings
 from dlo_contract.validation import validate
 
@@ -125,6 +128,7 @@ class _Bench:
         self.env = {**os.environ, **DUMMY_CREDENTIALS, "AWS_ENDPOINT_URL": endpoint_url,
                     "AWS_EC2_METADATA_DISABLED": "true", CONFIG_ENV: str(self.config),
                     ENTRY_FILE_ENV: str(work / "entry.json"),
+                    ENTRY_WAIT_ENV: str(_CHILD_TIMEOUT_S),
                     "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
                     "RUNAI_STREAMER_CONCURRENCY": str(args.runai_concurrency),
                     "RUNAI_STREAMER_CHUNK_BYTESIZE": str(args.runai_chunk_mib << 20),
@@ -163,37 +167,19 @@ class _Bench:
         spawn = time.time()
         run: dict[str, Any] = {"round": round_}
         server_spawn = spawn
+        fill: _Fill | None = None
         if config.startswith("dlo"):
-            fill = self._fill()
-            run["fill"] = fill
-            server_spawn = spawn + fill["wall_s"]
-        marks = self._server(config)
+            (self.work / "entry.json").unlink(missing_ok=True)  # a new pod's run directory
+            fill = _Fill(self)
+            server_spawn = time.time()
+        try:
+            marks = self._server(config)
+        finally:
+            if fill is not None:
+                run["fill"] = fill.result()
         run["server"] = _phases(server_spawn, marks)
         run["total_s"] = round(marks["forward"] - spawn, 3)
         return run
-
-    def _fill(self) -> dict[str, Any]:
-        argv = [sys.executable, "-m", "dlo_cli.main", "cache", "fill", "--config",
-                str(self.config), "--source", self.source, "--endpoint-url", self.endpoint_url,
-                "--path-style", "--entry-file", str(self.work / "entry.json"),
-                "--summary-file", str(self.work / "summary.json")]
-        logs = self.work / "fill.out", self.work / "fill.err"
-        with logs[0].open("w") as out, logs[1].open("w") as err:
-            spawn = time.time()
-            proc = subprocess.Popen(argv, env=self.env, stdout=out, stderr=err)
-            _, status, usage = os.wait4(proc.pid, 0)  # its own peak RSS, not the servers'
-            wall = time.time() - spawn
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        stdout, stderr = logs[0].read_text(), logs[1].read_text()
-        rss = round(usage.ru_maxrss / 1024, 1)
-        if proc.returncode:
-            raise RuntimeError(f"dlo cache fill failed ({proc.returncode}): {stderr[-2000:]}")
-        summary = json.loads(stdout.strip().splitlines()[-1])
-        transfer = _log_time(stderr, _TRANSFER_MARK)
-        return {"wall_s": round(wall, 3), "fill_s": summary["seconds"],
-                "cached": summary["cached"],
-                "start_to_transfer_s": round(transfer - spawn, 3) if transfer else None,
-                "peak_rss_mib": rss}
 
     def _server(self, config: str) -> dict[str, Any]:
         path, prefetch = _SERVER[config]
@@ -239,6 +225,52 @@ class _Bench:
             "loader": _loader_figures(runs),
             "outputs_equal": equal, "runs": runs,
         }
+
+
+class _Fill:
+    """`dlo cache fill` in a process of its own, reaped on a thread (its exit time and its own
+    peak RSS, not the server's) while the server runs."""
+
+    def __init__(self, bench: _Bench) -> None:
+        argv = [sys.executable, "-m", "dlo_cli.main", "cache", "fill", "--config",
+                str(bench.config), "--source", bench.source, "--endpoint-url",
+                bench.endpoint_url, "--path-style", "--entry-file", str(bench.work / "entry.json"),
+                "--summary-file", str(bench.work / "summary.json")]
+        self._logs = bench.work / "fill.out", bench.work / "fill.err"
+        self._files = [path.open("w") for path in self._logs]
+        self._spawn = time.time()
+        self._proc = subprocess.Popen(argv, env=bench.env, stdout=self._files[0],
+                                      stderr=self._files[1])
+        self._ended: tuple[float, int, Any] | None = None
+        self._thread = threading.Thread(target=self._reap, daemon=True)
+        self._thread.start()
+
+    def _reap(self) -> None:
+        _, status, usage = os.wait4(self._proc.pid, 0)
+        self._ended = (time.time(), status, usage)
+
+    def result(self) -> dict[str, Any]:
+        self._thread.join(_CHILD_TIMEOUT_S)
+        for handle in self._files:
+            handle.close()
+        if self._ended is None:
+            self._proc.kill()
+            raise RuntimeError("dlo cache fill did not end")
+        ended, status, usage = self._ended
+        self._proc.returncode = os.waitstatus_to_exitcode(status)
+        stdout, stderr = self._logs[0].read_text(), self._logs[1].read_text()
+        wall = ended - self._spawn
+        rss = round(usage.ru_maxrss / 1024, 1)
+        spawn = self._spawn
+        if self._proc.returncode:
+            raise RuntimeError(
+                f"dlo cache fill failed ({self._proc.returncode}): {stderr[-2000:]}")
+        summary = json.loads(stdout.strip().splitlines()[-1])
+        transfer = _log_time(stderr, _TRANSFER_MARK)
+        return {"wall_s": round(wall, 3), "fill_s": summary["seconds"],
+                "cached": summary["cached"],
+                "start_to_transfer_s": round(transfer - spawn, 3) if transfer else None,
+                "peak_rss_mib": rss}
 
 
 def _loader_figures(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:

@@ -3,8 +3,8 @@
 `python -m dlo_bench.coldstart_paths PATH --out DIR` runs one configuration in a fresh process
 and writes `DIR/PATH.pt` (the first forward's output) and `DIR/PATH.json` (wall-clock marks, in
 seconds since the epoch, so the parent can subtract its own spawn time):
-- `dlo`: the main container of a pod whose loader already ran: `prefetch.start()` first (or,
-  with `--prefetch build`, no call: `pod.build_dit` starts it), then the imports,
+- `dlo`: the main container of a pod whose loader sidecar fills meanwhile: `prefetch.start()`
+  first (or, with `--prefetch build`, no call: `pod.build_dit` starts it), then the imports,
   `pod.build_dit` (weightless), `pod.enable` (rank-local, CPU), the forward;
 - `plain`: boto3 `download_file` of every object, then `from_pretrained` (accelerate installed
   where the benchmark's venv has it) and the forward;

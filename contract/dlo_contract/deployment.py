@@ -44,7 +44,7 @@ CR_SECTIONS: dict[str, str] = {
     "sp > 1, never TP.",
     "offload": "Distributed Layerwise Offload policy.",
     "cache": "The node's content-addressed cache (hostPath), shared by every pod on the node.",
-    "loader": "The loader init container that fills the node cache.",
+    "loader": "The loader sidecar that fills the node cache while the server starts.",
     "inference": "The inference server container; it imports dlo_runtime.",
     "disruptionBudget": "An optional PodDisruptionBudget over the pods, so that a node drain "
     "evicts a bounded number at once.",
@@ -70,7 +70,7 @@ class CredentialsConfig(Section):
 
 
 class LoaderPodConfig(Section):
-    """The loader init container's image, rendezvous port and resources."""
+    """The loader sidecar's image, rendezvous port and resources."""
 
     image: str = setting("", crd="loader.image",
                          description="Loader image (runs dlo cache fill); empty uses the "

@@ -17,12 +17,19 @@ DEFAULT_CONFIG_PATH = f"{SETTINGS_MOUNT}/{SETTINGS_FILE}"
 ENTRY_FILE_ENV = "DLO_ENTRY_FILE"
 """Path of the entry document the loader writes and the runtime reads."""
 RUN_DIR = "/run/dlo"
-"""A volume shared by the init container and the main container of one pod."""
+"""A volume shared by the loader sidecar and the main container of one pod."""
 DEFAULT_ENTRY_FILE = f"{RUN_DIR}/entry.json"
+ENTRY_WAIT_ENV = "DLO_ENTRY_WAIT_SECONDS"
+"""Seconds the main container waits for the entry document to appear. The operator sets it when
+the loader is the pod's native sidecar, which fills while the main container starts; unset (or
+0), an absent entry document means no loader runs for this process."""
 
 # --- the fill summary (loader -> operator) ------------------------------------------------------
 DEFAULT_SUMMARY_FILE = "/dev/termination-log"
 """Where the kubelet picks up the container's termination message."""
+LOADER_SUMMARY_PATH = "/summary"
+"""HTTP path, on the loader's metrics port, of its fill summary once the fill has ended (404
+before): a sidecar loader stays up, so the operator reads the figures there."""
 
 # --- the node cache ------------------------------------------------------------------------------
 DEFAULT_CACHE_ROOT = "/var/lib/dlo/cache"

@@ -155,8 +155,10 @@ class LoaderConfig(Section):
         description="Whole-fill deadline in seconds; any rank past it fails every rank.")
     metrics_port: int = setting(
         9400, crd="loader.metricsPort", cli="--metrics-port", minimum=0, maximum=65535,
-        description="Port of the loader's Prometheus /metrics endpoint while it fills; the "
-        "operator reads live progress from it; 0 turns it off.")
+        description="Port of the loader's Prometheus /metrics endpoint (and, once the fill "
+        "ended, of its summary at /summary); the operator reads live progress and the per-node "
+        "fill figures from it; 0 turns it off, and the status then shows no figures for the "
+        "pods' fills.")
 
 
 class CacheConfig(Section):

@@ -1,4 +1,5 @@
-"""Node plane of dlo: the init container that fills the node cache from object storage.
+"""Node plane of dlo: the loader that fills the node cache from object storage (the workload
+pod's native sidecar, the prefill Job's container).
 
 `dlo cache fill` (module `cli`) lists the checkpoint, and either finds it cached already or joins
 the other nodes' loaders, each reading about 1/N of the bytes from the object store and receiving

@@ -1,4 +1,4 @@
-"""`dlo cache fill`: the init container's command line (contract C2).
+"""`dlo cache fill`: the loader sidecar's command line (contract C2).
 
 Owns flags (the fill group's placement comes from `group_source`: flags, `RANK`/`WORLD_SIZE`/
 `MASTER_ADDR`/`MASTER_PORT`, or the operator's fill-group document), and the outputs
@@ -17,6 +17,7 @@ import argparse
 import importlib
 import logging
 import os
+import signal
 import tempfile
 import threading
 import typing
@@ -85,6 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where to write the entry document (default: %(default)s)")
     add("--summary-file", help=f"termination-message file (default: {DEFAULT_SUMMARY_FILE} "
                                "when it is writable)")
+    add("--keep-running", action="store_true",
+        help="after the entry is published, stay up (serving /metrics) until SIGTERM or SIGINT: "
+             "a pod's native sidecar, which the kubelet would restart if it exited")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,12 +112,31 @@ def run(args: argparse.Namespace) -> int:
         result = fill(request)
         _write_atomically(Path(args.entry_file), result.entry_document().to_json() + "\n")
     except Exception as exc:  # every failure becomes the one-line summary and exit status 1
-        return _report_failure(args, rank, exc)
-    finally:
         if endpoint is not None:
             endpoint.close()
-    _finish(args, result.summary())
+        return _report_failure(args, rank, exc)
+    summary = result.summary()
+    _finish(args, summary)
+    if endpoint is not None:
+        endpoint.publish_summary(summary.to_json())
+    if args.keep_running:
+        _stay_up()
+    if endpoint is not None:
+        endpoint.close()
     return 0
+
+
+def _stay_up() -> None:
+    """A native sidecar's life after its work: idle until the kubelet stops the pod (SIGTERM)
+    or a person presses Ctrl-C, then end with status 0. An exit before that would be restarted,
+    fill again (finding the entry) and count as a restart in `kubectl get pods`."""
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    log.info("entry published; staying up as the pod's sidecar until SIGTERM")
+    while not stop.wait(3600):
+        pass
+    log.info("stopping: the pod is shutting down")
 
 
 def _serve_metrics(port: int) -> Endpoint | None:

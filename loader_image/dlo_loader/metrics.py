@@ -14,10 +14,11 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
+from dlo_contract.names import LOADER_SUMMARY_PATH
 from prometheus_client import CollectorRegistry, Counter, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -150,13 +151,30 @@ class Endpoint:
     _POLL_S = 0.02
 
     def __init__(self, port: int, addr: str = "0.0.0.0") -> None:
-        self._server = make_server(addr, port, make_wsgi_app(REGISTRY), ThreadingWSGIServer,
+        self._metrics = make_wsgi_app(REGISTRY)
+        self._summary: bytes | None = None
+        self._server = make_server(addr, port, self._app, ThreadingWSGIServer,
                                    handler_class=_QuietHandler)
         self.port = self._server.server_port
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         kwargs={"poll_interval": self._POLL_S},
                                         name="dlo-metrics", daemon=True)
         self._thread.start()
+
+    def publish_summary(self, line: str) -> None:
+        """Serve the fill's one-line summary at `LOADER_SUMMARY_PATH` from now on: a sidecar loader
+        stays up, so the kubelet never shows its termination message; the operator reads the
+        figures here (`dlo_operator.progress.read_summary`)."""
+        self._summary = line.encode() + b"\n"
+
+    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != LOADER_SUMMARY_PATH:
+            return self._metrics(environ, start_response)
+        if self._summary is None:
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"no summary: the fill has not ended\n"]
+        start_response("200 OK", [("Content-Type", "application/json")])
+        return [self._summary]
 
     def close(self) -> None:
         self._server.shutdown()

@@ -28,7 +28,7 @@ from dlo_operator import metrics, progress
 from dlo_operator.errors import KubeError, KubeTransientError, SpecError
 from dlo_operator.host_paths import DEFAULT_ALLOWED_HOST_PATHS
 from dlo_operator.kube import KubeClient
-from dlo_operator.naming import GROUP, LABEL_DEPLOYMENT, PLURAL, VERSION
+from dlo_operator.naming import ANNOTATION_FILL_SUMMARY, GROUP, LABEL_DEPLOYMENT, PLURAL, VERSION
 from dlo_operator.reconcile import ReconcileConfig, reconcile
 from dlo_operator.rollout import BackoffConfig
 from dlo_operator.spec import DEFAULT_LOADER_IMAGE, parse_spec
@@ -113,6 +113,22 @@ for _plural in _OWNED:
         _quietly(memo, namespace, labels[LABEL_DEPLOYMENT], logger)
 
 
+def _keep_summaries(memo: kopf.Memo, namespace: str, pods: Any, port: int,
+                    logger: logging.Logger) -> None:
+    """Copy each published sidecar loader's fill summary onto its pod, where the status reads it
+    (the pod event that follows reconciles)."""
+    for pod in pods:
+        pod_name = pod["metadata"]["name"]
+        line = progress.read_summary(pod["status"]["podIP"], port)
+        if line is None:
+            continue
+        try:
+            memo.kube.annotate_pod(namespace, pod_name, {ANNOTATION_FILL_SUMMARY: line})
+        except (KubeError, KubeTransientError) as exc:
+            logger.warning("fill summary of pod %s/%s not kept, the next tick retries: %s",
+                           namespace, pod_name, exc)
+
+
 def _quietly(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger) -> None:
     """Reconcile from a watch event or the timer: errors are logged, the next event retries."""
     try:
@@ -153,12 +169,14 @@ def loader_progress(spec: kopf.Spec, name: str, namespace: str, status: kopf.Sta
     except SpecError:
         return
     try:
-        pods = progress.running_loaders(
-            memo.kube.list("Pod", namespace, {LABEL_DEPLOYMENT: name}))
+        every = memo.kube.list("Pod", namespace, {LABEL_DEPLOYMENT: name})
     except (KubeError, KubeTransientError) as exc:
         logger.warning("progress of %s/%s not read, the next tick retries: %s",
                        namespace, name, exc)
         return
+    if port:
+        _keep_summaries(memo, namespace, progress.published_without_summary(every), port, logger)
+    pods = progress.running_loaders(every)
     current = progress.progress_status(progress.read_all(pods, port) if port else [])
     if current == status.get("progress"):
         return

@@ -125,6 +125,11 @@ class KubeClient:
                 return None
             raise
 
+    def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
+        """Merge `annotations` into one pod's metadata."""
+        self._call(f"Pod {namespace}/{name}", self._core.patch_namespaced_pod, name, namespace,
+                   {"metadata": {"annotations": dict(annotations)}}, _content_type=_MERGE)
+
     def patch_deployment_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         self._call(f"{PLURAL} {namespace}/{name} status",
                    self._custom.patch_namespaced_custom_object_status,

@@ -110,7 +110,8 @@ class _Deployments(Collector):
 def _fill_outcome(node: Mapping[str, Any]) -> str | None:
     if node.get("loader") == "Failed" and node.get("message"):
         return "error"
-    if node.get("loader") == "Cached":  # a node that moved no byte found the entry cached
+    if node.get("loader") == "Cached" and "cached" in node:  # once its summary is known
+        # (a sidecar's arrives after its readiness); a node that moved no byte found it cached
         moved = node.get("bytesFromStore", 0) or node.get("bytesFromPeers", 0)
         return "ok" if moved else "cached"
     return None
@@ -123,14 +124,15 @@ REGISTRY.register(DEPLOYMENTS)
 def record_status(namespace: str, name: str, status: Mapping[str, Any],
                   previous: Mapping[str, Any] | None) -> None:
     """After a status write: the DOD's phase, and each loader whose end the new status shows
-    first (a node row whose loader state or restart count changed into an end)."""
+    first (a node row whose loader state, restart count or known outcome changed into an
+    end)."""
     DEPLOYMENTS.set_phase(namespace, name, status.get("phase"))
     before = {n.get("pod"): n for n in (previous or {}).get("nodes") or ()}
     for node in status.get("nodes") or ():
         outcome = _fill_outcome(node)
         old = before.get(node.get("pod")) or {}
-        if outcome is not None and (old.get("loader"), old.get("restarts")) != (
-                node.get("loader"), node.get("restarts")):
+        if outcome is not None and (old.get("loader"), old.get("restarts"), _fill_outcome(old)
+                                    ) != (node.get("loader"), node.get("restarts"), outcome):
             FILLS.labels(outcome=outcome).inc()
 
 

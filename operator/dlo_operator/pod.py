@@ -1,4 +1,12 @@
-"""The workload pod template: loader init container, inference container, volumes, scheduling.
+"""The workload pod template: loader sidecar, inference container, volumes, scheduling.
+
+The loader is a native sidecar (an init container with `restartPolicy: Always`, Kubernetes 1.29
+and later): the kubelet starts the inference container right after it, so the server's imports
+and pipeline construction overlap the fill, and the runtime waits for the entry document
+(`DLO_ENTRY_WAIT_SECONDS`, the fill's deadline). The loader stays up after publishing
+(`--keep-running`); its readiness probe says the entry document exists, which is how the status
+tells a node that holds the checkpoint (`status.LoaderState.CACHED`). A failed fill exits, and the
+kubelet restarts it with back-off while the runtime keeps waiting.
 
 Contract C2 (the loader's command line and environment) and contract C3 (the inference
 container's `DLO_*` environment and mounts) are written here and nowhere else. Nothing in the
@@ -19,6 +27,7 @@ from dlo_contract.names import (
     DEFAULT_CONFIG_PATH,
     DEFAULT_ENTRY_FILE,
     ENTRY_FILE_ENV,
+    ENTRY_WAIT_ENV,
     FILL_GROUP_ENV,
     LOADER_METRICS_PORT_NAME,
     POD_NAME_ENV,
@@ -66,7 +75,7 @@ def build_pod_template(owner: Owner, spec: DeploymentSpec, revision: str,
         "enableServiceLinks": False,
         "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
         "affinity": _affinity(owner, spec),
-        "initContainers": [loader_container(spec, group_env)],
+        "initContainers": [loader_container(spec, group_env, sidecar=True)],
         "containers": [_inference_container(spec)],
         "volumes": volumes(owner.settings_name(revision), spec),
     }
@@ -119,16 +128,20 @@ def volumes(settings_configmap: str, spec: DeploymentSpec) -> list[dict[str, Any
     return volumes + [copy.deepcopy(dict(v)) for v in spec.volumes]
 
 
-def loader_container(spec: DeploymentSpec, group_env: list[dict[str, Any]]) -> dict[str, Any]:
-    """Contract C2: `dlo cache fill`; `group_env` says where it learns its fill group."""
+def loader_container(spec: DeploymentSpec, group_env: list[dict[str, Any]], *,
+                     sidecar: bool = False) -> dict[str, Any]:
+    """Contract C2: `dlo cache fill`; `group_env` says where it learns its fill group. As the
+    workload pod's `sidecar` it stays up after publishing and is ready once the entry document
+    exists; in the prefill Job it is an ordinary container that ends with its fill."""
     env: list[dict[str, Any]] = [*group_env, {"name": CONFIG_ENV, "value": DEFAULT_CONFIG_PATH}]
     env += _credential_env(spec)
-    return {
+    args = ["--config", DEFAULT_CONFIG_PATH, "--entry-file", DEFAULT_ENTRY_FILE]
+    container: dict[str, Any] = {
         "name": LOADER_CONTAINER,
         "image": spec.loader.image,
         "imagePullPolicy": spec.loader.image_pull_policy,
         "command": ["dlo", "cache", "fill"],
-        "args": ["--config", DEFAULT_CONFIG_PATH, "--entry-file", DEFAULT_ENTRY_FILE],
+        "args": args,
         "env": env,
         "ports": _loader_ports(spec),
         "resources": copy.deepcopy(dict(spec.loader.resources)),
@@ -141,6 +154,14 @@ def loader_container(spec: DeploymentSpec, group_env: list[dict[str, Any]]) -> d
             {"name": "cache", "mountPath": spec.settings.cache.root},
         ],
     }
+    if sidecar:
+        args.append("--keep-running")
+        container["restartPolicy"] = "Always"
+        container["readinessProbe"] = {
+            "exec": {"command": ["test", "-s", DEFAULT_ENTRY_FILE]},
+            "periodSeconds": 2, "failureThreshold": 1,
+        }
+    return container
 
 
 def _loader_ports(spec: DeploymentSpec) -> list[dict[str, Any]]:
@@ -189,6 +210,7 @@ def _inference_container(spec: DeploymentSpec) -> dict[str, Any]:
     env = [copy.deepcopy(dict(e)) for e in inference.env] + [
         {"name": CONFIG_ENV, "value": DEFAULT_CONFIG_PATH},
         {"name": ENTRY_FILE_ENV, "value": DEFAULT_ENTRY_FILE},
+        {"name": ENTRY_WAIT_ENV, "value": f"{settings.loader.timeout_s:g}"},
     ]
     container: dict[str, Any] = {
         "name": INFERENCE_CONTAINER,

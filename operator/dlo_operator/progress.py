@@ -1,10 +1,12 @@
 """Live fill progress: the running loaders' metrics endpoints turned into `status.progress`.
 
-While a loader init container runs, the operator reads `http://<podIP>:<loader.metricsPort>/metrics`
+While a loader fills, the operator reads `http://<podIP>:<loader.metricsPort>/metrics`
 (no API token in workload pods; the loader serves its `Progress`, see `dlo_loader.metrics`) and
 writes per-node bytes done / total, throughput and ETA (or `stalled`) plus a one-line summary for
 the PROGRESS printer column. When no loader runs the field is removed: the termination message
-(the fill summary in `status.nodes`) holds the final figures. `read_loader` does the HTTP;
+(the fill summary in `status.nodes`) holds the final figures; a sidecar loader that published
+stays up, so its summary is read once from its endpoint and kept on its pod
+(`published_without_summary`, `read_summary`). `read_loader` and `read_summary` do the HTTP;
 `progress_status` is pure. Called by the handlers' timer; must not patch anything itself.
 """
 
@@ -20,8 +22,10 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from dlo_contract.documents import DocumentError, FillSummary
+from dlo_contract.names import LOADER_SUMMARY_PATH
 from dlo_operator import metrics
-from dlo_operator.naming import LOADER_CONTAINER
+from dlo_operator.naming import ANNOTATION_FILL_SUMMARY, LOADER_CONTAINER
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +47,47 @@ class LoaderReading:
 
 
 def running_loaders(pods: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """Pods whose loader container is running and which have an IP to reach it on."""
+    """Pods whose loader container is running and not yet ready (a sidecar that published stays
+    up, ready) and which have an IP to reach it on."""
     running = []
     for pod in pods:
         status = pod.get("status") or {}
         for container in status.get("initContainerStatuses") or ():
-            if (container.get("name") == LOADER_CONTAINER
+            if (container.get("name") == LOADER_CONTAINER and not container.get("ready")
                     and "running" in (container.get("state") or {}) and status.get("podIP")):
                 running.append(pod)
     return running
+
+
+def published_without_summary(pods: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Pods whose sidecar loader published (running and ready) and whose fill summary the
+    operator has not copied yet (`naming.ANNOTATION_FILL_SUMMARY`)."""
+    found = []
+    for pod in pods:
+        status = pod.get("status") or {}
+        annotations = (pod.get("metadata") or {}).get("annotations") or {}
+        if ANNOTATION_FILL_SUMMARY in annotations or not status.get("podIP"):
+            continue
+        for container in status.get("initContainerStatuses") or ():
+            if (container.get("name") == LOADER_CONTAINER and container.get("ready")
+                    and "running" in (container.get("state") or {})):
+                found.append(pod)
+    return found
+
+
+def read_summary(address: str, port: int, timeout_s: float = READ_TIMEOUT_S) -> str | None:
+    """One published loader's fill summary line (`names.LOADER_SUMMARY_PATH`); None when it does
+    not answer or is not a summary."""
+    host = f"[{address}]" if ":" in address else address
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}{LOADER_SUMMARY_PATH}",
+                                    timeout=timeout_s) as reply:
+            line = reply.read(64 << 10).decode().strip()
+        FillSummary.from_json(line)
+    except (OSError, urllib.error.URLError, UnicodeDecodeError, DocumentError) as exc:
+        log.debug("loader summary at %s:%d not readable: %s", address, port, exc)
+        return None
+    return line
 
 
 def read_all(pods: Sequence[Mapping[str, Any]], port: int

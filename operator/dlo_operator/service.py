@@ -3,8 +3,9 @@
 `build_service`: the headless Service that gives each workload pod a stable DNS name.
 
 The loaders rendezvous at pod 0's name (`<dod>-0.<dod>-peers.<ns>.svc`, completed by the pod's
-DNS search domains, so no cluster domain is assumed) while they are still init containers, i.e.
-before any pod is Ready, so the Service publishes not-ready addresses.
+DNS search domains, so no cluster domain is assumed) while they fill, i.e. before any pod is
+Ready (a loader sidecar is ready once it published), so the Service publishes not-ready
+addresses.
 
 `build_inference_service`: a ClusterIP Service named like the DOD for `inference.ports`, so that
 clients reach the Ready replicas at `<dod>.<namespace>` (only when ports are declared).

@@ -1,7 +1,9 @@
 """`status_from_pods`: the DOD status (phase, conditions, per-node cache state) from its pods.
 
-Reads each workload pod's loader init container: its state (waiting, running, terminated,
-crash-looping) and its termination message, the one-line JSON summary of contract C2. Pure: the
+Reads each workload pod's loader (a native sidecar: running and ready once it published; the
+prefill Job's loader ends): its state (waiting, running, ready, terminated, crash-looping) and its
+termination message, the one-line JSON summary of contract C2 (for a sidecar that published, the
+copy the operator keeps on the pod, `naming.ANNOTATION_FILL_SUMMARY`). Pure: the
 handlers pass the pods (from kopf's in-memory index), the previous status (to keep condition
 transition times) and the clock. It must not call the cluster or read the settings document.
 
@@ -25,7 +27,12 @@ from typing import Any
 
 from dlo_contract.documents import DocumentError, FillSummary
 from dlo_operator.conditions import FALSE, TRUE, Condition, merge_conditions
-from dlo_operator.naming import LABEL_JOB_INDEX, LABEL_POD_INDEX, LOADER_CONTAINER
+from dlo_operator.naming import (
+    ANNOTATION_FILL_SUMMARY,
+    LABEL_JOB_INDEX,
+    LABEL_POD_INDEX,
+    LOADER_CONTAINER,
+)
 from dlo_operator.pod_troubles import Trouble, TroubleReason, pod_troubles
 
 VALID = "Valid"
@@ -59,7 +66,9 @@ def node_entry(pod: Mapping[str, Any]) -> dict[str, Any]:
     meta = pod.get("metadata") or {}
     status = pod.get("status") or {}
     loader = _container_status(status.get("initContainerStatuses"), LOADER_CONTAINER)
-    state, message, summary = _loader_state(loader)
+    state, message, summary = _loader_state(loader, sidecar=True)
+    if state is LoaderState.CACHED and summary is None:  # a sidecar that published stays up
+        summary = _summary((meta.get("annotations") or {}).get(ANNOTATION_FILL_SUMMARY))
     entry: dict[str, Any] = {
         "pod": meta.get("name", ""),
         "node": (pod.get("spec") or {}).get("nodeName", ""),
@@ -90,7 +99,7 @@ def prefill_node(pod: Mapping[str, Any]) -> dict[str, Any]:
     meta = pod.get("metadata") or {}
     loader = _container_status((pod.get("status") or {}).get("containerStatuses"),
                                LOADER_CONTAINER)
-    state, message, summary = _loader_state(loader)
+    state, message, summary = _loader_state(loader, sidecar=False)
     index = (meta.get("labels") or {}).get(LABEL_JOB_INDEX, "")
     row: dict[str, Any] = {
         "pod": meta.get("name", ""), "node": (pod.get("spec") or {}).get("nodeName", ""),
@@ -187,9 +196,11 @@ def _conditions(phase: str, reason: str, message: str, ready: int, cached: int, 
 
 
 def _loader_state(
-    loader: Mapping[str, Any] | None,
+    loader: Mapping[str, Any] | None, *, sidecar: bool,
 ) -> tuple[LoaderState, str, FillSummary | None]:
-    """State, one-line message and parsed fill summary of the loader container status."""
+    """State, one-line message and parsed fill summary of the loader container status. A
+    `sidecar` loader (the workload pod's) is ready once it published and then stays running; the
+    prefill Job's loader holds the entry only once it ended well."""
     if not loader:
         return LoaderState.WAITING, "", None
     state = loader.get("state") or {}
@@ -200,7 +211,9 @@ def _loader_state(
             return LoaderState.CACHED, "", summary
         return LoaderState.FAILED, _failure_text(term, summary), summary
     if "running" in state:
-        return LoaderState.RUNNING, "", None
+        # A sidecar loader stays up after its fill; its readiness probe says it published.
+        published = sidecar and loader.get("ready")
+        return (LoaderState.CACHED if published else LoaderState.RUNNING), "", None
     waiting = state.get("waiting") or {}
     if waiting.get("reason") in _FAILING_WAIT_REASONS:
         last = (loader.get("lastState") or {}).get("terminated") or {}

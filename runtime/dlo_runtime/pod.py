@@ -41,6 +41,7 @@ from dlo_runtime.entry_file import (  # noqa: F401 (re-exported: the pod API)
     PodError,
     entry_file_path,
     read_entry_file,
+    wait_for_entry_file,
 )
 from dlo_runtime.host_registration import register_plan
 from dlo_runtime.host_weight_plan import BackingKind, HostWeightPlan
@@ -60,7 +61,7 @@ def build_dit(model_cls: Any, *, component: str = "transformer", dtype: torch.dt
     the pod's entry accepts it, so `enable()` backs it with the mapping; otherwise loaded
     ordinarily from the entry with `from_pretrained`."""
     settings = _validated(settings)
-    entry = read_entry_file(entry_file)
+    entry = wait_for_entry_file(entry_file)
     if entry is None:
         raise PodError(f"no entry file at {entry_file_path(entry_file)}",
                        hint="run the loader (`dlo cache fill`) first, or load the DiT yourself")
@@ -145,7 +146,7 @@ def enable(target: Any, *, device: str | torch.device | None = None,
     settings = _validated(settings)
     torch_device = _device(device)
     placement = resolve_placement(settings, groups=groups)
-    entry = read_entry_file(entry_file)
+    entry = wait_for_entry_file(entry_file)
     layout = layout or RuntimeLayout(tp_size=settings.parallel.tp, sp_size=settings.parallel.sp,
                                      source=entry.entry_id if entry else "")
     handle = OffloadHandle(torch_device, [])

@@ -9,7 +9,9 @@ first), so the reads overlap whatever the server does meanwhile (its imports whe
 `pod.build_dit` starts it). The kernel reads into the page cache with no copy; the pages are
 charged to this container, which maps them anyway. An entry larger than half of the memory the
 kernel reports available is not warmed (the reads would evict each other). Idempotent per
-entry: the second call returns the first warmer. torch-free. Called by `pod.build_dit` and by
+entry: the second call returns the first warmer. When the pod's loader sidecar has not published
+the entry yet (`entry_file.wait_seconds()` > 0), `start()` leaves a daemon thread waiting for the
+entry document, which starts the warmer once it appears. torch-free. Called by `pod.build_dit` and by
 servers; must not map, pin or verify the entry.
 """
 
@@ -21,7 +23,14 @@ import threading
 import time
 from pathlib import Path
 
-from dlo_runtime.entry_file import EntryRef, read_entry_file
+from dlo_contract.errors import DloError
+from dlo_runtime.entry_file import (
+    EntryRef,
+    entry_file_path,
+    read_entry_file,
+    wait_for_entry_file,
+    wait_seconds,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +40,7 @@ FIRST = ("transformer/",)
 """Entry subdirectories warmed before the rest: the DiT the first forward needs."""
 _lock = threading.Lock()
 _started: dict[Path, EntryWarmer] = {}
+_waiting: set[Path] = set()
 
 
 class EntryWarmer:
@@ -66,10 +76,34 @@ class EntryWarmer:
 
 def start(entry_file: str | os.PathLike[str] | None = None) -> EntryWarmer | None:
     """Start warming the entry named by the entry file (see `entry_file`); None when there is
-    no entry file or the entry is too large to keep in memory."""
+    no entry file (yet) or the entry is too large to keep in memory."""
     entry = read_entry_file(entry_file)
     if entry is None:
+        if wait_seconds() > 0:
+            _start_when_published(entry_file)
         return None
+    return _warm(entry)
+
+
+def _start_when_published(entry_file: str | os.PathLike[str] | None) -> None:
+    where = entry_file_path(entry_file)
+    with _lock:
+        if where in _waiting:
+            return
+        _waiting.add(where)
+
+    def wait_then_warm() -> None:
+        try:
+            entry = wait_for_entry_file(entry_file)
+        except DloError:  # the server's own wait (`pod.build_dit`) reports it
+            return
+        if entry is not None:
+            _warm(entry)
+
+    threading.Thread(target=wait_then_warm, name="dlo-prefetch-wait", daemon=True).start()
+
+
+def _warm(entry: EntryRef) -> EntryWarmer | None:
     with _lock:
         if entry.path in _started:
             return _started[entry.path]

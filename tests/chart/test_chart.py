@@ -134,7 +134,7 @@ def test_rbac_grants_only_what_the_operator_uses() -> None:
         ("dlo.dev", "diffusionoffloaddeployments"): ["get", "list", "patch", "watch"],
         ("dlo.dev", "diffusionoffloaddeployments/status"): ["patch"],
         ("dlo.dev", "diffusionoffloaddeployments/finalizers"): ["update"],
-        ("", "pods"): ["list", "watch"],
+        ("", "pods"): ["list", "patch", "watch"],
         ("", "configmaps"): ["delete", "get", "list", "patch", "watch"],
         ("", "services"): ["delete", "get", "list", "patch", "watch"],
         ("apps", "statefulsets"): ["get", "list", "patch", "watch"],

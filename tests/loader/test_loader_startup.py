@@ -5,12 +5,15 @@ it wrote flushed (the summary line and the termination-message file)."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
-from dlo_bench.s3server import S3Server
+from dlo_bench.s3server import S3Server, free_port
 from support.loader_fleet import LOADER_SETTINGS, Checkpoint
 
 
@@ -55,3 +58,41 @@ def test_a_fill_exits_with_its_entry_and_summary_written(
     assert summary["status"] == "ok"
     assert json.loads(entry_file.read_text())["entry_id"] == summary["entry_id"]
     assert " plan: " in done.stderr  # the line the cold-start benchmark times the first GET by
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_a_sidecar_fill_stays_up_serving_its_summary_until_sigterm(
+        s3: S3Server, checkpoint: Checkpoint, tmp_path: Path) -> None:
+    """`--keep-running` (the pod's native sidecar): after publishing, the process stays up, so
+    the kubelet does not restart it; its endpoint serves the summary the termination message
+    would have carried; SIGTERM (the pod's end) ends it with status 0."""
+    config = tmp_path / "settings.json"
+    config.write_text(json.dumps({"loader": {**LOADER_SETTINGS, "metrics_port": free_port()}}))
+    port = json.loads(config.read_text())["loader"]["metrics_port"]
+    entry_file = tmp_path / "entry.json"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dlo_cli.main", "cache", "fill", "--config", str(config),
+         "--source", checkpoint.source, "--endpoint-url", s3.endpoint_url,
+         "--cache-root", str(tmp_path / "c"), "--entry-file", str(entry_file),
+         "--summary-file", str(tmp_path / "termination-log"), "--keep-running"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not entry_file.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert entry_file.exists(), process.communicate(timeout=10)
+        time.sleep(0.5)
+        assert process.poll() is None  # still up after publishing
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/summary", timeout=10) as reply:
+            served = json.loads(reply.read())
+        assert served["status"] == "ok"
+        assert served["entry_id"] == json.loads(entry_file.read_text())["entry_id"]
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, err
+    assert json.loads(out.strip().splitlines()[-1]) == served
+    assert "staying up as the pod's sidecar" in err

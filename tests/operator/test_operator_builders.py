@@ -12,6 +12,7 @@ import yaml
 from dlo_operator.errors import SpecError
 from dlo_operator.manifests import build_children
 from dlo_operator.naming import Owner
+from dlo_operator.prefill import build_prefill_job
 from dlo_operator.render import render_file
 from dlo_operator.spec import parse_spec
 from dlo_cli import main as cli
@@ -96,7 +97,7 @@ def test_loader_learns_its_group_from_the_fill_group_document_not_the_replicas()
     revision = sts["spec"]["template"]["metadata"]["annotations"]["dlo.dev/revision"]
     assert loader["command"] == ["dlo", "cache", "fill"]
     assert loader["args"] == ["--config", "/etc/dlo/settings.json",
-                              "--entry-file", "/run/dlo/entry.json"]
+                              "--entry-file", "/run/dlo/entry.json", "--keep-running"]
     assert env(loader) == {
         "DLO_POD_NAME": {"fieldRef": {"fieldPath": "metadata.name"}},
         "DLO_REVISION": revision,
@@ -114,6 +115,23 @@ def test_loader_learns_its_group_from_the_fill_group_document_not_the_replicas()
     assert mounts(loader) == {"settings": ("/etc/dlo", True), "run": ("/run/dlo", False),
                               "loader-tmp": ("/tmp", False),
                               "cache": ("/var/lib/dlo/cache", False)}
+
+
+def test_the_workload_loader_is_a_native_sidecar_and_the_prefill_loader_is_not() -> None:
+    """The server starts while its pod's loader fills: the loader is an init container with
+    `restartPolicy: Always` that stays up after publishing, ready once the entry document exists;
+    the inference container waits for that document up to the fill's deadline."""
+    spec = {**MINIMAL, "loader": {"timeoutSeconds": 900.5}}
+    loader, inference = containers(statefulset(spec))
+    assert loader["restartPolicy"] == "Always"
+    assert loader["args"][-1] == "--keep-running"
+    assert loader["readinessProbe"]["exec"]["command"] == ["test", "-s", "/run/dlo/entry.json"]
+    assert "startupProbe" not in loader  # it would hold the inference container back
+    assert env(inference)["DLO_ENTRY_WAIT_SECONDS"] == "900.5"
+    job = build_prefill_job(OWNER, parse_spec(spec), ["node-a", "node-b"])
+    prefill_loader = job["spec"]["template"]["spec"]["containers"][0]
+    assert "restartPolicy" not in prefill_loader and "readinessProbe" not in prefill_loader
+    assert "--keep-running" not in prefill_loader["args"]
 
 
 def test_loader_is_locked_down() -> None:
@@ -148,7 +166,8 @@ def test_inference_container_gets_contract_c3_and_a_read_only_cache() -> None:
         "image": "server:1", "env": [{"name": "A", "value": "1"}],
         "resources": {"limits": {"memory": "10Gi"}}}}))
     assert env(inference) == {"A": "1", "DLO_CONFIG": "/etc/dlo/settings.json",
-                              "DLO_ENTRY_FILE": "/run/dlo/entry.json"}
+                              "DLO_ENTRY_FILE": "/run/dlo/entry.json",
+                              "DLO_ENTRY_WAIT_SECONDS": "3600"}
     assert mounts(inference) == {"settings": ("/etc/dlo", True), "run": ("/run/dlo", True),
                                  "cache": ("/var/lib/dlo/cache", True),
                                  "dshm": ("/dev/shm", False)}

@@ -30,7 +30,7 @@ GIB = 1 << 30
 
 
 @pytest.fixture
-def loader_endpoint() -> Iterator[tuple[int, Progress]]:
+def loader_endpoint() -> Iterator[tuple[loader_metrics.Endpoint, Progress]]:
     """A loader's real `/metrics` endpoint, 1 GiB of 4 GiB written."""
     fill = Progress(total_bytes=4 * GIB, prefix="")
     fill.add(written=GIB, from_store=GIB)
@@ -38,7 +38,7 @@ def loader_endpoint() -> Iterator[tuple[int, Progress]]:
     loader_metrics.FILL.attach(fill)
     endpoint = loader_metrics.Endpoint(0, addr="127.0.0.1")
     try:
-        yield endpoint.port, fill
+        yield endpoint, fill
     finally:
         endpoint.close()
 
@@ -49,9 +49,10 @@ def operator_port() -> int:
 
 
 async def test_live_progress_from_the_loader_endpoint_and_operator_metrics(
-        cluster: ClusterEmulator, operator: Operator, loader_endpoint: tuple[int, Progress],
-        operator_port: int) -> None:
-    port, _fill = loader_endpoint
+        cluster: ClusterEmulator, operator: Operator,
+        loader_endpoint: tuple[loader_metrics.Endpoint, Progress], operator_port: int) -> None:
+    endpoint, _fill = loader_endpoint
+    port = endpoint.port
     before = scrape(operator_port)
     await request(cluster, "POST", DOD_PATH, {
         "apiVersion": "dlo.dev/v1alpha1", "kind": "DiffusionOffloadDeployment",
@@ -87,24 +88,47 @@ async def test_live_progress_from_the_loader_endpoint_and_operator_metrics(
     assert value(during, "dlo_operator_deployments", phase="Loading") == 1
     assert value(during, "dlo_operator_progress_reads_total", outcome="ok") >= 1
 
-    # The fill ends: the progress goes, the termination message holds the final figures.
+    # The fill ends: the sidecar publishes and stays up, ready; the progress goes and the
+    # operator keeps the summary its endpoint serves on the pod, so the node row has the figures.
     summary = {"status": "ok", "entry_id": "e" * 64, "mode": "independent", "rank": 0,
                "world_size": 1, "bytes_from_store": 4 * GIB, "bytes_from_peers": 0,
                "bytes_to_peers": 0, "seconds": 9.5, "cached": False}
+    endpoint.publish_summary(json.dumps(summary))
     await request(cluster, "PATCH", f"{PODS_PATH}/flux-0/status", {"status": {
-        "initContainerStatuses": [{"name": "loader", "restartCount": 0, "state": {
-            "terminated": {"exitCode": 0, "message": json.dumps(summary)}}}]}})
+        "initContainerStatuses": [{"name": "loader", "restartCount": 0, "ready": True,
+                                   "state": {"running": {}}}]}})
 
     def progress_gone() -> bool:
-        """the progress is removed once no loader runs"""
+        """the progress is removed once no loader fills, and the node row has the figures"""
         status = live(cluster, DOD_RESOURCE, "flux")["status"]
-        return "progress" not in status and status["nodes"][0]["loader"] == "Cached"
+        node = status["nodes"][0]
+        return ("progress" not in status and node["loader"] == "Cached"
+                and node.get("bytesFromStore") == 4 * GIB)
 
     await eventually(progress_gone)
+    pod = live(cluster, "v1/pods", "flux-0")
+    assert json.loads(pod["metadata"]["annotations"]["dlo.dev/fill-summary"]) == summary
     after = scrape(operator_port)
     assert value(after, "dlo_operator_fills_total", outcome="ok") == value(
         before, "dlo_operator_fills_total", outcome="ok") + 1
-    assert live(cluster, DOD_RESOURCE, "flux")["status"]["nodes"][0]["bytesFromStore"] == 4 * GIB
+
+
+def test_a_published_sidecar_is_cached_and_its_summary_is_read_once(
+        loader_endpoint: tuple[loader_metrics.Endpoint, Progress]) -> None:
+    endpoint, _fill = loader_endpoint
+    sidecar = {"name": "loader", "ready": True, "state": {"running": {}}}
+    filling = {"name": "loader", "ready": False, "state": {"running": {}}}
+    pods = [{"metadata": {"name": f"p-{i}", **meta}, "status": {"podIP": "127.0.0.1",
+             "initContainerStatuses": [loader]}}
+            for i, (loader, meta) in enumerate([
+                (sidecar, {}), (filling, {}),
+                (sidecar, {"annotations": {"dlo.dev/fill-summary": "{}"}})])]
+    assert [p["metadata"]["name"] for p in progress.running_loaders(pods)] == ["p-1"]
+    assert [p["metadata"]["name"] for p in progress.published_without_summary(pods)] == ["p-0"]
+    assert progress.read_summary("127.0.0.1", endpoint.port) is None  # 404 before the end
+    line = json.dumps({"status": "ok", "entry_id": "e" * 64, "cached": True})
+    endpoint.publish_summary(line)
+    assert progress.read_summary("127.0.0.1", endpoint.port) == line
 
 
 def test_api_errors_are_counted_by_kind(operator_port: int) -> None:

@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from dlo_operator.conditions import Condition
-from dlo_operator.status import node_entry, status_from_pods
+from dlo_operator.status import node_entry, prefill_node, status_from_pods
 
 NOW = "2030-01-01T00:00:00Z"
 LATER = "2030-01-01T00:05:00Z"
@@ -64,6 +64,31 @@ def test_finished_loaders_report_their_summary_and_ready_pods_make_it_ready() ->
         "pod": "flux-1", "node": "node-1", "rank": 1, "loader": "Cached", "restarts": 0,
         "ready": True, "entryId": "ab" * 32, "mode": "multi-reader", "bytesFromStore": 10,
         "bytesFromPeers": 30, "seconds": 1.5, "cached": False}
+
+
+def test_a_sidecar_loader_is_cached_once_ready_with_the_summary_kept_on_its_pod() -> None:
+    """The workload loader is a native sidecar: it stays running after it published, and its
+    readiness says so; the operator keeps the summary its endpoint served on the pod."""
+    filling = {"ready": False, "state": {"running": {}}}
+    published = {"ready": True, "state": {"running": {}}}
+    kept = pod(1, published, ready=True)
+    kept["metadata"]["annotations"] = {"dlo.dev/fill-summary": json.dumps(SUMMARY)}
+    status = status_from_pods([pod(0, filling), pod(2, published), kept], replicas=3,
+                              previous=None, now=NOW)
+    rows = {n["pod"]: n for n in status["nodes"]}
+    assert [rows[f"flux-{i}"]["loader"] for i in range(3)] == ["Running", "Cached", "Cached"]
+    assert rows["flux-1"]["bytesFromPeers"] == 30 and "bytesFromPeers" not in rows["flux-2"]
+    assert (status["phase"], status["cache"]) == ("Loading", "2/3")
+
+
+def test_a_running_prefill_loader_is_not_cached_before_it_ends() -> None:
+    """A prefill Job's container has no readiness probe (ready as soon as it runs): only its
+    successful end says the node holds the entry."""
+    job_pod = {"metadata": {"name": "flux-prefill-0", "labels": {
+        "batch.kubernetes.io/job-completion-index": "0"}}, "spec": {"nodeName": "n"},
+        "status": {"containerStatuses": [{"name": "loader", "ready": True,
+                                          "state": {"running": {}}}]}}
+    assert prefill_node(job_pod)["loader"] == "Running"
 
 
 def test_a_crash_looping_loader_is_degraded_with_its_error() -> None:

@@ -16,6 +16,9 @@ It polls the emulator and writes through its API (so watches fire), like the rea
   each member reads its 1/W share unless its node holds the entry; a member that waits longer
   than `rendezvous_timeout_s` is recorded as a rendezvous timeout and reads everything itself.
   It writes the loader's terminated state with the one-line summary, then marks the pod Ready.
+  (A workload pod's real loader is a sidecar that stays running and turns ready, its summary
+  read from its endpoint; the status takes both forms, and tests/operator/test_operator_metrics.py
+  drives the sidecar's with a real loader endpoint.)
 
 Every byte "read from the store" is counted in `store_bytes`, every loader run in `fills`.
 """

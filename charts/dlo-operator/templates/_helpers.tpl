@@ -31,7 +31,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{/* The API rules the operator needs, nothing more (tests/operator/test_operator_rbac.py derives
 them from the requests the operator makes): watch and patch its CR (kopf's finalizer and
 annotations) and the CR's status; read one CR when a pod or child changes; list and watch its
-pods and children (drift correction); read a child before applying it; server-side apply (patch)
+pods and children (drift correction); read a child before applying it; annotate a workload pod with its sidecar loader's fill summary; server-side apply (patch)
 its children; delete superseded settings ConfigMaps, prefill Jobs and Services; post events. `update` on the finalizers
 subresource lets the children's owner references block the DOD's deletion where the API server
 enforces OwnerReferencesPermissionEnforcement. */}}
@@ -47,7 +47,7 @@ enforces OwnerReferencesPermissionEnforcement. */}}
   verbs: ["update"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list", "watch"]
+  verbs: ["list", "watch", "patch"]
 - apiGroups: [""]
   resources: ["configmaps", "services"]
   verbs: ["get", "list", "watch", "patch", "delete"]

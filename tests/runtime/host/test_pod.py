@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,38 @@ def test_unreadable_entry_file(tmp_path: Path) -> None:
         pod.read_entry_file(bad)
     assert str(caught.value) == (f"entry file {bad} is unreadable: entry document lacks 'kind', "
                                  "'root', 'path', 'source'")
+
+
+def test_build_dit_waits_for_the_sidecar_to_publish_the_entry(
+        pod_files, flux: nn.Module, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pod's loader is a native sidecar: the server may reach `build_dit` before the entry
+    document exists, and waits for it (`DLO_ENTRY_WAIT_SECONDS`) instead of failing."""
+    published = tmp_path / "entry.json"
+    document = published.read_text()
+    published.unlink()
+    monkeypatch.setenv(names.ENTRY_WAIT_ENV, "60")
+    timer = threading.Timer(0.3, published.write_text, args=(document,))
+    timer.start()
+    try:
+        dit = pod.build_dit(FluxTransformer2DModel)
+    finally:
+        timer.join()
+    handle = pod.enable(dit, device="cpu")
+    try:
+        assert torch.equal(offloaded_output(dit, flux), resident_output(flux))
+    finally:
+        handle.close()
+
+
+def test_a_wait_past_its_deadline_names_the_entry_file_and_where_to_look(
+        pod_files, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    missing = tmp_path / "nowhere.json"
+    monkeypatch.setenv(names.ENTRY_WAIT_ENV, "0.2")
+    with pytest.raises(pod.PodError) as caught:
+        pod.build_dit(FluxTransformer2DModel, entry_file=str(missing))
+    assert str(caught.value).startswith(f"no entry file at {missing} after 0 s: the loader has "
+                                        "not published the checkpoint")
+    assert "kubectl logs POD -c loader" in caught.value.hint
+    monkeypatch.setenv(names.ENTRY_WAIT_ENV, "soon")
+    with pytest.raises(pod.PodError, match="DLO_ENTRY_WAIT_SECONDS='soon' is not a number"):
+        pod.build_dit(FluxTransformer2DModel, entry_file=str(missing))

@@ -11,7 +11,7 @@ import pytest
 
 from dlo_bench import page_cache
 from dlo_contract.documents import EntryDocument
-from dlo_contract.names import ENTRY_FILE_ENV
+from dlo_contract.names import ENTRY_FILE_ENV, ENTRY_WAIT_ENV
 from dlo_runtime import prefetch
 
 
@@ -62,3 +62,32 @@ def test_no_entry_file_means_nothing_to_warm(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENTRY_FILE_ENV, str(tmp_path / "absent.json"))
     assert prefetch.start() is None
+
+
+def test_a_wait_for_the_sidecar_starts_the_warmer_once_the_entry_is_published(
+        cold_entry: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server calls `start()` before the loader sidecar published: a thread waits for the
+    entry document and warms the entry when it appears."""
+    published = tmp_path / "entry.json"
+    document = published.read_text()
+    published.unlink()
+    monkeypatch.setattr(prefetch, "_waiting", set())
+    monkeypatch.setenv(ENTRY_WAIT_ENV, "30")
+    assert prefetch.start() is None
+    time.sleep(0.2)
+    assert prefetch._started == {}
+    published.write_text(document)
+    deadline = time.monotonic() + 30
+    while not prefetch._started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    warmer = prefetch._started[cold_entry]
+    assert warmer.wait(30) and prefetch.start() is warmer
+
+
+def test_without_a_wait_an_absent_entry_file_starts_nothing(
+        cold_entry: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "entry.json").unlink()
+    monkeypatch.setattr(prefetch, "_waiting", set())
+    monkeypatch.delenv(ENTRY_WAIT_ENV, raising=False)
+    assert prefetch.start() is None
+    assert prefetch._waiting == set()
