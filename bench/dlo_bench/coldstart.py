@@ -4,9 +4,10 @@ Owns the cold-start benchmark. ministack serves the checkpoint of `coldstart_mod
 configuration runs in fresh processes after the benchmark's files are made cold
 (`page_cache.evict`, or `--cold system` for the whole machine's page cache), in interleaved
 rounds, and is timed from spawning its first process to the end of the first forward:
-- `dlo`: `dlo cache fill` (a fresh cache root: the pod's loader sidecar) and, started with it,
-  the server process of `coldstart_paths dlo` (the main container), which waits for the entry
-  document (`DLO_ENTRY_WAIT_SECONDS`) as in a pod: the server's imports overlap the fill;
+- `dlo`: `dlo cache fill --yield-cpu` (a fresh cache root: the pod's loader sidecar, which
+  exits here instead of staying up) and, started with it, the server process of
+  `coldstart_paths dlo` (the main container), which waits for the entry document
+  (`DLO_ENTRY_WAIT_SECONDS`) as in a pod: the server's imports overlap the fill;
 - `plain`: boto3 download and `from_pretrained` in one process;
 - `runai`: runai-model-streamer into a meta-initialized model in one process;
 - `dlo_late`: as `dlo`, but the server does not call `prefetch.start()` before its imports, so
@@ -235,7 +236,7 @@ class _Fill:
         argv = [sys.executable, "-m", "dlo_cli.main", "cache", "fill", "--config",
                 str(bench.config), "--source", bench.source, "--endpoint-url",
                 bench.endpoint_url, "--path-style", "--entry-file", str(bench.work / "entry.json"),
-                "--summary-file", str(bench.work / "summary.json")]
+                "--summary-file", str(bench.work / "summary.json"), "--yield-cpu"]
         self._logs = bench.work / "fill.out", bench.work / "fill.err"
         self._files = [path.open("w") for path in self._logs]
         self._spawn = time.time()

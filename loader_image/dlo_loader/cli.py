@@ -46,6 +46,8 @@ from dlo_contract.validation import validate
 
 log = logging.getLogger(__name__)
 
+YIELD_NICE = 10
+"""How much `--yield-cpu` raises the loader's nice value (see [Note: the sidecar yields the CPU])."""
 EXIT_AT_ONCE = True
 """`dlo cache fill` ends its process right after the summary (see `dlo_cli.main`)."""
 _QUIET_LOGGERS = ("botocore", "boto3", "urllib3", "s3transfer")
@@ -86,6 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where to write the entry document (default: %(default)s)")
     add("--summary-file", help=f"termination-message file (default: {DEFAULT_SUMMARY_FILE} "
                                "when it is writable)")
+    add("--yield-cpu", action="store_true",
+        help=f"run at a lower CPU priority (nice +{YIELD_NICE}): beside a starting server, "
+             "whose start is the way to the first request, while the fill mostly waits on the "
+             "network")
     add("--keep-running", action="store_true",
         help="after the entry is published, stay up (serving /metrics) until SIGTERM or SIGINT: "
              "a pod's native sidecar, which the kubelet would restart if it exited")
@@ -94,6 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     rank: int | None = None
     endpoint: Endpoint | None = None
+    if args.yield_cpu:
+        _yield_cpu()
     preload_transfer_modules()
     try:
         placement = resolve_placement(rank=args.rank, world_size=args.world_size,
@@ -124,6 +132,20 @@ def run(args: argparse.Namespace) -> int:
     if endpoint is not None:
         endpoint.close()
     return 0
+
+
+def _yield_cpu() -> None:
+    """[Note: the sidecar yields the CPU] The pod's server starts while its loader fills; where
+    the node's cores are few, the two compete, and the server's imports and pipeline
+    construction (CPU-bound, one thread) are usually what the first request waits for, while the
+    fill mostly waits on the network. The scheduler gives a niced process what the others leave,
+    so the total work done is the same and the server's start comes first; a fill that is the
+    longer path loses only the CPU the server's start takes, which it would share anyway.
+    Raising one's own nice value needs no privilege."""
+    try:
+        os.nice(YIELD_NICE)
+    except OSError as exc:
+        log.warning("CPU priority not lowered: %s", exc.strerror)
 
 
 def _stay_up() -> None:

@@ -4,9 +4,10 @@ The loader is a native sidecar (an init container with `restartPolicy: Always`, 
 and later): the kubelet starts the inference container right after it, so the server's imports
 and pipeline construction overlap the fill, and the runtime waits for the entry document
 (`DLO_ENTRY_WAIT_SECONDS`, the fill's deadline). The loader stays up after publishing
-(`--keep-running`); its readiness probe says the entry document exists, which is how the status
-tells a node that holds the checkpoint (`status.LoaderState.CACHED`). A failed fill exits, and the
-kubelet restarts it with back-off while the runtime keeps waiting.
+(`--keep-running`) and runs at a lower CPU priority than the server's start (`--yield-cpu`); its
+readiness probe says the entry document exists, which is how the status tells a node that holds
+the checkpoint (`status.LoaderState.CACHED`). A failed fill exits, and the kubelet restarts it
+with back-off while the runtime keeps waiting.
 
 Contract C2 (the loader's command line and environment) and contract C3 (the inference
 container's `DLO_*` environment and mounts) are written here and nowhere else. Nothing in the
@@ -155,7 +156,7 @@ def loader_container(spec: DeploymentSpec, group_env: list[dict[str, Any]], *,
         ],
     }
     if sidecar:
-        args.append("--keep-running")
+        args += ["--keep-running", "--yield-cpu"]
         container["restartPolicy"] = "Always"
         container["readinessProbe"] = {
             "exec": {"command": ["test", "-s", DEFAULT_ENTRY_FILE]},

@@ -116,7 +116,7 @@ def locate_sources(entry_dir: Path, component: str) -> list[str]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-            return sorted({safe_relpath(f"{component}/{name}") for name in weight_map.values()})
+            return sorted(safe_relpath(f"{component}/{name}") for name in set(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"the shard index {component}/{INDEX_NAME} is unreadable: "
                              f"{exc}") from exc
@@ -175,9 +175,12 @@ def _prefix(file: str) -> str:
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """While active, every parameter a module registers moves to the meta device, so building a
-    DiT allocates no weights. Buffers stay real: non-persistent ones (rotary tables) are computed
-    in `__init__` and no checkpoint holds them."""
+    DiT allocates no weights, and `torch.nn.init`'s functions do nothing (a meta tensor holds no
+    values to initialize; diffusers' own loader skips them the same way). Buffers stay real:
+    non-persistent ones (rotary tables) are computed in `__init__` and no checkpoint holds
+    them."""
     original = nn.Module.register_parameter
+    inits = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS if hasattr(nn.init, name)}
 
     def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         original(module, name, param)
@@ -185,11 +188,25 @@ def parameters_on_meta() -> Iterator[None]:
             meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
             module._parameters[name] = meta
 
+    def skip(tensor: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
+        return tensor
+
     nn.Module.register_parameter = register  # type: ignore[method-assign]
+    for name in inits:
+        setattr(nn.init, name, skip)
     try:
         yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
+        for name, function in inits.items():
+            setattr(nn.init, name, function)
+
+
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "xavier_uniform_",
+                   "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "uniform", "normal",
+                   "xavier_uniform", "xavier_normal", "kaiming_uniform", "kaiming_normal",
+                   "zeros_", "ones_", "orthogonal_", "sparse_")
+"""`torch.nn.init` functions a module's `reset_parameters` may call."""
 
 
 def build_meta_dit(model_cls: Any, component_dir: Path, dtype: torch.dtype) -> nn.Module:

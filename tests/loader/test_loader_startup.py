@@ -5,6 +5,7 @@ it wrote flushed (the summary line and the termination-message file)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -63,8 +64,8 @@ def test_a_fill_exits_with_its_entry_and_summary_written(
 @pytest.mark.usefixtures("aws_env")
 def test_a_sidecar_fill_stays_up_serving_its_summary_until_sigterm(
         s3: S3Server, checkpoint: Checkpoint, tmp_path: Path) -> None:
-    """`--keep-running` (the pod's native sidecar): after publishing, the process stays up, so
-    the kubelet does not restart it; its endpoint serves the summary the termination message
+    """`--keep-running --yield-cpu` (the pod's native sidecar): it runs at nice +10, and after
+    publishing, the process stays up, so the kubelet does not restart it; its endpoint serves the summary the termination message
     would have carried; SIGTERM (the pod's end) ends it with status 0."""
     config = tmp_path / "settings.json"
     config.write_text(json.dumps({"loader": {**LOADER_SETTINGS, "metrics_port": free_port()}}))
@@ -74,7 +75,7 @@ def test_a_sidecar_fill_stays_up_serving_its_summary_until_sigterm(
         [sys.executable, "-m", "dlo_cli.main", "cache", "fill", "--config", str(config),
          "--source", checkpoint.source, "--endpoint-url", s3.endpoint_url,
          "--cache-root", str(tmp_path / "c"), "--entry-file", str(entry_file),
-         "--summary-file", str(tmp_path / "termination-log"), "--keep-running"],
+         "--summary-file", str(tmp_path / "termination-log"), "--keep-running", "--yield-cpu"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -83,6 +84,8 @@ def test_a_sidecar_fill_stays_up_serving_its_summary_until_sigterm(
         assert entry_file.exists(), process.communicate(timeout=10)
         time.sleep(0.5)
         assert process.poll() is None  # still up after publishing
+        assert os.getpriority(os.PRIO_PROCESS, process.pid) == min(
+            os.getpriority(os.PRIO_PROCESS, 0) + 10, 19)  # `--yield-cpu`: the server first
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/summary", timeout=10) as reply:
             served = json.loads(reply.read())
         assert served["status"] == "ok"

@@ -97,7 +97,8 @@ def test_loader_learns_its_group_from_the_fill_group_document_not_the_replicas()
     revision = sts["spec"]["template"]["metadata"]["annotations"]["dlo.dev/revision"]
     assert loader["command"] == ["dlo", "cache", "fill"]
     assert loader["args"] == ["--config", "/etc/dlo/settings.json",
-                              "--entry-file", "/run/dlo/entry.json", "--keep-running"]
+                              "--entry-file", "/run/dlo/entry.json", "--keep-running",
+                              "--yield-cpu"]
     assert env(loader) == {
         "DLO_POD_NAME": {"fieldRef": {"fieldPath": "metadata.name"}},
         "DLO_REVISION": revision,
@@ -124,14 +125,14 @@ def test_the_workload_loader_is_a_native_sidecar_and_the_prefill_loader_is_not()
     spec = {**MINIMAL, "loader": {"timeoutSeconds": 900.5}}
     loader, inference = containers(statefulset(spec))
     assert loader["restartPolicy"] == "Always"
-    assert loader["args"][-1] == "--keep-running"
+    assert loader["args"][-2:] == ["--keep-running", "--yield-cpu"]
     assert loader["readinessProbe"]["exec"]["command"] == ["test", "-s", "/run/dlo/entry.json"]
     assert "startupProbe" not in loader  # it would hold the inference container back
     assert env(inference)["DLO_ENTRY_WAIT_SECONDS"] == "900.5"
     job = build_prefill_job(OWNER, parse_spec(spec), ["node-a", "node-b"])
     prefill_loader = job["spec"]["template"]["spec"]["containers"][0]
     assert "restartPolicy" not in prefill_loader and "readinessProbe" not in prefill_loader
-    assert "--keep-running" not in prefill_loader["args"]
+    assert not {"--keep-running", "--yield-cpu"} & set(prefill_loader["args"])
 
 
 def test_loader_is_locked_down() -> None:

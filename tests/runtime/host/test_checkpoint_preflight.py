@@ -36,6 +36,22 @@ def reason(entry: Path, dit: nn.Module, **fields: object) -> str | None:
     return preflight(entry, dit, settings_with(**fields)).reason
 
 
+def test_meta_build_initializes_nothing_and_restores_torch_init(
+        flux_layout: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A meta tensor holds no values: `reset_parameters`' init calls are skipped while the DiT is
+    built (they cost a cold start ~0.1 s), and `torch.nn.init` is whole again afterwards."""
+    calls = []
+    original = nn.init.kaiming_uniform_
+    monkeypatch.setattr(nn.init, "kaiming_uniform_",
+                        lambda tensor, *a, **k: calls.append(tensor.shape) or original(
+                            tensor, *a, **k))
+    counting = nn.init.kaiming_uniform_
+    build_meta_dit(FluxTransformer2DModel, flux_layout / "transformer", torch.float32)
+    assert calls == [] and nn.init.kaiming_uniform_ is counting
+    nn.Linear(2, 2)
+    assert calls == [torch.Size([2, 2])]
+
+
 def test_meta_build_allocates_no_weights(meta_flux: nn.Module, flux: nn.Module) -> None:
     assert all(p.is_meta for p in meta_flux.parameters())
     assert {n: p.shape for n, p in meta_flux.named_parameters()} == {
