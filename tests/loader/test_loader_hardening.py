@@ -48,12 +48,12 @@ def _client(s3: S3Server):  # noqa: ANN202 (boto3 client type)
 
 
 def test_more_objects_than_the_open_file_limit_fill(s3: S3Server, tmp_path: Path) -> None:
-    """The 1024 limit with thousands of objects, scaled down: 200 objects of 4 KiB (two
-    descriptors each while a whole fill held them) under a limit of 256."""
-    files = {f"tokenizer/part-{i:04d}.json": bytes([i % 251]) * 4096 for i in range(200)}
+    """Thousands of objects under the common limit of 1024: 2000 objects of 1 KiB, more than
+    the limit even at one descriptor each (a fill that held two per object failed at ~505)."""
+    files = {f"tokenizer/part-{i:04d}.json": bytes([i % 251]) * 1024 for i in range(2000)}
     source = upload_files(s3, "many", files, tmp_path / "src")
     env = {**os.environ, **DUMMY_CREDENTIALS}
-    limit = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))  # noqa: E731
+    limit = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))  # noqa: E731
     done = subprocess.run(
         [sys.executable, "-m", "dlo_cli.main", "cache", "fill", "--source", source,
          "--endpoint-url", s3.endpoint_url, "--path-style", "--region", "us-east-1",
