@@ -47,16 +47,19 @@ class LoaderReading:
 
 
 def running_loaders(pods: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """Pods whose loader container is running and not yet ready (a sidecar that published stays
-    up, ready) and which have an IP to reach it on."""
-    running = []
-    for pod in pods:
-        status = pod.get("status") or {}
-        for container in status.get("initContainerStatuses") or ():
-            if (container.get("name") == LOADER_CONTAINER and not container.get("ready")
-                    and "running" in (container.get("state") or {}) and status.get("podIP")):
-                running.append(pod)
-    return running
+    """Pods whose loader is filling and which have an IP to reach it on: a workload pod's
+    sidecar running and not yet ready (once it published it stays up, ready), a prefill Job
+    pod's loader container running (it has no readiness probe and ends with its fill)."""
+    return [pod for pod in pods if (pod.get("status") or {}).get("podIP") and (
+        _filling(pod, "initContainerStatuses", sidecar=True)
+        or _filling(pod, "containerStatuses", sidecar=False))]
+
+
+def _filling(pod: Mapping[str, Any], statuses: str, *, sidecar: bool) -> bool:
+    return any(container.get("name") == LOADER_CONTAINER
+               and "running" in (container.get("state") or {})
+               and not (sidecar and container.get("ready"))
+               for container in (pod.get("status") or {}).get(statuses) or ())
 
 
 def published_without_summary(pods: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:

@@ -113,7 +113,7 @@ async def test_live_progress_from_the_loader_endpoint_and_operator_metrics(
         before, "dlo_operator_fills_total", outcome="ok") + 1
 
 
-def test_a_published_sidecar_is_cached_and_its_summary_is_read_once(
+def test_filling_loaders_are_read_and_a_published_sidecar_summary_once(
         loader_endpoint: tuple[loader_metrics.Endpoint, Progress]) -> None:
     endpoint, _fill = loader_endpoint
     sidecar = {"name": "loader", "ready": True, "state": {"running": {}}}
@@ -123,7 +123,10 @@ def test_a_published_sidecar_is_cached_and_its_summary_is_read_once(
             for i, (loader, meta) in enumerate([
                 (sidecar, {}), (filling, {}),
                 (sidecar, {"annotations": {"dlo.dev/fill-summary": "{}"}})])]
-    assert [p["metadata"]["name"] for p in progress.running_loaders(pods)] == ["p-1"]
+    prefill = {"metadata": {"name": "p-prefill-0"}, "status": {"podIP": "127.0.0.1",
+               "containerStatuses": [sidecar]}}  # no readiness probe: ready while it fills
+    assert [p["metadata"]["name"] for p in progress.running_loaders([*pods, prefill])] == [
+        "p-1", "p-prefill-0"]
     assert [p["metadata"]["name"] for p in progress.published_without_summary(pods)] == ["p-0"]
     assert progress.read_summary("127.0.0.1", endpoint.port) is None  # 404 before the end
     line = json.dumps({"status": "ok", "entry_id": "e" * 64, "cached": True})
