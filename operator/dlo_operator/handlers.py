@@ -161,9 +161,10 @@ def _reconcile(memo: kopf.Memo, namespace: str, name: str) -> None:
 @kopf.timer(*DOD, interval=progress.INTERVAL_S, registry=registry)
 def loader_progress(spec: kopf.Spec, name: str, namespace: str, status: kopf.Status,
                     memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
-    """Live progress: while loaders run (the pods' or a prefill's), read their metrics endpoints
-    into `status.progress`; remove it once none runs (the fill summaries in `status.nodes` hold
-    the final figures)."""
+    """Live progress: while loaders fill (the pods' or a prefill's), read their metrics
+    endpoints into `status.progress`; remove it once none fills (the fill summaries in
+    `status.nodes` hold the final figures). A pod's sidecar loader that published has its
+    summary copied onto its pod first, once."""
     try:
         port = parse_spec(spec).settings.loader.metrics_port
     except SpecError:
