@@ -74,9 +74,16 @@ class _Writer:
         self.digests: list[str | None] = [None] * len(plan.chunks)
         self.error: BaseException | None = None
         self._sink, self._progress = sink, progress
-        self._queue: queue.Queue[_WriteTask] = queue.Queue()
+        self._queue: queue.Queue[_WriteTask | None] = queue.Queue()
         for number in range(_WRITER_THREADS):
             threading.Thread(target=self._work, name=f"dlo-write-{number}", daemon=True).start()
+
+    def close(self) -> None:
+        """End the threads once the queued writes are done. A thread waiting for work holds its
+        last task's buffer and pool, which would keep every chunk buffer of the fill alive in a
+        loader that stays up after it (the pod's sidecar)."""
+        for _ in range(_WRITER_THREADS):
+            self._queue.put(None)
 
     def submit(self, chunk: Chunk, data: mmap.mmap, give_back: Callable[[mmap.mmap], None],
                digest: str | None = None) -> None:
@@ -88,8 +95,8 @@ class _Writer:
         self._queue.join()
 
     def _work(self) -> None:
-        while True:
-            chunk, data, give_back, digest = self._queue.get()
+        while (task := self._queue.get()) is not None:
+            chunk, data, give_back, digest = task
             try:
                 view = memoryview(data)[:chunk.length]
                 if self.error is None:
@@ -108,6 +115,7 @@ class _Writer:
             finally:
                 give_back(data)
                 self._queue.task_done()
+        self._queue.task_done()
 
 
 class Exchange:
@@ -151,6 +159,7 @@ class Exchange:
         finishes unused, nothing is written. Returns the complete chunks, for the exchange of
         the plan that replaces this one."""
         self._fetch_stop.set()
+        self._writer.close()
         return self._fetcher.take_all_ready()
 
     def run(self, group: Group | None = None) -> list[str]:
@@ -167,6 +176,7 @@ class Exchange:
         finally:
             self._fetch_stop.set()
             self.stop.set()  # readers still retrying must give up now
+            self._writer.close()
         digests = self._writer.digests
         missing = [index for index, digest in enumerate(digests) if digest is None]
         if missing:

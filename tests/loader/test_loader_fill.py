@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import struct
 import threading
+import time
 from pathlib import Path
 
 import pytest
 from dlo_bench.faultproxy import FaultProxy
 from dlo_bench.s3server import S3Server, free_port
 from dlo_loader.errors import RendezvousTimeout
+from dlo_loader.fetch import BufferPool
 from dlo_loader.fill import FillRequest, fill
 from dlo_contract.cache import open_entry, verify_entry
 from dlo_contract.safetensors_header import HeaderError
@@ -52,6 +55,26 @@ def test_single_loader_publishes_a_verified_copy(
         "path": str(tmp_path / "cache" / "v1" / "entries" / result.entry_id),
         "source": "s3://models/tiny/",
     }
+
+
+def test_a_fill_leaves_no_thread_and_no_chunk_buffer_behind(
+    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """The pod's loader stays up after its fill (a sidecar): a writer thread waiting for work
+    would hold its last buffer and pool, and so every chunk buffer of the fill, for the pod's
+    life."""
+    before = set(threading.enumerate())
+    fill(FillRequest(settings=settings_for(checkpoint.source, s3.endpoint_url, tmp_path / "c")))
+
+    def left() -> list[str]:
+        return [t.name for t in set(threading.enumerate()) - before]
+
+    deadline = time.monotonic() + 10
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert left() == []
+    gc.collect()
+    assert [o for o in gc.get_objects() if isinstance(o, BufferPool)] == []
 
 
 def test_cached_entry_means_no_object_reads_and_no_rendezvous(
