@@ -74,7 +74,7 @@ def test_a_fill_leaves_no_thread_and_no_chunk_buffer_behind(
         time.sleep(0.01)
     assert left() == []
     gc.collect()
-    assert [o for o in gc.get_objects() if isinstance(o, BufferPool)] == []
+    assert [o for o in gc.get_objects() if type(o) is BufferPool] == []  # type(): no __class__
 
 
 def test_cached_entry_means_no_object_reads_and_no_rendezvous(
