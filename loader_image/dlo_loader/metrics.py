@@ -18,11 +18,12 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from dlo_contract.names import LOADER_SUMMARY_PATH
 from prometheus_client import CollectorRegistry, Counter, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from dlo_contract.names import LOADER_SUMMARY_PATH
 
 if TYPE_CHECKING:
     from dlo_loader.progress import Progress

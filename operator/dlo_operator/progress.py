@@ -51,46 +51,52 @@ def running_loaders(pods: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]
     sidecar running and not yet ready (once it published it stays up, ready), a prefill Job
     pod's loader container running (it has no readiness probe and ends with its fill)."""
     return [pod for pod in pods if (pod.get("status") or {}).get("podIP") and (
-        _filling(pod, "initContainerStatuses", sidecar=True)
-        or _filling(pod, "containerStatuses", sidecar=False))]
-
-
-def _filling(pod: Mapping[str, Any], statuses: str, *, sidecar: bool) -> bool:
-    return any(container.get("name") == LOADER_CONTAINER
-               and "running" in (container.get("state") or {})
-               and not (sidecar and container.get("ready"))
-               for container in (pod.get("status") or {}).get(statuses) or ())
+        _running(sidecar := _loader(pod, "initContainerStatuses")) and not sidecar.get("ready")
+        or _running(_loader(pod, "containerStatuses")))]
 
 
 def published_without_summary(pods: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """Pods whose sidecar loader published (running and ready) and whose fill summary the
     operator has not copied yet (`naming.ANNOTATION_FILL_SUMMARY`)."""
-    found = []
-    for pod in pods:
-        status = pod.get("status") or {}
-        annotations = (pod.get("metadata") or {}).get("annotations") or {}
-        if ANNOTATION_FILL_SUMMARY in annotations or not status.get("podIP"):
-            continue
-        for container in status.get("initContainerStatuses") or ():
-            if (container.get("name") == LOADER_CONTAINER and container.get("ready")
-                    and "running" in (container.get("state") or {})):
-                found.append(pod)
-    return found
+    return [pod for pod in pods if (pod.get("status") or {}).get("podIP")
+            and ANNOTATION_FILL_SUMMARY not in ((pod.get("metadata") or {}).get("annotations")
+                                                or {})
+            and _running(sidecar := _loader(pod, "initContainerStatuses"))
+            and sidecar.get("ready")]
+
+
+def _loader(pod: Mapping[str, Any], statuses: str) -> Mapping[str, Any]:
+    """The loader's container status among the pod's `statuses` (empty when absent)."""
+    return next((c for c in (pod.get("status") or {}).get(statuses) or ()
+                 if c.get("name") == LOADER_CONTAINER), {})
+
+
+def _running(container: Mapping[str, Any]) -> bool:
+    return "running" in (container.get("state") or {})
 
 
 def read_summary(address: str, port: int, timeout_s: float = READ_TIMEOUT_S) -> str | None:
     """One published loader's fill summary line (`names.LOADER_SUMMARY_PATH`); None when it does
     not answer or is not a summary."""
-    host = f"[{address}]" if ":" in address else address
+    line = (_get(address, port, LOADER_SUMMARY_PATH, timeout_s) or "").strip()
     try:
-        with urllib.request.urlopen(f"http://{host}:{port}{LOADER_SUMMARY_PATH}",
-                                    timeout=timeout_s) as reply:
-            line = reply.read(64 << 10).decode().strip()
         FillSummary.from_json(line)
-    except (OSError, urllib.error.URLError, UnicodeDecodeError, DocumentError) as exc:
-        log.debug("loader summary at %s:%d not readable: %s", address, port, exc)
+    except DocumentError as exc:
+        log.debug("loader summary at %s:%d not usable: %s", address, port, exc)
         return None
     return line
+
+
+def _get(address: str, port: int, path: str, timeout_s: float) -> str | None:
+    """The body of `GET http://address:port/path` (at most 1 MiB), or None when the loader does
+    not answer."""
+    host = f"[{address}]" if ":" in address else address
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=timeout_s) as reply:
+            return reply.read(1 << 20).decode()
+    except (OSError, urllib.error.URLError, UnicodeDecodeError) as exc:
+        log.debug("loader %s at %s:%d not readable: %s", path, address, port, exc)
+        return None
 
 
 def read_all(pods: Sequence[Mapping[str, Any]], port: int
@@ -107,12 +113,8 @@ def read_all(pods: Sequence[Mapping[str, Any]], port: int
 
 def read_loader(address: str, port: int, timeout_s: float = READ_TIMEOUT_S) -> LoaderReading | None:
     """Scrape one loader; None when it does not answer (not serving yet, or just finished)."""
-    host = f"[{address}]" if ":" in address else address
-    try:
-        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout_s) as reply:
-            text = reply.read(1 << 20).decode()
-    except (OSError, urllib.error.URLError) as exc:
-        log.debug("loader metrics at %s:%d not readable: %s", address, port, exc)
+    text = _get(address, port, "/metrics", timeout_s)
+    if text is None:
         return None
     values: dict[str, float] = {}
     phase = ""
