@@ -2,7 +2,8 @@
 
 Owns the entry file's location (argument, else `names.ENTRY_FILE_ENV`, else the default), reading
 `documents.EntryDocument` from it into an `EntryRef`, and waiting for it while the pod's loader
-sidecar fills (`names.ENTRY_WAIT_ENV` seconds, a line every `WAIT_LOG_S`). torch-free, so `prefetch` can read it before a server's heavy imports. Called by
+sidecar fills (`names.ENTRY_WAIT_ENV` seconds, a line every `WAIT_LOG_S`). torch-free, so
+`prefetch` can read it before a server's heavy imports. Called by
 `pod` and `prefetch`; must not open the entry itself.
 """
 
@@ -64,10 +65,11 @@ def wait_seconds() -> float:
 
 
 def wait_for_entry_file(path: str | os.PathLike[str] | None = None, *,
-                        timeout_s: float | None = None) -> EntryRef | None:
+                        timeout_s: float | None = None, quiet: bool = False) -> EntryRef | None:
     """`read_entry_file`, waiting up to `timeout_s` (default `wait_seconds()`) for the document
     to appear: the pod's loader sidecar writes it once the entry is published. None when nothing
-    is to be waited for and there is no file; past the deadline, an error naming the file."""
+    is to be waited for and there is no file; past the deadline, an error naming the file. A
+    `quiet` wait (the read-ahead's, beside the server's own) logs nothing."""
     timeout_s = wait_seconds() if timeout_s is None else timeout_s
     entry = read_entry_file(path)
     if entry is not None or timeout_s <= 0:
@@ -83,13 +85,14 @@ def wait_for_entry_file(path: str | os.PathLike[str] | None = None, *,
                 "the checkpoint",
                 hint="see the loader's log (`kubectl logs POD -c loader`) and the "
                      "DiffusionOffloadDeployment's status; loader.timeoutSeconds bounds the wait")
-        if time.monotonic() >= next_line:
+        if not quiet and time.monotonic() >= next_line:
             log.info("waiting for the loader to publish %s (%.0f s of %.0f s)", where, waited,
                      timeout_s)
             next_line += WAIT_LOG_S
         time.sleep(_POLL_S)
         entry = read_entry_file(path)
-    log.info("entry %s published after %.1f s", entry.entry_id, time.monotonic() - start)
+    if not quiet:
+        log.info("entry %s published after %.1f s", entry.entry_id, time.monotonic() - start)
     return entry
 
 

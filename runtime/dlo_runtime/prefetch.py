@@ -11,8 +11,9 @@ charged to this container, which maps them anyway. An entry larger than half of 
 kernel reports available is not warmed (the reads would evict each other). Idempotent per
 entry: the second call returns the first warmer. When the pod's loader sidecar has not published
 the entry yet (`entry_file.wait_seconds()` > 0), `start()` leaves a daemon thread waiting for the
-entry document, which starts the warmer once it appears. torch-free. Called by `pod.build_dit` and by
-servers; must not map, pin or verify the entry.
+entry document (quietly: the server's own wait says it waits), which starts the warmer once it
+appears. torch-free. Called by `pod.build_dit` and by servers; must not map, pin or verify the
+entry.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def _start_when_published(entry_file: str | os.PathLike[str] | None) -> None:
 
     def wait_then_warm() -> None:
         try:
-            entry = wait_for_entry_file(entry_file)
+            entry = wait_for_entry_file(entry_file, quiet=True)
         except DloError:  # the server's own wait (`pod.build_dit`) reports it
             return
         if entry is not None:

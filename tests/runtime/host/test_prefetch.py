@@ -3,6 +3,7 @@ server reading it, once per entry, and never for an entry the memory cannot hold
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -65,9 +66,12 @@ def test_no_entry_file_means_nothing_to_warm(tmp_path: Path,
 
 
 def test_a_wait_for_the_sidecar_starts_the_warmer_once_the_entry_is_published(
-        cold_entry: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        cold_entry: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
     """The server calls `start()` before the loader sidecar published: a thread waits for the
-    entry document and warms the entry when it appears."""
+    entry document, quietly (the server's own wait says it waits), and warms the entry when it
+    appears."""
+    caplog.set_level(logging.INFO, logger="dlo_runtime.entry_file")
     published = tmp_path / "entry.json"
     document = published.read_text()
     published.unlink()
@@ -82,6 +86,7 @@ def test_a_wait_for_the_sidecar_starts_the_warmer_once_the_entry_is_published(
         time.sleep(0.02)
     warmer = prefetch._started[cold_entry]
     assert warmer.wait(30) and prefetch.start() is warmer
+    assert [r.getMessage() for r in caplog.records if r.name == "dlo_runtime.entry_file"] == []
 
 
 def test_without_a_wait_an_absent_entry_file_starts_nothing(
