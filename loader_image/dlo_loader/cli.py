@@ -48,7 +48,7 @@ from dlo_contract.validation import validate
 log = logging.getLogger(__name__)
 
 YIELD_NICE = 10
-"""How much `--yield-cpu` raises the loader's nice value (see [Note: the sidecar yields the CPU])."""
+"""How much `--yield-cpu` raises the loader's nice value ([Note: the sidecar yields the CPU])."""
 EXIT_AT_ONCE = True
 """`dlo cache fill` ends its process right after the summary (see `dlo_cli.main`)."""
 _QUIET_LOGGERS = ("botocore", "boto3", "urllib3", "s3transfer")
