@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--files", type=int, default=4, help="safetensors files (default: %(default)s)")
     add("--chunk-bytes", type=int, default=16 * MIB, help="default: %(default)s")
     add("--readers", type=int, default=16, help="concurrent ranged GETs (default: %(default)s)")
-    add("--repeats", type=int, default=3, help="measured runs of each (default: %(default)s)")
+    add("--repeats", type=int, default=5,
+        help="measured runs of each, interleaved; the medians are compared (default: %(default)s)")
     add("--work-dir", help="where the source files and cache roots go (default: a temp dir)")
     add("--output", help="also write the JSON report to this file")
 

@@ -32,6 +32,10 @@ NORMALIZED_PATH = r"^(/([^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+))+$"
 """An absolute path without `.`/`..` segments, `//` or a trailing `/` (and not `/` itself): what
 `posixpath.normpath` leaves unchanged. The host paths of a DOD must be spelled this way."""
 GIB = 1 << 30
+STREAM_PIECE_BYTES = 2 * MIB
+"""What a loader reading alone (no fill group) holds per reader instead of chunk buffers: each
+chunk streams to disk a piece at a time (a multiple of the direct-write alignment, one huge
+page)."""
 
 LoaderMode = Literal["multi-reader", "single-reader", "independent"]
 RendezvousFallback = Literal["independent", "fail"]
@@ -137,7 +141,8 @@ class LoaderConfig(Section):
     memory_limit_bytes: int = setting(
         1 * GIB, crd="loader.memoryLimitBytes", above=0, int64=True,
         description="Upper bound on in-flight chunk buffers (fetch plus exchange) per loader "
-        "(bytes); with N loaders it must hold 2N - 1 chunks.")
+        "(bytes); with N loaders it must hold 2N - 1 chunks. A loader reading alone holds no "
+        f"chunk buffer: it streams to disk through {STREAM_PIECE_BYTES // MIB} MiB per reader.")
     backend: DistBackend = setting(
         "gloo", crd="loader.backend",
         description="torch.distributed backend of the peer exchange; a DOD's loader is a "

@@ -45,12 +45,18 @@ def extend(value: int, piece: Any) -> int:
     return _crc64nvme(piece, value)
 
 
+def combine(value: int, piece: int, length: int) -> int:
+    """The running CRC `value` extended by a piece of `length` bytes whose own running CRC (from
+    0) is `piece`: what `extend` would give, without the bytes."""
+    return combine_crc64nvme(value, piece, length)
+
+
 def of_parts(parts: Sequence[tuple[int, int]]) -> str:
     """The digest of a chunk from the running CRCs of its parts, `(length, value)` in order
     (`extend`), as `chunk_digest` writes it; no byte is read again."""
     value = 0
     for length, part in parts:
-        value = combine_crc64nvme(value, part, length)
+        value = combine(value, part, length)
     return f"{value:016x}"
 
 

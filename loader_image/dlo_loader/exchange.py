@@ -1,13 +1,14 @@
 """The data path of one fill: fetch this rank's chunks, exchange them with the group, write and
 hash every chunk, within a fixed memory budget.
 
-Owns the pipeline and its bounds. `fetch.Fetcher` reads this rank's chunks (many ranged GETs at
-once, in the shape `schedule.fetch_shape` gives) and hashes each; a few writer threads write every
-chunk at its offset (hashing the ones received from peers). Alone, chunks are written in the
-order they complete. With a group, the main thread walks the plan's rounds: a status exchange
-(who failed, who is ready), then the round's chunks go round the ring (see [Note: ring]). Called by `fill`. Must not
-decide policy (modes, fallback, publication) or touch the object store directly (it gets a
-`read` callable).
+Owns the pipeline and its bounds. Alone, `stream.ChunkStreams` streams every chunk from the
+store to its place on disk (see [Note: streaming alone] in `stream`). With a group,
+`fetch.Fetcher` reads this rank's chunks into chunk buffers (many ranged GETs at once, in the
+shape `schedule.fetch_shape` gives) and hashes each, the main thread walks the plan's rounds: a
+status exchange (who failed, who is ready), then the round's chunks go round the ring (see
+[Note: ring]), and a few writer threads write every chunk at its offset (hashing the ones
+received from peers). Called by `fill`. Must not decide policy (modes, fallback, publication) or
+touch the object store directly (it gets `read` and `stream` callables).
 
 [Note: ring] Round `k` holds the `k`-th chunk of each rank that has one, and is one all-gather:
 gloo runs it as a ring (in N - 1 steps every rank passes the chunk it got last to rank + 1 while
@@ -20,9 +21,11 @@ per round keeps the per-step work in gloo's threads, not the interpreter's.
 
 [Note: memory bound] `memory_limit_bytes // chunk_bytes` buffers exist at most: with a group,
 `2 (N - 1)` receive buffers (one round arriving while the last one is written) and the rest for
-fetched chunks (gloo also stages one round, N chunks, while it runs), which a reader takes a buffer for before it opens a chunk and
-the writer returns once the chunk is on disk (and forwarded). Readers open chunks in plan order,
-so the chunk the main thread waits for always holds a buffer or is done: no deadlock.
+fetched chunks (gloo also stages one round, N chunks, while it runs), which a reader takes a
+buffer for before it opens a chunk and the writer returns once the chunk is on disk (and
+forwarded). Readers open chunks in plan order, so the chunk the main thread waits for always
+holds a buffer or is done: no deadlock. Alone, no chunk buffer exists: each reader streams
+through one `stream.PIECE_BYTES` buffer.
 
 [Note: reading before the group] The plan is a pure function of the listing and the settings, so a
 rank that will join a group builds it and starts reading its own chunks at once, then joins: the
@@ -54,6 +57,7 @@ from dlo_loader.plan import Chunk, Plan
 from dlo_loader.progress import Progress
 from dlo_loader.schedule import fetch_shape
 from dlo_loader.sink import FileSink
+from dlo_loader.stream import ChunkStreams, Streamer, streamer_of
 from dlo_contract.settings import LoaderConfig
 
 if TYPE_CHECKING:  # transport imports torch: only fills with a group load it
@@ -124,10 +128,12 @@ class Exchange:
     def __init__(self, plan: Plan, *, rank: int, grouped: bool, read: Reader,
                  sink: FileSink | None, progress: Progress, config: LoaderConfig,
                  deadline: float, stop: threading.Event,
-                 fetched: dict[Span, tuple[mmap.mmap, str]] | None = None) -> None:
+                 fetched: dict[Span, tuple[mmap.mmap, str]] | None = None,
+                 stream: Streamer | None = None) -> None:
         """Reading starts here (see [Note: reading before the group]); `grouped`: `run` will
         be given the group the plan was made for; `fetched`: chunks an abandoned exchange read
-        already (`abandon`), not read again."""
+        already (`abandon`), not read again; `stream`: how to read alone (see [Note: streaming
+        alone] in `stream`; default: piece by piece through `read`)."""
         self.plan, self.grouped, self.progress = plan, grouped, progress
         self.group: Group | None = None
         self.rank = rank if grouped else 0
@@ -146,11 +152,20 @@ class Exchange:
         owned, fetched = plan.owned(self.rank), fetched or {}
         self._fetched = [(c, fetched[span_of(c)]) for c in owned if span_of(c) in fetched]
         """Chunks of this plan read by an abandoned exchange: written first, not read again."""
+        to_read = tuple(c for c in owned if span_of(c) not in fetched)
+        self._streams: ChunkStreams | None = None
+        if not grouped:
+            if sink is None:
+                raise LoaderError("an exchange without a group writes what it reads: it needs "
+                                  "a sink")
+            self._streams = ChunkStreams(to_read, stream or streamer_of(read), sink,
+                                         readers=config.readers, stop=self._fetch_stop,
+                                         progress=progress)
+            to_read = ()
         fetch_buffers = max(buffers - receive - len(self._fetched), 1)
         shape = fetch_shape(chunk_bytes=plan.chunk_bytes, readers=config.readers,
-                            buffers=fetch_buffers, ordered=grouped)
-        self._to_read = tuple(c for c in owned if span_of(c) not in fetched)
-        self._fetcher = Fetcher(self._to_read, read, shape=shape, stop=self._fetch_stop,
+                            buffers=fetch_buffers)
+        self._fetcher = Fetcher(to_read, read, shape=shape, stop=self._fetch_stop,
                                 pool=BufferPool(fetch_buffers, plan.chunk_bytes),
                                 timed=progress.timed)
 
@@ -184,18 +199,17 @@ class Exchange:
         return [d for d in digests if d is not None]
 
     def _run_alone(self) -> None:
-        """Nothing waits on the order: write each chunk as soon as it is complete."""
+        """Nothing waits on the order: chunks stream to disk as they arrive."""
+        assert self._streams is not None
         for chunk, (data, digest) in self._fetched:  # read before a fallback: its own buffers
             self._writer.submit(chunk, data, lambda buffer: None, digest)
         self._fetched = []
-        for _ in self._to_read:
-            while not self._fetcher.wait_ready(POLL_S):
-                self._raise_problem()
+        while not self._streams.wait(POLL_S):
             self._raise_problem()
-            chunk, data, digest = self._fetcher.take()
-            self._writer.submit(chunk, data, self._fetcher.give_back, digest)
         self._writer.drain()
         self._raise_problem()
+        for index, digest in self._streams.digests.items():
+            self._writer.digests[index] = digest
 
     def _run_group(self) -> None:
         for number, round_chunks in enumerate(self.plan.rounds):
@@ -255,7 +269,8 @@ class Exchange:
         return buffer
 
     def _problem(self) -> BaseException | None:
-        problem = self._fetcher.error or self._writer.error
+        problem = (self._fetcher.error or self._writer.error
+                   or (self._streams.error if self._streams is not None else None))
         if problem is None and time.monotonic() > self.deadline:
             problem = LoaderError(
                 f"the fill did not finish within loader.timeout_s={self.timeout_s:g} s",

@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,6 +54,7 @@ if TYPE_CHECKING:  # transport imports torch: loaded only when a group is needed
     from dlo_loader.exchange import Exchange, Reader
     from dlo_loader.fetch import Span
     from dlo_loader.sink import FileSink
+    from dlo_loader.stream import Streamer
     from dlo_loader.transport import Group
 
 TRANSFER_MODULES = ("dlo_loader.exchange", "dlo_loader.sink", "dlo_contract.safetensors_header")
@@ -308,47 +310,69 @@ class _Fill:
         read = EntryChunks(pub.existing, plan.files).read if pub.existing else self._reader(plan)
         self.progress.start()
         self.progress.phase = "transferring"  # metrics: phase
+        stream = None if pub.existing else self._streamer(plan)
         return Exchange(plan, rank=self.request.rank, grouped=grouped, read=read, sink=sink,
                         progress=self.progress, config=self.loader, deadline=self.deadline,
-                        stop=self.stop, fetched=fetched)
+                        stop=self.stop, fetched=fetched, stream=stream)
 
     def _transfer(self, pub: Publication, plan: Plan, group: Group | None,
                   identity: dict[str, Any], exchange: Exchange | None,
                   fetched: dict[Span, tuple[mmap.mmap, str]] | None) -> None:
         """Exchange (`exchange`: started before the group formed; `fetched`: chunks read
         before a fallback), check and (unless this node holds the entry already) commit."""
+        # The store's whole-object checksums are asked for while the bytes move: a HEAD per large
+        # object after the last byte would lengthen every fill by their round trips.
+        beside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlo-checksums")
         try:
-            if group is not None:
-                _agree(group, plan.fingerprint)
-            if exchange is None:
-                exchange = self._exchange(pub, plan, grouped=group is not None, fetched=fetched)
-            with _young_objects_only():
-                digests = exchange.run(group)
-        finally:
-            if exchange is not None:
-                exchange.abandon()
-            self.progress.stop()
-        self.progress.phase = "checking"  # metrics: phase
-        if pub.existing is not None:
-            _conclude(group, digests, lambda: None)
-            return
-        records, tensors = _conclude(group, digests, lambda: self._check(pub.tmp_dir, plan, digests))
+            published = None if pub.existing is not None else beside.submit(
+                self.store.checksums, plan.files, min_bytes=plan.chunk_bytes)
+            try:
+                if group is not None:
+                    _agree(group, plan.fingerprint)
+                if exchange is None:
+                    exchange = self._exchange(pub, plan, grouped=group is not None,
+                                              fetched=fetched)
+                with _young_objects_only():
+                    digests = exchange.run(group)
+            finally:
+                if exchange is not None:
+                    exchange.abandon()
+                self.progress.stop()
+            self.progress.phase = "checking"  # metrics: phase
+            if published is None:
+                _conclude(group, digests, lambda: None)
+                return
+            records, tensors = _conclude(group, digests, lambda: self._check(
+                pub.tmp_dir, plan, digests, published.result()))
+        finally:  # a failed fill does not wait for a HEAD in flight
+            beside.shutdown(wait=False, cancel_futures=True)
         pub.commit("checkpoint", identity, records, tensor_count=tensors, producer=PRODUCER)
 
-    def _check(self, directory: Path | None, plan: Plan,
-               digests: list[str]) -> tuple[list[FileRecord], int]:
-        """Headers, then the store's whole-object checksums, then the manifest records."""
+    def _check(self, directory: Path | None, plan: Plan, digests: list[str],
+               published: dict[str, digests_of.StoreChecksum]) -> tuple[list[FileRecord], int]:
+        """Headers, then the store's whole-object checksums (`published`), then the manifest
+        records."""
         checked = _check_files(directory, plan, digests, str(self.uri))
         files = []
         for index, obj in enumerate(plan.files):
             chunks = [c for c in plan.chunks if c.file == index]
             files.append((obj.key, [c.length for c in chunks], [digests[c.index] for c in chunks]))
-        published = self.store.checksums(plan.files, min_bytes=plan.chunk_bytes)
         self.store_check = digests_of.check_store(files, published, str(self.uri))
         log.info("store checksums: %d object(s) match the store's %s, %d without one",
                  self.store_check.checked, "/".join(digests_of.STORE_ALGORITHMS),
                  self.store_check.unavailable)
         return checked
+
+    def _streamer(self, plan: Plan) -> Streamer:
+        def stream(file: int, offset: int, length: int, piece: memoryview,
+                   deliver: Callable[[int, memoryview], None]) -> int:
+            def counted(at: int, view: memoryview) -> None:
+                self.progress.add(from_store=len(view))
+                deliver(at, view)
+
+            return self.store.stream(plan.files[file], offset, length, piece, counted)
+
+        return stream
 
     def _reader(self, plan: Plan) -> Reader:
         def read(file: int, offset: int, into: memoryview) -> int:

@@ -17,8 +17,8 @@ the client's CPU, so small chunks run fewer GETs than `readers` (at most `MAX_OP
 of `MAX_PARTS` parts). Open chunks, and
 complete ones waiting for their round, each hold one of the buffers the memory budget leaves for
 fetching (`loader.memory_limit_bytes // chunk_bytes` less the receive buffers): that bounds the
-read-ahead. Alone (no group), nothing waits on the order: chunks are fetched whole, `readers` at
-a time, and written as they complete.
+read-ahead. Alone (no group), nothing waits on the order and no chunk is held whole: chunks
+stream to disk (see [Note: streaming alone] in `stream`).
 """
 
 from __future__ import annotations
@@ -47,12 +47,9 @@ class FetchShape:
     """Reader threads: enough to keep every part of every open chunk in flight."""
 
 
-def fetch_shape(*, chunk_bytes: int, readers: int, buffers: int, ordered: bool) -> FetchShape:
-    """The shape of one rank's fetch; `buffers` is how many chunks its memory budget holds for
-    fetching (at least one), `ordered` whether a group consumes the chunks in order."""
-    if not ordered:
-        open_chunks = max(1, min(readers, buffers))
-        return FetchShape(part_bytes=chunk_bytes, open_chunks=open_chunks, readers=open_chunks)
+def fetch_shape(*, chunk_bytes: int, readers: int, buffers: int) -> FetchShape:
+    """The shape of one rank's fetch for a group, which consumes the chunks in order; `buffers`
+    is how many chunks its memory budget holds for fetching (at least one)."""
     parts = max(1, min(readers, chunk_bytes // MIN_PART_BYTES, MAX_PARTS))
     # At least two open chunks, so the next one streams while the last part of this one trails.
     open_chunks = max(1, min(max(2, math.ceil(readers / parts)), MAX_OPEN_CHUNKS, buffers))

@@ -59,19 +59,23 @@ class FileSink:
 
     def write(self, chunk: Chunk, data: memoryview) -> None:
         """Write `data` (exactly `chunk.length` bytes) at the chunk's offset."""
-        aligned = len(data) - len(data) % ALIGN if chunk.offset % ALIGN == 0 else 0
-        if self._direct[chunk.file] and aligned:
+        self.write_at(chunk.file, chunk.offset, data)
+
+    def write_at(self, file: int, offset: int, data: memoryview) -> None:
+        """Write `data` at `offset` of the plan's file `file` (from any thread)."""
+        aligned = len(data) - len(data) % ALIGN if offset % ALIGN == 0 else 0
+        if self._direct[file] and aligned:
             try:
-                _write_at(self.paths[chunk.file], data[:aligned], chunk.offset, direct=True)
+                _write_at(self.paths[file], data[:aligned], offset, direct=True)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                self._refuse_direct(chunk.file, exc)  # then written below, through the cache
+                self._refuse_direct(file, exc)  # then written below, through the cache
                 aligned = 0
         else:
             aligned = 0
         if aligned < len(data):
-            _write_at(self.paths[chunk.file], data[aligned:], chunk.offset + aligned, direct=False)
+            _write_at(self.paths[file], data[aligned:], offset + aligned, direct=False)
 
     def close(self) -> None:
         """Nothing stays open between writes; kept for the callers' `finally`."""

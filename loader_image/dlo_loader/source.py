@@ -23,9 +23,9 @@ import http.client
 import logging
 import random
 import base64
+import contextlib
 import threading
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -121,7 +121,7 @@ class ObjectStore:
             s3={"addressing_style": "path" if path_style else "auto"},
             # Our own retry loop knows about short bodies and the fill deadline: one attempt here.
             retries={"total_max_attempts": 1},
-            max_pool_connections=readers,
+            max_pool_connections=readers + 1,  # the readers, and one for the checksum HEADs
             connect_timeout=10,
             read_timeout=stall_timeout_s,  # per socket read: no byte for this long is a stall
         )
@@ -160,14 +160,11 @@ class ObjectStore:
     def checksums(self, files: Sequence[ObjectIdentity], *,
                   min_bytes: int) -> dict[str, StoreChecksum]:
         """The store's whole-object checksum of every object of at least `min_bytes` (the
-        others are single chunks, compared across ranks only), by key."""
-        large = [obj for obj in files if obj.size >= min_bytes]
-        if not large:
-            return {}
-        with ThreadPoolExecutor(max_workers=max(1, min(self.readers, len(large)))) as pool:
-            found = pool.map(lambda obj: self._retrying(
-                f"{self.uri}{obj.key} checksum", lambda: self._checksum(obj)), large)
-            return {obj.key: checksum for obj, checksum in zip(large, found)}
+        others are single chunks, compared across ranks only), by key. One HEAD at a time, on
+        the pool's one connection beyond the readers': `fill` runs this beside the transfer."""
+        return {obj.key: self._retrying(f"{self.uri}{obj.key} checksum",
+                                        lambda: self._checksum(obj))
+                for obj in files if obj.size >= min_bytes}
 
     def _checksum(self, obj: ObjectIdentity) -> StoreChecksum:
         head = self._client.head_object(Bucket=self.uri.bucket, Key=self.uri.prefix + obj.key,
@@ -185,8 +182,46 @@ class ObjectStore:
         what = f"{self.uri}{obj.key} bytes {start}-{start + len(into) - 1}"
         return self._retrying(what, lambda: self._get(obj, start, into))
 
+    def stream(self, obj: ObjectIdentity, start: int, length: int, piece: memoryview,
+               deliver: Callable[[int, memoryview], None]) -> int:
+        """Read bytes `[start, start+length)` of `obj` a piece at a time into `piece`, handing
+        each piece to `deliver(offset, view)` (`offset` from `start`; every piece is
+        `len(piece)` bytes but the last), and return the running CRC of them all, or raise after
+        the retries. A retry asks only for the bytes not delivered yet."""
+        what = f"{self.uri}{obj.key} bytes {start}-{start + length - 1}"
+        done = [0, 0]  # bytes delivered, their running CRC
+
+        def attempt() -> int:
+            while done[0] < length:
+                at = start + done[0]
+                with self._body(obj, at, length - done[0]) as body:
+                    while done[0] < length:
+                        view = piece[:min(len(piece), length - done[0])]
+                        got, crc = body.fill(view)
+                        if got < len(view):
+                            raise _ShortBody(f"got {done[0] + got} of {length} bytes")
+                        deliver(done[0], view)
+                        done[0] += got
+                        done[1] = digest.combine(done[1], crc, got)
+                    if body.finish():
+                        raise _ShortBody(f"got {length}+ of {length} bytes")
+            return done[1]
+
+        return self._retrying(what, attempt)
+
     def _get(self, obj: ObjectIdentity, start: int, into: memoryview) -> int:
         length = len(into)
+        with self._body(obj, start, length) as body:
+            got, crc = body.fill(into)
+            extra = got == length and body.finish()
+        if got != length or extra:
+            raise _ShortBody(f"got {got}{'+' if extra else ''} of {length} bytes")
+        return crc
+
+    @contextlib.contextmanager
+    def _body(self, obj: ObjectIdentity, start: int, length: int) -> Iterator[_Body]:
+        """The body of a GET of `length` bytes of `obj` from `start`, checked against the
+        listing; a read that waits past the stall timeout raises `_Stalled`."""
         response = self._client.get_object(
             Bucket=self.uri.bucket, Key=self.uri.prefix + obj.key,
             Range=f"bytes={start}-{start + length - 1}", IfMatch=f'"{obj.etag}"',
@@ -194,14 +229,11 @@ class ObjectStore:
         body = response["Body"]
         try:
             _check_response(response, obj, start, length, f"{self.uri}{obj.key}")
-            got, extra, crc = _read_body(body, into)
+            yield _Body(body)
         except (urllib3.exceptions.ReadTimeoutError, bexc.ReadTimeoutError, TimeoutError) as exc:
             raise _Stalled(f"no bytes for {self.stall_timeout_s:g} s") from exc
         finally:
             body.close()  # returns nothing to the pool unless the body was read to its end
-        if got != length or extra:
-            raise _ShortBody(f"got {got}{'+' if extra else ''} of {length} bytes")
-        return crc
 
     def _retrying(self, what: str, call: Callable[[], _T]) -> _T:
         """Run `call`, retrying transient failures with exponential backoff and full jitter."""
@@ -297,46 +329,58 @@ def _raise_if_local(exc: BaseException, what: str) -> None:
             current = current.__cause__ or current.__context__
 
 
-def _read_body(body: StreamingBody, into: memoryview) -> tuple[int, bool, int]:
-    """Read the response body into `into`: the bytes read, whether more followed, and the
-    running CRC of the bytes read (each piece hashed as it lands: [Note: hashing while reading]).
+class _Body:
+    """A response body read into caller buffers, each piece hashed as it lands (see [Note:
+    hashing while reading]).
 
     [Note: one copy] botocore's `readinto` goes through urllib3's, which reads into a new bytes
     object and copies that: a fresh allocation and a second copy of every byte. When the body is
     a plain `StreamingBody` over an undecoded urllib3 response (no checksum wrapper, no content
-    decoding), the bytes are read from the `http.client` response straight into the chunk
+    decoding), the bytes are read from the `http.client` response straight into the caller's
     buffer instead, and the connection goes back to the pool as urllib3 would return it once
     the body is read to its end. Anything else takes the public, copying path."""
-    raw = getattr(body, "_raw_stream", None)
-    response = getattr(raw, "_fp", None)
-    if (type(body) is not StreamingBody or not isinstance(raw, urllib3.HTTPResponse)
-            or not isinstance(response, http.client.HTTPResponse) or raw.decode_content):
-        return _read_public(body, into)
-    got = crc = 0
-    while got < len(into):
-        count = response.readinto(into[got:got + _DIRECT_PIECE_BYTES])
-        if not count:
-            break
-        crc = digest.extend(crc, into[got:got + count])
-        got += count
-    if got < len(into):
-        return got, False, crc
-    extra = bool(response.length) or bool(response.length is None and response.read(1))
-    if not extra and response.isclosed():
-        raw.release_conn()
-    return got, extra, crc
+
+    def __init__(self, body: StreamingBody) -> None:
+        self._body = body
+        self._raw = getattr(body, "_raw_stream", None)
+        response = getattr(self._raw, "_fp", None)
+        self._direct = (type(body) is StreamingBody and isinstance(self._raw, urllib3.HTTPResponse)
+                        and isinstance(response, http.client.HTTPResponse)
+                        and not self._raw.decode_content)
+        self._response = response if self._direct else None
+
+    def fill(self, into: memoryview) -> tuple[int, int]:
+        """Read until `into` is full or the body ends: the bytes read and their running CRC."""
+        got = crc = 0
+        if self._response is not None:
+            readinto, piece = self._response.readinto, _DIRECT_PIECE_BYTES
+        else:  # botocore's own path (urllib3 allocates a buffer per call)
+            readinto, piece = self._body.readinto, _PIECE_BYTES
+        while got < len(into):
+            count = readinto(into[got:got + piece])
+            if not count:
+                break
+            crc = digest.extend(crc, into[got:got + count])
+            got += count
+        return got, crc
+
+    def finish(self) -> bool:
+        """After the bytes asked for: True when more followed (a broken response)."""
+        if self._response is None:
+            return bool(self._body.read(1))
+        response = self._response
+        extra = bool(response.length) or bool(response.length is None and response.read(1))
+        if not extra and response.isclosed():
+            self._raw.release_conn()
+        return extra
 
 
-def _read_public(body: StreamingBody, into: memoryview) -> tuple[int, bool, int]:
-    """botocore's own path, a piece at a time (urllib3 allocates a buffer per call)."""
-    got = crc = 0
-    while got < len(into):
-        count = body.readinto(into[got:got + _PIECE_BYTES])
-        if not count:
-            break
-        crc = digest.extend(crc, into[got:got + count])
-        got += count
-    return got, got == len(into) and bool(body.read(1)), crc
+def _read_body(body: StreamingBody, into: memoryview) -> tuple[int, bool, int]:
+    """Read the response body into `into`: the bytes read, whether more followed, and the
+    running CRC of the bytes read."""
+    reader = _Body(body)
+    got, crc = reader.fill(into)
+    return got, got == len(into) and reader.finish(), crc
 
 
 def _client_error_reason(exc: bexc.ClientError, what: str) -> str:

@@ -70,3 +70,40 @@ def test_a_fallback_writes_the_chunks_read_for_the_group_and_reads_only_the_rest
         assert (tmp_path / obj.key).read_bytes() == CONTENT[index]
     assert digests == [chunk_digest(CONTENT[c.file][c.offset:c.offset + c.length])
                        for c in alone_plan.chunks]
+
+
+def test_alone_chunks_stream_to_disk_through_one_piece_buffer_per_reader(
+        tmp_path: Path, monkeypatch) -> None:
+    """Alone, no chunk is held whole: a buffer per chunk in flight (and per chunk queued for a
+    slow disk) is fresh memory the kernel zeroes first. Each reader keeps one piece buffer."""
+    from dlo_loader import fetch, sink as sink_module, stream
+
+    made = []
+
+    def counted(size: int):
+        made.append(size)
+        return original_buffer(size)
+
+    original_buffer, original_write = fetch.chunk_buffer, sink_module.FileSink.write_at
+
+    def slow_write(self, file, offset, data):
+        time.sleep(0.002)
+        original_write(self, file, offset, data)
+
+    monkeypatch.setattr(stream, "chunk_buffer", counted)
+    monkeypatch.setattr(fetch, "chunk_buffer", counted)
+    monkeypatch.setattr(sink_module.FileSink, "write_at", slow_write)
+    monkeypatch.setattr(stream, "PIECE_BYTES", 4 * KIB)
+    big = [ObjectIdentity("big.bin", 48 * 12 * KIB, "e")]
+    plan = build_plan(big, mode="independent", world_size=1, chunk_bytes=12 * KIB)
+
+    def read(file: int, offset: int, into: memoryview) -> int:
+        into[:] = bytes([offset // KIB % 251]) * len(into)
+        return extend(0, into)
+
+    digests = exchange(plan, read, tmp_path, grouped=False).run()  # readers=2, 64 buffers allowed
+
+    expected = b"".join(bytes([n % 251]) * 4 * KIB for n in range(0, 48 * 12, 4))
+    assert (tmp_path / "big.bin").read_bytes() == expected
+    assert digests == [chunk_digest(expected[c.offset:c.offset + c.length]) for c in plan.chunks]
+    assert made == [4 * KIB, 4 * KIB]  # one piece buffer per reader, no chunk buffer

@@ -19,6 +19,7 @@ import pytest
 from dlo_bench.faultproxy import STALL, FaultPlan, FaultProxy
 from dlo_bench.s3server import DUMMY_CREDENTIALS, S3Server
 from dlo_loader import fill as fill_module
+from dlo_loader.digest import chunk_digest
 from dlo_loader.errors import LocalResourceError, SourceChanged, SourceError, SourceUnavailable
 from dlo_loader.fill import FillRequest, fill
 from dlo_loader.progress import Progress
@@ -116,6 +117,31 @@ def test_a_stalled_body_is_asked_again_at_once_and_the_line_says_stalled(
     assert "stalled (s3://models/tiny/" in progress.line() and "ETA" not in progress.line()
     progress.add(from_store=1)
     assert "ETA" in progress.line()
+
+
+def test_a_streamed_range_resumes_after_the_bytes_it_delivered(
+    s3: S3Server, checkpoint: Checkpoint
+) -> None:
+    """A fill reading alone streams each chunk to disk; when the body stalls halfway, the retry
+    asks only for the bytes not delivered yet, and the pieces and their CRC come out whole."""
+    plan = FaultPlan(kinds=(STALL,), limit=1, stall_s=20.0)
+    with FaultProxy(s3.endpoint_url, plan) as proxy:
+        store = store_for(checkpoint.source, proxy.url, stall_timeout_s=0.5)
+        obj = next(o for o in store.list(["*.safetensors"]) if o.key == KEY)
+        got = bytearray(obj.size)
+        offsets = []
+
+        def deliver(at: int, view: memoryview) -> None:
+            offsets.append(at)
+            got[at:at + len(view)] = view
+
+        crc = store.stream(obj, 0, obj.size, memoryview(bytearray(4096)), deliver)
+        store.close()
+    assert bytes(got) == checkpoint.files[KEY]
+    assert offsets == list(range(0, obj.size, 4096))  # each piece once, in order
+    assert f"{crc:016x}" == chunk_digest(checkpoint.files[KEY])
+    assert proxy.faults[STALL] == 1 and proxy.object_requests == 2
+    assert proxy.object_bytes < obj.size + 4096  # not the stalled half again
 
 
 def test_a_store_that_keeps_stalling_fails_without_suggesting_more_retries(

@@ -17,24 +17,19 @@ from dlo_contract.cache import ObjectIdentity
 MIB = 1 << 20
 
 
-@pytest.mark.parametrize(("chunk", "readers", "buffers", "ordered", "expected"), [
-    # Alone: whole chunks, `readers` at a time, within the memory budget.
-    (16 * MIB, 16, 64, False, FetchShape(part_bytes=16 * MIB, open_chunks=16, readers=16)),
-    (16 * MIB, 16, 3, False, FetchShape(part_bytes=16 * MIB, open_chunks=3, readers=3)),
-    # With a group: four open chunks of four 4 MiB parts keep 16 GETs in flight.
-    (16 * MIB, 16, 62, True, FetchShape(part_bytes=4 * MIB, open_chunks=4, readers=16)),
-    (16 * MIB, 4, 62, True, FetchShape(part_bytes=4 * MIB, open_chunks=2, readers=4)),
+@pytest.mark.parametrize(("chunk", "readers", "buffers", "expected"), [
+    # Four open chunks of four 4 MiB parts keep 16 GETs in flight.
+    (16 * MIB, 16, 62, FetchShape(part_bytes=4 * MIB, open_chunks=4, readers=16)),
+    (16 * MIB, 4, 62, FetchShape(part_bytes=4 * MIB, open_chunks=2, readers=4)),
     # Small chunks: halves of 1 MiB, four chunks open, so eight GETs in flight, not sixteen.
-    (2 * MIB, 16, 510, True, FetchShape(part_bytes=1 * MIB, open_chunks=4, readers=8)),
-    (2 * MIB, 2, 510, True, FetchShape(part_bytes=1 * MIB, open_chunks=2, readers=2)),
-    (1 * MIB, 16, 510, True, FetchShape(part_bytes=1 * MIB, open_chunks=4, readers=4)),
-    (16 * MIB, 1, 62, True, FetchShape(part_bytes=16 * MIB, open_chunks=2, readers=1)),
-    (16 * MIB, 16, 1, True, FetchShape(part_bytes=4 * MIB, open_chunks=1, readers=4)),
+    (2 * MIB, 16, 510, FetchShape(part_bytes=1 * MIB, open_chunks=4, readers=8)),
+    (2 * MIB, 2, 510, FetchShape(part_bytes=1 * MIB, open_chunks=2, readers=2)),
+    (1 * MIB, 16, 510, FetchShape(part_bytes=1 * MIB, open_chunks=4, readers=4)),
+    (16 * MIB, 1, 62, FetchShape(part_bytes=16 * MIB, open_chunks=2, readers=1)),
+    (16 * MIB, 16, 1, FetchShape(part_bytes=4 * MIB, open_chunks=1, readers=4)),
 ])
-def test_fetch_shape(chunk: int, readers: int, buffers: int, ordered: bool,
-                     expected: FetchShape) -> None:
-    assert fetch_shape(chunk_bytes=chunk, readers=readers, buffers=buffers,
-                       ordered=ordered) == expected
+def test_fetch_shape(chunk: int, readers: int, buffers: int, expected: FetchShape) -> None:
+    assert fetch_shape(chunk_bytes=chunk, readers=readers, buffers=buffers) == expected
 
 
 def test_parts_come_chunk_by_chunk_with_a_bounded_number_open() -> None:
@@ -82,7 +77,7 @@ def test_on_a_shared_link_chunks_complete_in_exchange_order(
     chunk: int, readers: int, first_after_chunks: int
 ) -> None:
     lengths = [chunk] * 35 + [chunk // 3]
-    shape = fetch_shape(chunk_bytes=chunk, readers=readers, buffers=64, ordered=True)
+    shape = fetch_shape(chunk_bytes=chunk, readers=readers, buffers=64)
     done = shared_link_completions(lengths, shape)
     assert sorted(done) == list(range(len(lengths)))
     # A chunk is never overtaken by one opened after it left the window of open chunks.
@@ -94,8 +89,8 @@ def test_on_a_shared_link_chunks_complete_in_exchange_order(
 def test_whole_chunks_all_at_once_would_hold_back_the_first_round() -> None:
     """What the order prevents: `readers` whole chunks started together finish together."""
     lengths = [2 * MIB] * 36
-    alone = fetch_shape(chunk_bytes=2 * MIB, readers=16, buffers=64, ordered=False)
-    assert shared_link_completions(lengths, alone)[0] == 16 * 2 * MIB
+    whole = FetchShape(part_bytes=2 * MIB, open_chunks=16, readers=16)
+    assert shared_link_completions(lengths, whole)[0] == 16 * 2 * MIB
 
 
 def test_fetcher_delivers_every_chunk_in_parts_with_its_digest() -> None:
