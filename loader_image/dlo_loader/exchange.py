@@ -15,15 +15,21 @@ gloo runs it as a ring (in N - 1 steps every rank passes the chunk it got last t
 receiving the next from rank - 1), so every link carries a chunk in every step, and each rank
 sends and receives about (N - 1)/N of the model in all, at the peer link's rate, whatever N is;
 the broadcast from one root it replaces cost N - 1 transfers per chunk on the root's link. Every
-rank contributes the round's longest chunk length (a rank without a chunk, or with a shorter
-last chunk, sends padding, dropped on receipt): only the last round of a file is short. One call
-per round keeps the per-step work in gloo's threads, not the interpreter's.
+rank contributes the round's longest chunk length, rounded up to a page (a rank without a
+chunk, or with a shorter last chunk, sends padding, dropped on receipt): only the last round of
+a file is short. One call per round keeps the per-step work in gloo's threads, not the
+interpreter's.
+
+[Note: round buffers] A round arrives in one buffer of N chunk slots, rank by rank, which gloo
+fills in place (`Group.all_gather_into`); a list of N outputs would have torch gather into a flat
+tensor of its own and copy every received byte out again (about 6% of all CPU of an 8-node fill
+on 2 cores). Slots are page-aligned, so the writers write each received chunk straight from its
+slot with direct I/O; the buffer goes back to the pool when the last of its chunks is written.
 
 [Note: memory bound] `memory_limit_bytes // chunk_bytes` buffers exist at most: with a group,
-`2 (N - 1)` receive buffers (one round arriving while the last one is written) and the rest for
-fetched chunks (gloo also stages one round, N chunks, while it runs), which a reader takes a
-buffer for before it opens a chunk and the writer returns once the chunk is on disk (and
-forwarded). Readers open chunks in plan order, so the chunk the main thread waits for always
+`ROUND_BUFFERS` round buffers of N slots (one round arriving while the last one is written) and
+the rest for fetched chunks, which a reader takes a buffer for before it opens a chunk and the
+writer returns once the chunk is on disk (and forwarded). Readers open chunks in plan order, so the chunk the main thread waits for always
 holds a buffer or is done: no deadlock. Alone, no chunk buffer exists: each reader streams
 through one `stream.PIECE_BYTES` buffer.
 
@@ -52,11 +58,11 @@ from typing import TYPE_CHECKING
 
 from dlo_loader.digest import chunk_digest
 from dlo_loader.errors import GroupError, LoaderError
-from dlo_loader.fetch import POLL_S, BufferPool, Fetcher, Reader, Span, span_of
+from dlo_loader.fetch import POLL_S, BufferPool, Fetcher, Reader, Span, chunk_buffer, span_of
 from dlo_loader.plan import Chunk, Plan
 from dlo_loader.progress import Progress
 from dlo_loader.schedule import fetch_shape
-from dlo_loader.sink import FileSink
+from dlo_loader.sink import ALIGN, FileSink
 from dlo_loader.stream import ChunkStreams, Streamer, streamer_of
 from dlo_contract.settings import LoaderConfig
 
@@ -64,10 +70,12 @@ if TYPE_CHECKING:  # transport imports torch: only fills with a group load it
     from dlo_loader.transport import Group
 
 __all__ = ["Exchange", "Reader"]
+ROUND_BUFFERS = 2
+"""Round buffers (each a chunk slot per rank): one round arriving while the last is written."""
 _WRITER_THREADS = max(2, min(4, os.cpu_count() or 1))
 """Hashing (the digest releases the GIL) and positioned writes of several chunks at once."""
 
-_WriteTask = tuple[Chunk, mmap.mmap, Callable[[mmap.mmap], None], str | None]
+_WriteTask = tuple[Chunk, memoryview, Callable[[], None], str | None]
 
 
 class _Writer:
@@ -89,20 +97,19 @@ class _Writer:
         for _ in range(_WRITER_THREADS):
             self._queue.put(None)
 
-    def submit(self, chunk: Chunk, data: mmap.mmap, give_back: Callable[[mmap.mmap], None],
+    def submit(self, chunk: Chunk, view: memoryview, release: Callable[[], None],
                digest: str | None = None) -> None:
-        """Write `data` (hash it unless `digest` is given), then hand the buffer to `give_back`
-        for reuse."""
-        self._queue.put((chunk, data, give_back, digest))
+        """Write the chunk's bytes `view` (hash them unless `digest` is given), then call
+        `release` (its buffer may be reused)."""
+        self._queue.put((chunk, view, release, digest))
 
     def drain(self) -> None:
         self._queue.join()
 
     def _work(self) -> None:
         while (task := self._queue.get()) is not None:
-            chunk, data, give_back, digest = task
+            chunk, view, release, digest = task
             try:
-                view = memoryview(data)[:chunk.length]
                 if self.error is None:
                     if digest is None:
                         began = time.monotonic()
@@ -117,7 +124,8 @@ class _Writer:
             except BaseException as exc:  # reported by the main thread at the next round
                 self.error = self.error or exc
             finally:
-                give_back(data)
+                del view, task
+                release()
                 self._queue.task_done()
         self._queue.task_done()
 
@@ -141,13 +149,17 @@ class Exchange:
         self._fetch_stop = threading.Event()
         """Stops this exchange's readers alone (`abandon`); `stop` also ends the store's retries."""
         buffers = max(config.memory_limit_bytes // plan.chunk_bytes, 2)
-        receive = 2 * (plan.world_size - 1) if grouped else 0
+        receive = ROUND_BUFFERS * plan.world_size if grouped else 0
         if grouped and buffers - receive < 1:
             raise LoaderError(
                 f"loader.memory_limit_bytes={config.memory_limit_bytes} holds {buffers} chunks "
                 f"of {plan.chunk_bytes} bytes; {plan.world_size} loaders need at least "
                 f"{receive + 1}", hint="raise loader.memory_limit_bytes or lower chunk_bytes")
-        self._receive = BufferPool(receive, plan.chunk_bytes)
+        self._slot = _aligned(plan.chunk_bytes)
+        """Bytes per rank in a round buffer: direct writes need every slot page-aligned."""
+        self._rounds = BufferPool(ROUND_BUFFERS if grouped else 0, plan.world_size * self._slot)
+        self._padding: mmap.mmap | None = None
+        """What a rank without a chunk in a round sends (made on first need)."""
         self._writer = _Writer(plan, sink, progress)
         owned, fetched = plan.owned(self.rank), fetched or {}
         self._fetched = [(c, fetched[span_of(c)]) for c in owned if span_of(c) in fetched]
@@ -166,7 +178,7 @@ class Exchange:
         shape = fetch_shape(chunk_bytes=plan.chunk_bytes, readers=config.readers,
                             buffers=fetch_buffers)
         self._fetcher = Fetcher(to_read, read, shape=shape, stop=self._fetch_stop,
-                                pool=BufferPool(fetch_buffers, plan.chunk_bytes),
+                                pool=BufferPool(fetch_buffers, self._slot),
                                 timed=progress.timed)
 
     def abandon(self) -> dict[Span, tuple[mmap.mmap, str]]:
@@ -202,7 +214,7 @@ class Exchange:
         """Nothing waits on the order: chunks stream to disk as they arrive."""
         assert self._streams is not None
         for chunk, (data, digest) in self._fetched:  # read before a fallback: its own buffers
-            self._writer.submit(chunk, data, lambda buffer: None, digest)
+            self._writer.submit(chunk, memoryview(data)[:chunk.length], lambda: None, digest)
         self._fetched = []
         while not self._streams.wait(POLL_S):
             self._raise_problem()
@@ -222,28 +234,28 @@ class Exchange:
         self._await_round(None, False)  # the last writes' outcome, agreed by every rank
 
     def _ring(self, number: int, by_owner: dict[int, Chunk]) -> None:
-        """One round: every rank's chunk to every rank at once (see [Note: ring])."""
+        """One round: every rank's chunk to every rank at once (see [Note: ring]), into one
+        round buffer (see [Note: round buffers])."""
         assert self.group is not None
-        span = max(chunk.length for chunk in by_owner.values())
-        slots: list[tuple[mmap.mmap, Callable[[mmap.mmap], None], str | None]] = []
-        for origin in range(self.plan.world_size):
-            if origin == self.rank and origin in by_owner:
-                _, data, digest = self._fetcher.take(number)
-                slots.append((data, self._fetcher.give_back, digest))
-            else:
-                slots.append((self._receive_buffer(), self._receive.give_back, None))
-        views = [memoryview(buffer)[:span] for buffer, _, _ in slots]
-        self.group.all_gather(views[self.rank], views)
-        for origin, (buffer, give_back, digest) in enumerate(slots):
-            chunk = by_owner.get(origin)
-            if chunk is None:
-                give_back(buffer)  # no chunk from that rank this round: padding only
-                continue
-            if origin == self.rank:
-                self.progress.add(to_peers=chunk.length * (self.plan.world_size - 1))
-            else:
-                self.progress.add(from_peers=chunk.length)
-            self._writer.submit(chunk, buffer, give_back, digest)
+        stride = _aligned(max(chunk.length for chunk in by_owner.values()))
+        mine = by_owner.get(self.rank)
+        if mine is not None:
+            _, data, digest = self._fetcher.take(number)
+        else:
+            data = self._padding = self._padding or chunk_buffer(self._slot)
+        flat = self._round_buffer()
+        self.group.all_gather_into(memoryview(data)[:stride],
+                                   memoryview(flat)[:stride * self.plan.world_size])
+        received = [chunk for origin, chunk in by_owner.items() if origin != self.rank]
+        release = _Countdown(len(received), lambda: self._rounds.give_back(flat))
+        if mine is not None:
+            self.progress.add(to_peers=mine.length * (self.plan.world_size - 1))
+            self._writer.submit(mine, memoryview(data)[:mine.length],
+                                lambda: self._fetcher.give_back(data), digest)
+        for chunk in received:
+            self.progress.add(from_peers=chunk.length)
+            at = chunk.owner * stride
+            self._writer.submit(chunk, memoryview(flat)[at:at + chunk.length], release.one)
 
     def _await_round(self, number: int | None, has_chunk: bool) -> None:
         """Status exchanges until every rank is ready for round `number` (this rank: its
@@ -263,8 +275,8 @@ class Exchange:
             if status.all_ready:
                 return
 
-    def _receive_buffer(self) -> mmap.mmap:
-        while (buffer := self._receive.wait(POLL_S)) is None:
+    def _round_buffer(self) -> mmap.mmap:
+        while (buffer := self._rounds.wait(POLL_S)) is None:
             self._raise_problem()
         return buffer
 
@@ -282,3 +294,25 @@ class Exchange:
         problem = self._problem()
         if problem is not None:
             raise problem
+
+
+class _Countdown:
+    """Calls `then` once `one` has been called `count` times (at once when `count` is 0)."""
+
+    def __init__(self, count: int, then: Callable[[], None]) -> None:
+        self._left, self._then = count, then
+        self._lock = threading.Lock()
+        if not count:
+            then()
+
+    def one(self) -> None:
+        with self._lock:
+            self._left -= 1
+            done = self._left == 0
+        if done:
+            self._then()
+
+
+def _aligned(length: int) -> int:
+    """`length` rounded up to the direct-write alignment."""
+    return -(-length // ALIGN) * ALIGN

@@ -62,19 +62,19 @@ class Group:
         all_ready = sum(values[self.world_size:]) == self.world_size
         return RoundStatus(failed=failed_ranks, all_ready=all_ready)
 
-    def all_gather(self, send: memoryview, receive: list[memoryview]) -> None:
-        """Every rank's `send` (all the same length) into `receive[rank]` on every rank; gloo
-        runs it as a ring, every link busy in every step."""
+    def all_gather_into(self, send: memoryview, receive: memoryview) -> None:
+        """Every rank's `send` (all the same length) into its slot of `receive` (`world_size`
+        times that length, rank by rank) on every rank; gloo runs it as a ring, every link busy
+        in every step, straight into `receive` (a list of outputs would cost a copy of each)."""
         what = "a chunk all-gather"
         outgoing = torch.frombuffer(send, dtype=torch.uint8)
-        incoming = [torch.frombuffer(view, dtype=torch.uint8) for view in receive]
+        incoming = torch.frombuffer(receive, dtype=torch.uint8)
         if self.device.type == "cpu":
-            self._call(what, dist.all_gather, incoming, outgoing)
+            self._call(what, dist.all_gather_into_tensor, incoming, outgoing)
             return
-        staged = [torch.empty_like(t, device=self.device) for t in incoming]
-        self._call(what, dist.all_gather, staged, outgoing.to(self.device))
-        for target, source in zip(incoming, staged):
-            target.copy_(source)
+        staged = torch.empty_like(incoming, device=self.device)
+        self._call(what, dist.all_gather_into_tensor, staged, outgoing.to(self.device))
+        incoming.copy_(staged.cpu())
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
