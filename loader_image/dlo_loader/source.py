@@ -113,7 +113,6 @@ class ObjectStore:
     ) -> None:
         self.uri = uri
         self.attempts = attempts
-        self.readers = readers
         self.stall_timeout_s = stall_timeout_s
         self.on_stall = on_stall or (lambda what: None)
         self.stop = stop or threading.Event()
