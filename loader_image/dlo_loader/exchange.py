@@ -29,9 +29,9 @@ slot with direct I/O; the buffer goes back to the pool when the last of its chun
 [Note: memory bound] `memory_limit_bytes // chunk_bytes` buffers exist at most: with a group,
 `ROUND_BUFFERS` round buffers of N slots (one round arriving while the last one is written) and
 the rest for fetched chunks, which a reader takes a buffer for before it opens a chunk and the
-writer returns once the chunk is on disk (and forwarded). Readers open chunks in plan order, so the chunk the main thread waits for always
-holds a buffer or is done: no deadlock. Alone, no chunk buffer exists: each reader streams
-through one `stream.PIECE_BYTES` buffer.
+writer returns once the chunk is on disk (and forwarded). Readers open chunks in plan order, so
+the chunk the main thread waits for always holds a buffer or is done: no deadlock. Alone, no
+chunk buffer exists: each reader streams through one `stream.PIECE_BYTES` buffer.
 
 [Note: reading before the group] The plan is a pure function of the listing and the settings, so a
 rank that will join a group builds it and starts reading its own chunks at once, then joins: the
@@ -124,7 +124,6 @@ class _Writer:
             except BaseException as exc:  # reported by the main thread at the next round
                 self.error = self.error or exc
             finally:
-                del view, task
                 release()
                 self._queue.task_done()
         self._queue.task_done()

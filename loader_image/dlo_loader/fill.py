@@ -310,7 +310,7 @@ class _Fill:
         read = EntryChunks(pub.existing, plan.files).read if pub.existing else self._reader(plan)
         self.progress.start()
         self.progress.phase = "transferring"  # metrics: phase
-        stream = None if pub.existing else self._streamer(plan)
+        stream = None if pub.existing or grouped else self._streamer(plan)  # alone: streamed
         return Exchange(plan, rank=self.request.rank, grouped=grouped, read=read, sink=sink,
                         progress=self.progress, config=self.loader, deadline=self.deadline,
                         stop=self.stop, fetched=fetched, stream=stream)

@@ -374,14 +374,6 @@ class _Body:
         return extra
 
 
-def _read_body(body: StreamingBody, into: memoryview) -> tuple[int, bool, int]:
-    """Read the response body into `into`: the bytes read, whether more followed, and the
-    running CRC of the bytes read."""
-    reader = _Body(body)
-    got, crc = reader.fill(into)
-    return got, got == len(into) and reader.finish(), crc
-
-
 def _client_error_reason(exc: bexc.ClientError, what: str) -> str:
     """The reason to retry a `ClientError`, or a permanent `SourceError` for the rest."""
     error = exc.response.get("Error", {})
