@@ -141,7 +141,8 @@ class LoaderConfig(Section):
     memory_limit_bytes: int = setting(
         1 * GIB, crd="loader.memoryLimitBytes", above=0, int64=True,
         description="Upper bound on in-flight chunk buffers (fetch plus exchange) per loader "
-        "(bytes); with N loaders it must hold 2N + 1 chunks. A loader reading alone holds no "
+        "(bytes); with N loaders it must hold 2N + 1 chunks (each with one 4 KiB page more, for "
+        "its round state). A loader reading alone holds no "
         f"chunk buffer: it streams to disk through {STREAM_PIECE_BYTES // MIB} MiB per reader.")
     backend: DistBackend = setting(
         "gloo", crd="loader.backend",

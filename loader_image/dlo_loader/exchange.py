@@ -4,9 +4,9 @@ hash every chunk, within a fixed memory budget.
 Owns the pipeline and its bounds. Alone, `stream.ChunkStreams` streams every chunk from the
 store to its place on disk (see [Note: streaming alone] in `stream`). With a group,
 `fetch.Fetcher` reads this rank's chunks into chunk buffers (many ranged GETs at once, in the
-shape `schedule.fetch_shape` gives) and hashes each, the main thread walks the plan's rounds: a
-status exchange (who failed, who is ready), then the round's chunks go round the ring (see
-[Note: ring]), and a few writer threads write every chunk at its offset (hashing the ones
+shape `schedule.fetch_shape` gives) and hashes each, the main thread walks the plan's rounds
+(each rank's chunk and its state go round the ring: see [Note: ring], [Note: round state]), and
+a few writer threads write every chunk at its offset (hashing the ones
 received from peers). Called by `fill`. Must not decide policy (modes, fallback, publication) or
 touch the object store directly (it gets `read` and `stream` callables).
 
@@ -20,13 +20,26 @@ chunk, or with a shorter last chunk, sends padding, dropped on receipt): only th
 a file is short. One call per round keeps the per-step work in gloo's threads, not the
 interpreter's.
 
+[Note: round state] Each rank's slot carries one page more than its chunk, its `RoundState`
+for the round: `READY` (its chunk, or nothing to send), `FAILED` (a read gave up, a write
+failed, the deadline passed) or `LATE` (its chunk was not complete after `LATE_AFTER_S`). A
+rank joins round `k` as soon as its chunk is complete, so a round costs one collective: a
+separate status exchange before every round cost a small all-reduce's latency, about a sixth of
+each round of an 8-node fill (2 cores), and the ring fell behind the reads by that much. When
+every state is `READY` the round is done; any `FAILED` and every rank raises in that round
+(see [Note: failing together]); any `LATE` and no rank keeps the round: they exchange statuses
+(small all-reduces, polled) until every rank is ready, then run the round again. `LATE_AFTER_S`
+bounds how long ready ranks wait inside the collective for a slow one, far below the
+collective's timeout, so a store that stalls for minutes costs one wasted round, not a timeout.
+
 [Note: round buffers] A round arrives in one buffer of N chunk slots, rank by rank, which gloo
 fills in place (`Group.all_gather_into`); a list of N outputs would have torch gather into a flat
 tensor of its own and copy every received byte out again (about 6% of all CPU of an 8-node fill
 on 2 cores). Slots are page-aligned, so the writers write each received chunk straight from its
 slot with direct I/O; the buffer goes back to the pool when the last of its chunks is written.
 
-[Note: memory bound] `memory_limit_bytes // chunk_bytes` buffers exist at most: with a group,
+[Note: memory bound] `memory_limit_bytes // slot` buffers exist at most (a slot: a chunk and the
+page of its round state): with a group,
 `ROUND_BUFFERS` round buffers of N slots (one round arriving while the last one is written) and
 the rest for fetched chunks, which a reader takes a buffer for before it opens a chunk and the
 writer returns once the chunk is on disk (and forwarded). Readers open chunks in plan order, so
@@ -42,15 +55,19 @@ exchange is abandoned and a new plan read from the start; if the plans differ ac
 agreement fails before any byte is written or exchanged.
 
 [Note: failing together] Every failure (a read that gave up, a write error, the deadline) is
-reported in the next round's status exchange, so all ranks raise in the same round. A rank that
+reported in the next round's state (see [Note: round state]), so all ranks raise in the same
+round. A rank that
 dies instead closes its sockets, which fails the others' next collective at once.
 """
 
 from __future__ import annotations
 
+import enum
+import logging
 import mmap
 import os
 import queue
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -70,12 +87,28 @@ if TYPE_CHECKING:  # transport imports torch: only fills with a group load it
     from dlo_loader.transport import Group
 
 __all__ = ["Exchange", "Reader"]
+log = logging.getLogger(__name__)
 ROUND_BUFFERS = 2
 """Round buffers (each a chunk slot per rank): one round arriving while the last is written."""
+LATE_AFTER_S = 5.0
+"""How long a rank waits for its own chunk before it joins a round as `LATE` (see
+[Note: round state]): ready ranks wait this long inside the collective for it."""
+STATE_BYTES = ALIGN
+"""The page after each slot of a round that carries the sender's `RoundState`; a whole page keeps
+every slot page-aligned for direct writes."""
+_STATE = struct.Struct("<q")
 _WRITER_THREADS = max(2, min(4, os.cpu_count() or 1))
 """Hashing (the digest releases the GIL) and positioned writes of several chunks at once."""
 
 _WriteTask = tuple[Chunk, memoryview, Callable[[], None], str | None]
+
+
+class RoundState(enum.IntEnum):
+    """What a rank says of itself in a round (see [Note: round state])."""
+
+    READY = 1
+    LATE = 2
+    FAILED = 3
 
 
 class _Writer:
@@ -147,15 +180,17 @@ class Exchange:
         self.deadline, self.stop, self.timeout_s = deadline, stop, config.timeout_s
         self._fetch_stop = threading.Event()
         """Stops this exchange's readers alone (`abandon`); `stop` also ends the store's retries."""
-        buffers = max(config.memory_limit_bytes // plan.chunk_bytes, 2)
+        self._slot = _aligned(plan.chunk_bytes) + (STATE_BYTES if grouped else 0)
+        """Bytes per chunk buffer and per rank in a round buffer: the chunk, then its round state
+        (see [Note: round state]); direct writes need every slot page-aligned."""
+        buffers = max(config.memory_limit_bytes // self._slot, 2)
         receive = ROUND_BUFFERS * plan.world_size if grouped else 0
         if grouped and buffers - receive < 1:
             raise LoaderError(
                 f"loader.memory_limit_bytes={config.memory_limit_bytes} holds {buffers} chunks "
-                f"of {plan.chunk_bytes} bytes; {plan.world_size} loaders need at least "
-                f"{receive + 1}", hint="raise loader.memory_limit_bytes or lower chunk_bytes")
-        self._slot = _aligned(plan.chunk_bytes)
-        """Bytes per rank in a round buffer: direct writes need every slot page-aligned."""
+                f"of {plan.chunk_bytes} bytes (and a page each); {plan.world_size} loaders need "
+                f"at least {receive + 1}",
+                hint="raise loader.memory_limit_bytes or lower chunk_bytes")
         self._rounds = BufferPool(ROUND_BUFFERS if grouped else 0, plan.world_size * self._slot)
         self._padding: mmap.mmap | None = None
         """What a rank without a chunk in a round sends (made on first need)."""
@@ -224,37 +259,73 @@ class Exchange:
 
     def _run_group(self) -> None:
         for number, round_chunks in enumerate(self.plan.rounds):
-            by_owner = {chunk.owner: chunk for chunk in round_chunks}
-            self._await_round(number, self.rank in by_owner)
-            began = time.monotonic()
-            self._ring(number, by_owner)
-            self.progress.timed("exchange", time.monotonic() - began)
+            self._round(number, {chunk.owner: chunk for chunk in round_chunks})
         self._writer.drain()
         self._await_round(None, False)  # the last writes' outcome, agreed by every rank
 
-    def _ring(self, number: int, by_owner: dict[int, Chunk]) -> None:
-        """One round: every rank's chunk to every rank at once (see [Note: ring]), into one
-        round buffer (see [Note: round buffers])."""
+    def _round(self, number: int, by_owner: dict[int, Chunk]) -> None:
+        """One round: every rank's chunk and state to every rank at once (see [Note: ring] and
+        [Note: round state]), into one round buffer (see [Note: round buffers])."""
         assert self.group is not None
         stride = _aligned(max(chunk.length for chunk in by_owner.values()))
+        width = stride + STATE_BYTES
         mine = by_owner.get(self.rank)
-        if mine is not None:
-            _, data, digest = self._fetcher.take(number)
-        else:
-            data = self._padding = self._padding or chunk_buffer(self._slot)
-        flat = self._round_buffer()
-        self.group.all_gather_into(memoryview(data)[:stride],
-                                   memoryview(flat)[:stride * self.plan.world_size])
+        taken: tuple[mmap.mmap, str] | None = None
+        while True:
+            if mine is not None and taken is None and self._wait_own(number):
+                _, data, digest = self._fetcher.take(number)
+                taken = data, digest
+            problem = self._problem()
+            state = (RoundState.FAILED if problem is not None
+                     else RoundState.LATE if mine is not None and taken is None
+                     else RoundState.READY)
+            send = taken[0] if taken is not None else self._padding_buffer()
+            _STATE.pack_into(send, stride, state)
+            flat = self._round_buffer()
+            began = time.monotonic()
+            self.group.all_gather_into(memoryview(send)[:width],
+                                       memoryview(flat)[:width * self.plan.world_size])
+            self.progress.timed("exchange", time.monotonic() - began)
+            states = [_state_at(flat, rank * width + stride, rank)
+                      for rank in range(self.plan.world_size)]
+            if all(s is RoundState.READY for s in states):
+                break
+            self._rounds.give_back(flat)
+            if problem is not None:
+                raise problem
+            if RoundState.FAILED in states:
+                raise self._failed(states.index(RoundState.FAILED))
+            late = [rank for rank, s in enumerate(states) if s is RoundState.LATE]
+            log.info("round %d of %d: loader rank(s) %s not ready after %g s; the round runs "
+                     "again once every rank is", number + 1, len(self.plan.rounds),
+                     ", ".join(map(str, late)), LATE_AFTER_S)
+            self._await_round(number, mine is not None and taken is None)
         received = [chunk for origin, chunk in by_owner.items() if origin != self.rank]
         release = _Countdown(len(received), lambda: self._rounds.give_back(flat))
-        if mine is not None:
+        if mine is not None and taken is not None:
+            data, digest = taken
             self.progress.add(to_peers=mine.length * (self.plan.world_size - 1))
             self._writer.submit(mine, memoryview(data)[:mine.length],
                                 lambda: self._fetcher.give_back(data), digest)
         for chunk in received:
             self.progress.add(from_peers=chunk.length)
-            at = chunk.owner * stride
+            at = chunk.owner * width
             self._writer.submit(chunk, memoryview(flat)[at:at + chunk.length], release.one)
+
+    def _wait_own(self, number: int) -> bool:
+        """Wait up to `LATE_AFTER_S` for this rank's chunk of round `number`; False when it is
+        not complete by then, or a problem came first."""
+        until = time.monotonic() + LATE_AFTER_S
+        while not self._fetcher.wait_ready(POLL_S, number):
+            if self._problem() is not None or time.monotonic() >= until:
+                return False
+        return self._fetcher.error is None
+
+    def _padding_buffer(self) -> mmap.mmap:
+        """What a rank sends without a chunk of its own in a round (made on first need)."""
+        if self._padding is None:
+            self._padding = chunk_buffer(self._slot)
+        return self._padding
 
     def _await_round(self, number: int | None, has_chunk: bool) -> None:
         """Status exchanges until every rank is ready for round `number` (this rank: its
@@ -266,13 +337,14 @@ class Exchange:
             if problem is not None:
                 raise problem
             if status.failed:
-                raise GroupError(
-                    f"loader rank {status.failed[0]} of {self.plan.world_size} failed; this "
-                    "loader stops too and publishes nothing",
-                    hint=f"see the log of rank {status.failed[0]} for the cause, then rerun",
-                )
+                raise self._failed(status.failed[0])
             if status.all_ready:
                 return
+
+    def _failed(self, rank: int) -> GroupError:
+        return GroupError(
+            f"loader rank {rank} of {self.plan.world_size} failed; this loader stops too and "
+            "publishes nothing", hint=f"see the log of rank {rank} for the cause, then rerun")
 
     def _round_buffer(self) -> mmap.mmap:
         while (buffer := self._rounds.wait(POLL_S)) is None:
@@ -310,6 +382,16 @@ class _Countdown:
             done = self._left == 0
         if done:
             self._then()
+
+
+def _state_at(flat: mmap.mmap, at: int, rank: int) -> RoundState:
+    """The round state rank `rank` sent, read from its slot of a round buffer."""
+    (value,) = _STATE.unpack_from(flat, at)
+    try:
+        return RoundState(value)
+    except ValueError:
+        raise GroupError(f"loader rank {rank} sent a round state {value} this loader does not "
+                         "know", hint="run the same loader version on every node") from None
 
 
 def _aligned(length: int) -> int:

@@ -67,7 +67,8 @@ PRODUCER = "dlo-loader"
 WAIT_LINE_INTERVAL_S = 5.0
 """How often a loader waiting for another loader's publication of the same entry says so."""
 _COLLECTIVE_TIMEOUT_S = 60.0
-"""Longest wait inside one collective; ranks poll in status rounds, so only a hung peer hits it."""
+"""Longest wait inside one collective: ready ranks wait in a round at most `LATE_AFTER_S` for a
+slow one, then poll in status rounds, so only a hung peer hits it."""
 
 
 @dataclass(frozen=True, kw_only=True)

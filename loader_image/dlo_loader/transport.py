@@ -3,12 +3,12 @@
 Owns every call to torch.distributed. `rendezvous` joins the N loaders at the master's TCP store
 with a deadline (the store barrier waits for all N, so a late loader is found out before any
 collective starts); past it, `RendezvousTimeout`, and the caller applies its fallback policy.
-`Group` offers what the exchange needs: a per-round status exchange (who failed, who is ready),
-an all-gather of one chunk per rank (gloo's ring), and an all-gather of small objects (plan
-fingerprints, chunk digest lists). Collectives use a short timeout; a peer that dies closes its sockets, which
-fails the others' next collective at once. Backend `gloo` works on CPU buffers; `nccl` stages
-each chunk through the current CUDA device. Called by `fill` and `exchange`. Must not read the
-object store or write the cache.
+`Group` offers what the exchange needs: a status exchange (who failed, who is ready; polled only
+while a rank is late for a round), an all-gather of one chunk per rank (gloo's ring), and an
+all-gather of small objects (plan fingerprints, chunk digest lists). Collectives use a short
+timeout; a peer that dies closes its sockets, which fails the others' next collective at once.
+Backend `gloo` works on CPU buffers; `nccl` stages each chunk through the current CUDA device.
+Called by `fill` and `exchange`. Must not read the object store or write the cache.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dlo_bench.faultproxy import FAULT_KINDS, FaultPlan, FaultProxy
+from dlo_bench.faultproxy import FAULT_KINDS, STALL, FaultPlan, FaultProxy
 from dlo_bench.s3server import S3Server
 from dlo_contract.cache import (
     FileRecord,
@@ -107,6 +107,29 @@ def test_persistent_fault_fails_every_rank_and_publishes_nothing(
     assert second.summary["error"].startswith("s3://models/tiny/transformer/")
     assert "gave up after 3 attempt(s); last error: SlowDown (503)" in second.summary["error"]
     assert no_entry(fleet.root(0)) and no_entry(fleet.root(1))
+
+
+def test_a_rank_late_for_a_round_makes_every_rank_run_it_again(
+    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """Rank 1's first body stalls for longer than `LATE_AFTER_S`: rank 0 waits that long inside
+    the round, both learn rank 1 is late, wait for it with status exchanges, run the round again
+    and publish the same bytes."""
+    from dlo_loader.exchange import LATE_AFTER_S
+
+    stall_timeout_s = LATE_AFTER_S * 2
+    stalling = FaultPlan(kinds=(STALL,), limit=1, stall_s=stall_timeout_s * 3)
+    with proxies(s3, FaultPlan(), stalling) as pair:
+        fleet = Fleet(tmp_path, checkpoint.source, 2, [p.url for p in pair],
+                      settings={"stall_timeout_s": stall_timeout_s})
+        outcomes = fleet.run()
+    assert pair[1].faults[STALL] == 1
+    for outcome in outcomes:
+        assert outcome.returncode == 0, outcome.stderr
+        assert entry_files(fleet.root(outcome.rank)) == included(checkpoint.files)
+        assert (f"loader rank(s) 1 not ready after {LATE_AFTER_S:g} s; the round runs again "
+                "once every rank is") in outcome.stderr
+        assert "loader rank(s) 0 not ready" not in outcome.stderr
 
 
 def joined(port: int) -> int:
