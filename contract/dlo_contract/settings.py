@@ -141,9 +141,9 @@ class LoaderConfig(Section):
     memory_limit_bytes: int = setting(
         1 * GIB, crd="loader.memoryLimitBytes", above=0, int64=True,
         description="Upper bound on in-flight chunk buffers (fetch plus exchange) per loader "
-        "(bytes); with N loaders it must hold 2N + 1 chunks (each with one 4 KiB page more, for "
-        "its round state). A loader reading alone holds no "
-        f"chunk buffer: it streams to disk through {STREAM_PIECE_BYTES // MIB} MiB per reader.")
+        "(bytes); with N loaders it must hold 2N + 1 chunks, and 3N + 4 to keep two exchange "
+        "rounds in flight (each chunk with one 4 KiB page more, for its round state). A loader "
+        f"reading alone holds no chunk buffer: it streams to disk through {STREAM_PIECE_BYTES // MIB} MiB per reader.")
     backend: DistBackend = setting(
         "gloo", crd="loader.backend",
         description="torch.distributed backend of the peer exchange; a DOD's loader is a "

@@ -32,19 +32,31 @@ every state is `READY` the round is done; any `FAILED` and every rank raises in 
 bounds how long ready ranks wait inside the collective for a slow one, far below the
 collective's timeout, so a store that stalls for minutes costs one wasted round, not a timeout.
 
-[Note: round buffers] A round arrives in one buffer of N chunk slots, rank by rank, which gloo
-fills in place (`Group.all_gather_into`); a list of N outputs would have torch gather into a flat
-tensor of its own and copy every received byte out again (about 6% of all CPU of an 8-node fill
-on 2 cores). Slots are page-aligned, so the writers write each received chunk straight from its
-slot with direct I/O; the buffer goes back to the pool when the last of its chunks is written.
+[Note: round buffers] A round arrives in one buffer of N slots, rank by rank
+(`Group.all_gather_into`). torch's gloo backend gathers into a flat tensor of its own and copies
+each slot out of it (one copy of what arrives, about 6% of all CPU of an 8-node fill on 2 cores);
+point-to-point sends straight into the slots avoid that copy but were slower on the cluster
+benchmark (four alternating runs each at N = 8), so the ring stays. Slots are page-aligned, so
+the writers write each received chunk straight from its slot with direct I/O; the buffer goes
+back to the pool when the last of its chunks is written.
+
+[Note: rounds in flight] Up to `ROUNDS_IN_FLIGHT` rounds are posted before the oldest is waited
+for: while round `k` goes round the ring, this rank waits for its chunk of round `k + 1` and
+posts it, so the ring's steps of one round fill the pauses of the other (8 loaders on loopback
+links, exchange alone: 0.267 s a round one at a time, 0.251 s two at a time, the link's rate
+being 0.248 s). Rounds are settled in order and every rank sees the same states, so all ranks
+take the same path: when any rank was late, every round in flight is settled first (a complete
+one is delivered), then the late ones run again after the status exchanges.
 
 [Note: memory bound] `memory_limit_bytes // slot` buffers exist at most (a slot: a chunk and the
-page of its round state): with a group,
-`ROUND_BUFFERS` round buffers of N slots (one round arriving while the last one is written) and
-the rest for fetched chunks, which a reader takes a buffer for before it opens a chunk and the
-writer returns once the chunk is on disk (and forwarded). Readers open chunks in plan order, so
-the chunk the main thread waits for always holds a buffer or is done: no deadlock. Alone, no
-chunk buffer exists: each reader streams through one `stream.PIECE_BYTES` buffer.
+page of its round state): with a group, a round buffer of N slots per round in flight and one
+more (a round being written), and the rest for fetched chunks, which a reader takes a buffer
+for before it opens a chunk and the writer returns once the chunk is on disk (and forwarded).
+A budget too small for two rounds in flight (3N + 4 slots: two chunks sent, two read ahead)
+runs one at a time (at least 2N + 1 slots).
+Readers open chunks in plan order, so the chunk the main thread waits for always holds a buffer
+or is done: no deadlock. Alone, no chunk buffer exists: each reader streams through one
+`stream.PIECE_BYTES` buffer.
 
 [Note: reading before the group] The plan is a pure function of the listing and the settings, so a
 rank that will join a group builds it and starts reading its own chunks at once, then joins: the
@@ -56,12 +68,13 @@ agreement fails before any byte is written or exchanged.
 
 [Note: failing together] Every failure (a read that gave up, a write error, the deadline) is
 reported in the next round's state (see [Note: round state]), so all ranks raise in the same
-round. A rank that
-dies instead closes its sockets, which fails the others' next collective at once.
+round. A rank that dies instead closes its sockets, which fails the others' next collective at
+once.
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import mmap
@@ -71,6 +84,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dlo_loader.digest import chunk_digest
@@ -88,8 +102,9 @@ if TYPE_CHECKING:  # transport imports torch: only fills with a group load it
 
 __all__ = ["Exchange", "Reader"]
 log = logging.getLogger(__name__)
-ROUND_BUFFERS = 2
-"""Round buffers (each a chunk slot per rank): one round arriving while the last is written."""
+ROUNDS_IN_FLIGHT = 2
+"""Rounds posted to the group at once when the memory budget allows (see [Note: rounds in
+flight]); each needs a round buffer, and one more is written meanwhile."""
 LATE_AFTER_S = 5.0
 """How long a rank waits for its own chunk before it joins a round as `LATE` (see
 [Note: round state]): ready ranks wait this long inside the collective for it."""
@@ -184,16 +199,26 @@ class Exchange:
         """Bytes per chunk buffer and per rank in a round buffer: the chunk, then its round state
         (see [Note: round state]); direct writes need every slot page-aligned."""
         buffers = max(config.memory_limit_bytes // self._slot, 2)
-        receive = ROUND_BUFFERS * plan.world_size if grouped else 0
+        self._in_flight = max((d for d in range(2, ROUNDS_IN_FLIGHT + 1)
+                               if buffers - (d + 1) * plan.world_size >= 2 * d), default=1)
+        """Rounds posted at once: as many as the budget holds round buffers for (plus one being
+        written) while leaving fetch buffers for the chunks those rounds send and as many read
+        ahead (see [Note: memory bound])."""
+        receive = (self._in_flight + 1) * plan.world_size if grouped else 0
         if grouped and buffers - receive < 1:
             raise LoaderError(
                 f"loader.memory_limit_bytes={config.memory_limit_bytes} holds {buffers} chunks "
                 f"of {plan.chunk_bytes} bytes (and a page each); {plan.world_size} loaders need "
                 f"at least {receive + 1}",
                 hint="raise loader.memory_limit_bytes or lower chunk_bytes")
-        self._rounds = BufferPool(ROUND_BUFFERS if grouped else 0, plan.world_size * self._slot)
-        self._padding: mmap.mmap | None = None
-        """What a rank without a chunk in a round sends (made on first need)."""
+        if grouped:
+            log.info("exchange: %d round(s) in flight, %d chunk buffers of %d bytes",
+                     self._in_flight, buffers, self._slot)
+        self._rounds = BufferPool(self._in_flight + 1 if grouped else 0,
+                                  plan.world_size * self._slot)
+        self._paddings: dict[int, mmap.mmap] = {}
+        """What a rank without a chunk in a round sends, one per round in flight (made on first
+        need): the page after it carries that round's state."""
         self._writer = _Writer(plan, sink, progress)
         owned, fetched = plan.owned(self.rank), fetched or {}
         self._fetched = [(c, fetched[span_of(c)]) for c in owned if span_of(c) in fetched]
@@ -258,52 +283,94 @@ class Exchange:
             self._writer.digests[index] = digest
 
     def _run_group(self) -> None:
+        posted: collections.deque[_Posted] = collections.deque()
         for number, round_chunks in enumerate(self.plan.rounds):
-            self._round(number, {chunk.owner: chunk for chunk in round_chunks})
+            # A rank late for the round before need not wait for this one's chunk again.
+            patient = not posted or posted[-1].state is not RoundState.LATE
+            posted.append(self._post(number, {c.owner: c for c in round_chunks}, None,
+                                     patient=patient))
+            if len(posted) == self._in_flight:
+                self._settle(posted)
+        while posted:
+            self._settle(posted)
         self._writer.drain()
         self._await_round(None, False)  # the last writes' outcome, agreed by every rank
 
-    def _round(self, number: int, by_owner: dict[int, Chunk]) -> None:
-        """One round: every rank's chunk and state to every rank at once (see [Note: ring] and
-        [Note: round state]), into one round buffer (see [Note: round buffers])."""
+    def _post(self, number: int, by_owner: dict[int, Chunk],
+              taken: tuple[mmap.mmap, str] | None, *, patient: bool = True) -> _Posted:
+        """Start round `number`: this rank's chunk (`taken` already, or once complete) and state
+        to every rank (see [Note: ring] and [Note: round state]), into a round buffer (see
+        [Note: round buffers])."""
         assert self.group is not None
-        stride = _aligned(max(chunk.length for chunk in by_owner.values()))
-        width = stride + STATE_BYTES
         mine = by_owner.get(self.rank)
-        taken: tuple[mmap.mmap, str] | None = None
-        while True:
-            if mine is not None and taken is None and self._wait_own(number):
-                _, data, digest = self._fetcher.take(number)
-                taken = data, digest
-            problem = self._problem()
-            state = (RoundState.FAILED if problem is not None
-                     else RoundState.LATE if mine is not None and taken is None
-                     else RoundState.READY)
-            send = taken[0] if taken is not None else self._padding_buffer()
-            _STATE.pack_into(send, stride, state)
-            flat = self._round_buffer()
-            began = time.monotonic()
-            self.group.all_gather_into(memoryview(send)[:width],
-                                       memoryview(flat)[:width * self.plan.world_size])
-            self.progress.timed("exchange", time.monotonic() - began)
-            states = [_state_at(flat, rank * width + stride, rank)
-                      for rank in range(self.plan.world_size)]
-            if all(s is RoundState.READY for s in states):
-                break
-            self._rounds.give_back(flat)
-            if problem is not None:
-                raise problem
-            if RoundState.FAILED in states:
-                raise self._failed(states.index(RoundState.FAILED))
-            late = [rank for rank, s in enumerate(states) if s is RoundState.LATE]
-            log.info("round %d of %d: loader rank(s) %s not ready after %g s; the round runs "
-                     "again once every rank is", number + 1, len(self.plan.rounds),
-                     ", ".join(map(str, late)), LATE_AFTER_S)
-            self._await_round(number, mine is not None and taken is None)
-        received = [chunk for origin, chunk in by_owner.items() if origin != self.rank]
+        if mine is not None and taken is None and self._wait_own(number, patient=patient):
+            _, data, digest = self._fetcher.take(number)
+            taken = data, digest
+        problem = self._problem()
+        state = (RoundState.FAILED if problem is not None
+                 else RoundState.LATE if mine is not None and taken is None
+                 else RoundState.READY)
+        stride = _aligned(max(chunk.length for chunk in by_owner.values()))
+        send = taken[0] if taken is not None else self._padding_buffer(number)
+        _STATE.pack_into(send, stride, state)
+        flat = self._round_buffer()
+        width = stride + STATE_BYTES
+        wait = self.group.all_gather_into(memoryview(send)[:width],
+                                          memoryview(flat)[:width * self.plan.world_size])
+        return _Posted(number=number, by_owner=by_owner, stride=stride, flat=flat, taken=taken,
+                       state=state, problem=problem, wait=wait)
+
+    def _settle(self, posted: collections.deque[_Posted]) -> None:
+        """Wait for the oldest round in flight and deliver it; when a rank was late for it,
+        settle every round in flight, then run the late ones again once every rank is ready
+        (status exchanges, which no round may be in flight for). Raises in the round in which
+        any rank failed."""
+        first = posted.popleft()
+        if self._finish(first):
+            return
+        late = [first]
+        while posted:
+            round_ = posted.popleft()
+            if not self._finish(round_):
+                late.append(round_)
+        for again in late:
+            while True:
+                self._await_round(again.number, again.state is RoundState.LATE)
+                again = self._post(again.number, again.by_owner, again.taken)
+                if self._finish(again):
+                    break
+
+    def _finish(self, round_: _Posted) -> bool:
+        """Wait for a posted round; deliver it when every rank was ready (True), else give its
+        buffer back (False: it runs again); raise when any rank failed."""
+        began = time.monotonic()
+        round_.wait()
+        self.progress.timed("exchange", time.monotonic() - began)
+        states = [_state_at(round_.flat, rank * round_.width + round_.stride, rank)
+                  for rank in range(self.plan.world_size)]
+        if all(s is RoundState.READY for s in states):
+            self._deliver(round_)
+            return True
+        self._rounds.give_back(round_.flat)
+        if round_.problem is not None:
+            raise round_.problem
+        if RoundState.FAILED in states:
+            raise self._failed(states.index(RoundState.FAILED))
+        late = [rank for rank, s in enumerate(states) if s is RoundState.LATE]
+        log.info("round %d of %d: loader rank(s) %s not ready after %g s; the round runs "
+                 "again once every rank is", round_.number + 1, len(self.plan.rounds),
+                 ", ".join(map(str, late)), LATE_AFTER_S)
+        return False
+
+    def _deliver(self, round_: _Posted) -> None:
+        """Hand every chunk of a completed round to the writers; the round buffer goes back to
+        the pool once its last received chunk is written."""
+        flat, width = round_.flat, round_.width
+        received = [chunk for origin, chunk in round_.by_owner.items() if origin != self.rank]
         release = _Countdown(len(received), lambda: self._rounds.give_back(flat))
-        if mine is not None and taken is not None:
-            data, digest = taken
+        mine = round_.by_owner.get(self.rank)
+        if mine is not None and round_.taken is not None:
+            data, digest = round_.taken
             self.progress.add(to_peers=mine.length * (self.plan.world_size - 1))
             self._writer.submit(mine, memoryview(data)[:mine.length],
                                 lambda: self._fetcher.give_back(data), digest)
@@ -312,20 +379,21 @@ class Exchange:
             at = chunk.owner * width
             self._writer.submit(chunk, memoryview(flat)[at:at + chunk.length], release.one)
 
-    def _wait_own(self, number: int) -> bool:
-        """Wait up to `LATE_AFTER_S` for this rank's chunk of round `number`; False when it is
-        not complete by then, or a problem came first."""
-        until = time.monotonic() + LATE_AFTER_S
+    def _wait_own(self, number: int, *, patient: bool = True) -> bool:
+        """Wait up to `LATE_AFTER_S` (not `patient`: a moment) for this rank's chunk of round
+        `number`; False when it is not complete by then, or a problem came first."""
+        until = time.monotonic() + (LATE_AFTER_S if patient else 0.0)
         while not self._fetcher.wait_ready(POLL_S, number):
             if self._problem() is not None or time.monotonic() >= until:
                 return False
         return self._fetcher.error is None
 
-    def _padding_buffer(self) -> mmap.mmap:
-        """What a rank sends without a chunk of its own in a round (made on first need)."""
-        if self._padding is None:
-            self._padding = chunk_buffer(self._slot)
-        return self._padding
+    def _padding_buffer(self, number: int) -> mmap.mmap:
+        """What this rank sends in round `number` without a chunk of its own."""
+        key = number % self._in_flight
+        if key not in self._paddings:
+            self._paddings[key] = chunk_buffer(self._slot)
+        return self._paddings[key]
 
     def _await_round(self, number: int | None, has_chunk: bool) -> None:
         """Status exchanges until every rank is ready for round `number` (this rank: its
@@ -365,6 +433,28 @@ class Exchange:
         problem = self._problem()
         if problem is not None:
             raise problem
+
+
+@dataclass(kw_only=True)
+class _Posted:
+    """A round posted to the group (see [Note: rounds in flight])."""
+
+    number: int
+    by_owner: dict[int, Chunk]
+    stride: int
+    """Bytes of chunk per rank in this round (its longest chunk, page-aligned)."""
+    flat: mmap.mmap
+    """The round buffer it arrives in."""
+    taken: tuple[mmap.mmap, str] | None
+    """This rank's chunk (buffer, digest), once complete."""
+    state: RoundState
+    problem: BaseException | None
+    wait: Callable[[], None]
+
+    @property
+    def width(self) -> int:
+        """Bytes per rank in this round: its chunk, then the page of its state."""
+        return self.stride + STATE_BYTES
 
 
 class _Countdown:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,19 +63,27 @@ class Group:
         all_ready = sum(values[self.world_size:]) == self.world_size
         return RoundStatus(failed=failed_ranks, all_ready=all_ready)
 
-    def all_gather_into(self, send: memoryview, receive: memoryview) -> None:
-        """Every rank's `send` (all the same length) into its slot of `receive` (`world_size`
-        times that length, rank by rank) on every rank; gloo runs it as a ring, every link busy
-        in every step, straight into `receive` (a list of outputs would cost a copy of each)."""
+    def all_gather_into(self, send: memoryview, receive: memoryview) -> Callable[[], None]:
+        """Start putting every rank's `send` (all the same length) into its slot of `receive`
+        (`world_size` times that length, rank by rank) on every rank; gloo runs it as a ring,
+        every link busy in every step. Returns the call that waits for it to end; both buffers
+        must stay untouched until then. Several may be in flight, waited for in order."""
         what = "a chunk all-gather"
         outgoing = torch.frombuffer(send, dtype=torch.uint8)
         incoming = torch.frombuffer(receive, dtype=torch.uint8)
         if self.device.type == "cpu":
-            self._call(what, dist.all_gather_into_tensor, incoming, outgoing)
-            return
+            work = self._call(what, dist.all_gather_into_tensor, incoming, outgoing,
+                              async_op=True)
+            return lambda: self._call(what, work.wait)
         staged = torch.empty_like(incoming, device=self.device)
-        self._call(what, dist.all_gather_into_tensor, staged, outgoing.to(self.device))
-        incoming.copy_(staged.cpu())
+        work = self._call(what, dist.all_gather_into_tensor, staged, outgoing.to(self.device),
+                          async_op=True)
+
+        def wait() -> None:
+            self._call(what, work.wait)
+            incoming.copy_(staged.cpu())
+
+        return wait
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size

@@ -23,6 +23,7 @@ from dlo_contract.cache import (
     entry_id,
 )
 from support.loader_fleet import (
+    CHUNK_BYTES,
     Checkpoint,
     Fleet,
     OpenWatch,
@@ -109,23 +110,44 @@ def test_persistent_fault_fails_every_rank_and_publishes_nothing(
     assert no_entry(fleet.root(0)) and no_entry(fleet.root(1))
 
 
+@pytest.mark.parametrize("mode", ["multi-reader", "single-reader"])
+def test_two_rounds_in_flight_give_every_node_the_same_bytes(
+    mode: str, s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """A budget for two rounds in flight (3N + 4 chunk slots): chunks, padding and round states
+    of two rounds at once, each in its own buffers."""
+    with proxies(s3, *[FaultPlan()] * 3) as counting:
+        fleet = Fleet(tmp_path, checkpoint.source, 3, [p.url for p in counting], mode=mode,
+                      settings={"memory_limit_bytes": 16 * CHUNK_BYTES})
+        outcomes = fleet.run()
+    for outcome in outcomes:
+        assert outcome.returncode == 0, outcome.stderr
+        assert "exchange: 2 round(s) in flight" in outcome.stderr
+        assert entry_files(fleet.root(outcome.rank)) == included(checkpoint.files)
+        assert outcome.summary["bytes_from_store"] == counting[outcome.rank].object_bytes
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
 def test_a_rank_late_for_a_round_makes_every_rank_run_it_again(
-    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+    in_flight: int, s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
 ) -> None:
     """Rank 1's first body stalls for longer than `LATE_AFTER_S`: rank 0 waits that long inside
-    the round, both learn rank 1 is late, wait for it with status exchanges, run the round again
-    and publish the same bytes."""
+    the round, both learn rank 1 is late, settle what is in flight, wait for it with status
+    exchanges, run the round again and publish the same bytes."""
     from dlo_loader.exchange import LATE_AFTER_S
 
     stall_timeout_s = LATE_AFTER_S * 2
     stalling = FaultPlan(kinds=(STALL,), limit=1, stall_s=stall_timeout_s * 3)
+    memory = {1: 8, 2: 16}[in_flight] * CHUNK_BYTES
     with proxies(s3, FaultPlan(), stalling) as pair:
         fleet = Fleet(tmp_path, checkpoint.source, 2, [p.url for p in pair],
-                      settings={"stall_timeout_s": stall_timeout_s})
+                      settings={"stall_timeout_s": stall_timeout_s,
+                                "memory_limit_bytes": memory})
         outcomes = fleet.run()
     assert pair[1].faults[STALL] == 1
     for outcome in outcomes:
         assert outcome.returncode == 0, outcome.stderr
+        assert f"exchange: {in_flight} round(s) in flight" in outcome.stderr
         assert entry_files(fleet.root(outcome.rank)) == included(checkpoint.files)
         assert (f"loader rank(s) 1 not ready after {LATE_AFTER_S:g} s; the round runs again "
                 "once every rank is") in outcome.stderr
