@@ -92,14 +92,17 @@ def test_injected_faults_still_give_identical_bytes(
     assert [set(p.faults) for p in faulty] == [set(FAULT_KINDS)] * 2
 
 
+@pytest.mark.parametrize("in_flight", [1, 2])
 def test_persistent_fault_fails_every_rank_and_publishes_nothing(
-    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+    in_flight: int, s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
 ) -> None:
+    memory = {1: 8, 2: 16}[in_flight] * CHUNK_BYTES
     with proxies(s3, FaultPlan(), FaultPlan(kinds=("slowdown",))) as pair:
         fleet = Fleet(tmp_path, checkpoint.source, 2, [p.url for p in pair],
-                      settings={"max_retries": 3})
+                      settings={"max_retries": 3, "memory_limit_bytes": memory})
         first, second = fleet.run()
     assert (first.returncode, second.returncode) == (1, 1)
+    assert f"exchange: {in_flight} round(s) in flight" in first.stderr
     assert first.summary == {
         "status": "error", "rank": 0,
         "error": "loader rank 1 of 2 failed; this loader stops too and publishes nothing "
@@ -169,11 +172,14 @@ def joined(port: int) -> int:
         return 0
 
 
+@pytest.mark.parametrize("in_flight", [1, 2])
 def test_killed_rank_fails_the_others_and_a_rerun_succeeds(
-    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+    in_flight: int, s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
 ) -> None:
+    memory = {1: 8, 2: 16}[in_flight] * CHUNK_BYTES
     with proxies(s3, FaultPlan(), FaultPlan(), FaultPlan(delay_s=0.5)) as slow:
-        fleet = Fleet(tmp_path, checkpoint.source, 3, [p.url for p in slow])
+        fleet = Fleet(tmp_path, checkpoint.source, 3, [p.url for p in slow],
+                      settings={"memory_limit_bytes": memory})
         processes = {rank: fleet.start(rank) for rank in range(3)}
         # Ranks read before the group forms: kill rank 2 once all three joined and it reads.
         wait_until(lambda: joined(fleet.master_port) == 3 and slow[2].object_requests >= 1)
@@ -182,6 +188,7 @@ def test_killed_rank_fails_the_others_and_a_rerun_succeeds(
         finish(2, processes[2])
     for outcome in outcomes:
         assert outcome.returncode == 1
+        assert f"exchange: {in_flight} round(s) in flight" in outcome.stderr
         assert outcome.summary["status"] == "error"
         assert outcome.summary["error"].startswith(("lost contact with the loader group",
                                                     "loader rank 2 of 3 failed")), outcome.summary
