@@ -6,9 +6,9 @@ store to its place on disk (see [Note: streaming alone] in `stream`). With a gro
 `fetch.Fetcher` reads this rank's chunks into chunk buffers (many ranged GETs at once, in the
 shape `schedule.fetch_shape` gives) and hashes each, the main thread walks the plan's rounds
 (each rank's chunk and its state go round the ring: see [Note: ring], [Note: round state]), and
-a few writer threads write every chunk at its offset (hashing the ones
-received from peers). Called by `fill`. Must not decide policy (modes, fallback, publication) or
-touch the object store directly (it gets `read` and `stream` callables).
+a few writer threads write every chunk at its offset (hashing the ones received from peers).
+Called by `fill`. Must not decide policy (modes, fallback, publication) or touch the object store
+directly (it gets `read` and `stream` callables).
 
 [Note: ring] Round `k` holds the `k`-th chunk of each rank that has one, and is one all-gather:
 gloo runs it as a ring (in N - 1 steps every rank passes the chunk it got last to rank + 1 while
@@ -24,8 +24,8 @@ interpreter's.
 for the round: `READY` (its chunk, or nothing to send), `FAILED` (a read gave up, a write
 failed, the deadline passed) or `LATE` (its chunk was not complete after `LATE_AFTER_S`). A
 rank joins round `k` as soon as its chunk is complete, so a round costs one collective: a
-separate status exchange before every round cost a small all-reduce's latency, about a sixth of
-each round of an 8-node fill (2 cores), and the ring fell behind the reads by that much. When
+separate status exchange before every round cost a small all-reduce's latency in every round,
+and on an 8-node fill the ring fell behind the reads by that much. When
 every state is `READY` the round is done; any `FAILED` and every rank raises in that round
 (see [Note: failing together]); any `LATE` and no rank keeps the round: they exchange statuses
 (small all-reduces, polled) until every rank is ready, then run the round again. `LATE_AFTER_S`
@@ -34,17 +34,16 @@ collective's timeout, so a store that stalls for minutes costs one wasted round,
 
 [Note: round buffers] A round arrives in one buffer of N slots, rank by rank
 (`Group.all_gather_into`). torch's gloo backend gathers into a flat tensor of its own and copies
-each slot out of it (one copy of what arrives, about 6% of all CPU of an 8-node fill on 2 cores);
-point-to-point sends straight into the slots avoid that copy but were slower on the cluster
-benchmark (four alternating runs each at N = 8), so the ring stays. Slots are page-aligned, so
-the writers write each received chunk straight from its slot with direct I/O; the buffer goes
-back to the pool when the last of its chunks is written.
+each slot out of it (one copy of what arrives); point-to-point sends straight into the slots
+avoid that copy, but were not faster on the cluster benchmark at N = 8, so the ring stays.
+Slots are page-aligned, so the writers write each received chunk straight from its slot with
+direct I/O; the buffer goes back to the pool when the last of its chunks is written.
 
 [Note: rounds in flight] Up to `ROUNDS_IN_FLIGHT` rounds are posted before the oldest is waited
 for: while round `k` goes round the ring, this rank waits for its chunk of round `k + 1` and
-posts it, so the ring's steps of one round fill the pauses of the other (8 loaders on loopback
-links, exchange alone: 0.267 s a round one at a time, 0.251 s two at a time, the link's rate
-being 0.248 s). Rounds are settled in order and every rank sees the same states, so all ranks
+posts it, so the ring's steps of one round fill the pauses between the other's (each step
+waits for the slowest link, and a rank's chunk of the next round is ready before the ring
+needs it). Rounds are settled in order and every rank sees the same states, so all ranks
 take the same path: when any rank was late, every round in flight is settled first (a complete
 one is delivered), then the late ones run again after the status exchanges.
 
@@ -53,10 +52,9 @@ page of its round state): with a group, a round buffer of N slots per round in f
 more (a round being written), and the rest for fetched chunks, which a reader takes a buffer
 for before it opens a chunk and the writer returns once the chunk is on disk (and forwarded).
 A budget too small for two rounds in flight (3N + 4 slots: two chunks sent, two read ahead)
-runs one at a time (at least 2N + 1 slots).
-Readers open chunks in plan order, so the chunk the main thread waits for always holds a buffer
-or is done: no deadlock. Alone, no chunk buffer exists: each reader streams through one
-`stream.PIECE_BYTES` buffer.
+runs one at a time (at least 2N + 1 slots). Readers open chunks in plan order, so the chunk
+the main thread waits for always holds a buffer or is done: no deadlock. Alone, no chunk buffer
+exists: each reader streams through one `stream.PIECE_BYTES` buffer.
 
 [Note: reading before the group] The plan is a pure function of the listing and the settings, so a
 rank that will join a group builds it and starts reading its own chunks at once, then joins: the
@@ -199,11 +197,11 @@ class Exchange:
         """Bytes per chunk buffer and per rank in a round buffer: the chunk, then its round state
         (see [Note: round state]); direct writes need every slot page-aligned."""
         buffers = max(config.memory_limit_bytes // self._slot, 2)
-        self._in_flight = max((d for d in range(2, ROUNDS_IN_FLIGHT + 1)
-                               if buffers - (d + 1) * plan.world_size >= 2 * d), default=1)
-        """Rounds posted at once: as many as the budget holds round buffers for (plus one being
-        written) while leaving fetch buffers for the chunks those rounds send and as many read
-        ahead (see [Note: memory bound])."""
+        pipelined = buffers - (ROUNDS_IN_FLIGHT + 1) * plan.world_size >= 2 * ROUNDS_IN_FLIGHT
+        self._in_flight = ROUNDS_IN_FLIGHT if pipelined else 1
+        """Rounds posted at once: `ROUNDS_IN_FLIGHT` when the budget holds their round buffers
+        (plus one being written) and fetch buffers for the chunks they send and as many read
+        ahead, else one (see [Note: memory bound])."""
         receive = (self._in_flight + 1) * plan.world_size if grouped else 0
         if grouped and buffers - receive < 1:
             raise LoaderError(

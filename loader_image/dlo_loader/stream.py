@@ -8,13 +8,12 @@ running CRC of its pieces. Called by `exchange`. Must not talk to peers or decid
 means (it keeps the first error for the caller).
 
 [Note: streaming alone] With chunk buffers, `readers` whole chunks are in memory at once plus the
-complete ones queued for the writers: a 1 GiB fill with 16 readers and 16 MiB chunks made 23-26
-buffers, about 400 MiB of fresh memory the kernel clears page by page before the first byte lands
-(about a tenth of the loader's CPU per fill on the core the readers share), and the last chunks
-were written only after the last bytes arrived. Streamed, the memory is one `PIECE_BYTES`
-buffer per reader (32 MiB for 16), reused for every piece, and the writes run beside the reads up
-to the last piece. A retry asks only for the bytes not delivered yet
-(`source.ObjectStore.stream`).
+complete ones queued for the writers: with 16 readers and 16 MiB chunks, hundreds of MiB of fresh
+memory the kernel clears page by page before the first byte lands (on the core the readers
+share), and the last chunks were written only after the last bytes arrived. Streamed, the
+memory is one `PIECE_BYTES` buffer per reader (32 MiB for 16), reused for every piece, and the
+writes run beside the reads up to the last piece. A retry asks only for the bytes not delivered
+yet (`source.ObjectStore.stream`).
 """
 
 from __future__ import annotations
