@@ -177,15 +177,21 @@ def test_killed_rank_fails_the_others_and_a_rerun_succeeds(
     in_flight: int, s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
 ) -> None:
     memory = {1: 8, 2: 16}[in_flight] * CHUNK_BYTES
-    with proxies(s3, FaultPlan(), FaultPlan(), FaultPlan(delay_s=0.5)) as slow:
+    # Rank 2's store answers every read after 5 s, so the fill cannot end before the kill.
+    with proxies(s3, FaultPlan(), FaultPlan(), FaultPlan(delay_s=5.0)) as slow:
         fleet = Fleet(tmp_path, checkpoint.source, 3, [p.url for p in slow],
                       settings={"memory_limit_bytes": memory})
         processes = {rank: fleet.start(rank) for rank in range(3)}
-        # Ranks read before the group forms: kill rank 2 once all three joined and it reads.
-        wait_until(lambda: joined(fleet.master_port) == 3 and slow[2].object_requests >= 1)
-        os.kill(processes[2].pid, signal.SIGKILL)
-        outcomes = [finish(rank, processes[rank]) for rank in (0, 1)]
-        finish(2, processes[2])
+        try:
+            # Ranks read before the group forms: kill rank 2 once all three joined and it reads.
+            wait_until(lambda: joined(fleet.master_port) == 3 and slow[2].object_requests >= 1)
+            os.kill(processes[2].pid, signal.SIGKILL)
+            outcomes = [finish(rank, processes[rank]) for rank in (0, 1)]
+        finally:  # the loaders and their pipes end with the test, whatever it found
+            for process in processes.values():
+                if process.poll() is None:
+                    process.kill()
+                process.communicate()
     for outcome in outcomes:
         assert outcome.returncode == 1
         assert f"exchange: {in_flight} round(s) in flight" in outcome.stderr
