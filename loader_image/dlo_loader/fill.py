@@ -365,13 +365,13 @@ class _Fill:
         return checked
 
     def _streamer(self, plan: Plan) -> Streamer:
-        def stream(file: int, offset: int, length: int, piece: memoryview,
+        def stream(file: int, offset: int, length: int, pieces: Iterator[memoryview],
                    deliver: Callable[[int, memoryview], None]) -> int:
             def counted(at: int, view: memoryview) -> None:
                 self.progress.add(from_store=len(view))
                 deliver(at, view)
 
-            return self.store.stream(plan.files[file], offset, length, piece, counted)
+            return self.store.stream(plan.files[file], offset, length, pieces, counted)
 
         return stream
 

@@ -181,12 +181,12 @@ class ObjectStore:
         what = f"{self.uri}{obj.key} bytes {start}-{start + len(into) - 1}"
         return self._retrying(what, lambda: self._get(obj, start, into))
 
-    def stream(self, obj: ObjectIdentity, start: int, length: int, piece: memoryview,
-               deliver: Callable[[int, memoryview], None]) -> int:
-        """Read bytes `[start, start+length)` of `obj` a piece at a time into `piece`, handing
-        each piece to `deliver(offset, view)` (`offset` from `start`; every piece is
-        `len(piece)` bytes but the last), and return the running CRC of them all, or raise after
-        the retries. A retry asks only for the bytes not delivered yet."""
+    def stream(self, obj: ObjectIdentity, start: int, length: int,
+               pieces: Iterator[memoryview], deliver: Callable[[int, memoryview], None]) -> int:
+        """Read bytes `[start, start+length)` of `obj` a piece at a time, each into the next of
+        `pieces` cut to the bytes still to come, handing each piece to `deliver(offset, view)`
+        (`offset` from `start`), and return the running CRC of them all, or raise after the
+        retries. A retry asks only for the bytes not delivered yet."""
         what = f"{self.uri}{obj.key} bytes {start}-{start + length - 1}"
         done = [0, 0]  # bytes delivered, their running CRC
 
@@ -195,13 +195,12 @@ class ObjectStore:
                 at = start + done[0]
                 with self._body(obj, at, length - done[0]) as body:
                     while done[0] < length:
-                        view = piece[:min(len(piece), length - done[0])]
-                        got, crc = body.fill(view)
+                        view = next(pieces)[:length - done[0]]
+                        got, crc = body.fill(view, done[1])
                         if got < len(view):
                             raise _ShortBody(f"got {done[0] + got} of {length} bytes")
                         deliver(done[0], view)
-                        done[0] += got
-                        done[1] = digest.combine(done[1], crc, got)
+                        done[0], done[1] = done[0] + got, crc
                     if body.finish():
                         raise _ShortBody(f"got {length}+ of {length} bytes")
             return done[1]
@@ -348,9 +347,10 @@ class _Body:
                         and not self._raw.decode_content)
         self._response = response if self._direct else None
 
-    def fill(self, into: memoryview) -> tuple[int, int]:
-        """Read until `into` is full or the body ends: the bytes read and their running CRC."""
-        got = crc = 0
+    def fill(self, into: memoryview, crc: int = 0) -> tuple[int, int]:
+        """Read until `into` is full or the body ends: the bytes read, and the running CRC `crc`
+        (of the bytes before them) extended by them."""
+        got = 0
         if self._response is not None:
             readinto, piece = self._response.readinto, _DIRECT_PIECE_BYTES
         else:  # botocore's own path (urllib3 allocates a buffer per call)

@@ -5,6 +5,7 @@ waiting for another's publication, listing errors, store checksums."""
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import resource
 import subprocess
@@ -135,7 +136,8 @@ def test_a_streamed_range_resumes_after_the_bytes_it_delivered(
             offsets.append(at)
             got[at:at + len(view)] = view
 
-        crc = store.stream(obj, 0, obj.size, memoryview(bytearray(4096)), deliver)
+        crc = store.stream(obj, 0, obj.size, itertools.repeat(memoryview(bytearray(4096))),
+                           deliver)
         store.close()
     assert bytes(got) == checkpoint.files[KEY]
     assert offsets == list(range(0, obj.size, 4096))  # each piece once, in order
