@@ -28,6 +28,9 @@ from urllib.parse import urlsplit
 FAULT_KINDS = ("slowdown", "internal", "reset", "truncate")
 """Faults a retry recovers from quickly; `stall` (below) waits out the client's stall timeout."""
 STALL = "stall"
+CORRUPT = "corrupt"
+"""Flips one byte in the middle of the body: bytes damaged on the way that no retry is asked for
+(only a checksum of the whole object can tell)."""
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te",
                "trailer", "upgrade", "content-length"}
 _ERROR_BODIES = {
@@ -52,7 +55,7 @@ class FaultPlan:
     """Drop `If-Match` before the server sees it (stores that do not implement it)."""
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.kinds) - {*FAULT_KINDS, STALL})
+        unknown = sorted(set(self.kinds) - {*FAULT_KINDS, STALL, CORRUPT})
         if unknown or self.every < 1:
             raise ValueError(f"FaultPlan kinds must be among {FAULT_KINDS} and every >= 1; "
                              f"got kinds={self.kinds}, every={self.every}")
@@ -147,6 +150,9 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         status, reason, headers, payload = self._upstream_call(body)
         if fault == "truncate":
             payload = payload[: len(payload) // 2]
+        if fault == CORRUPT and payload:
+            middle = len(payload) // 2
+            payload = payload[:middle] + bytes([payload[middle] ^ 0xFF]) + payload[middle + 1:]
         self.send_response(status, reason)
         for name, value in headers:
             if name.lower() not in _HOP_BY_HOP:

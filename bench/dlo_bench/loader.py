@@ -214,6 +214,7 @@ def _disk(directory: Path, total: int, chunk_bytes: int) -> float:
         os.close(fd)
     elapsed = time.perf_counter() - started
     (directory / "probe").unlink()
+    _settle_disk()
     return elapsed
 
 
@@ -233,7 +234,16 @@ def _fill(args: argparse.Namespace, server: S3Server,
     result = fill(FillRequest(settings=_settings(args, server, root)))
     elapsed = time.perf_counter() - started
     shutil.rmtree(root)
+    _settle_disk()
     return elapsed, {k: round(v, 3) for k, v in (result.stage_seconds or {}).items()}
+
+
+def _settle_disk() -> None:
+    """After a run deleted what it wrote: commit the deletion before the next run starts. On a
+    filesystem mounted with online discard the freed blocks are trimmed at the next journal
+    commit, which would otherwise land inside the next measured run (a write-heavy fill after a
+    deleted disk probe, a disk probe after a deleted fill) and time the trim as well."""
+    os.sync()
 
 
 def _check_fill(args: argparse.Namespace, server: S3Server, root: Path,

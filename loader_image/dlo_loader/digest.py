@@ -1,63 +1,77 @@
 """Chunk digests of a fill, and the check against the store's own whole-object checksums.
 
-Owns the loader's choice of digest (`ALGORITHM`, named in every manifest record it writes) and
-the comparison with what the store publishes. CRC64-NVME runs at several GB/s on one core (SHA-256
-at under 2), so hashing no longer bounds a fill; and it is the checksum S3 keeps for whole objects
-(`x-amz-checksum-crc64nvme`, type FULL_OBJECT), so the chunk digests the fill computes anyway
-combine into the object's CRC without reading a byte again (`combine_crc64nvme`). Called by
-`fetch` and `exchange` (one digest per chunk) and by `fill` (the store check before publication).
-Must not read the store or files.
+Owns the loader's choice of digest for each file (`algorithm_for`, named in every manifest
+record it writes) and the comparison with what the store publishes. The digests are CRCs: they
+run at several GB/s on one core (SHA-256 at under 2), so hashing no longer bounds a fill; and
+S3 keeps a CRC of every whole object it stores (type FULL_OBJECT; `crc64nvme` by default,
+`crc32` from recent AWS SDKs, `crc32c`), named in its listing, so a file's chunks are hashed with
+its object's CRC and their digests combine into the store's figure without reading a byte again
+(`dlo_contract.cache.combine_crc`). Called by `fetch`, `stream`, `source`, `sink` and `exchange`
+(one digest per chunk) and by `fill` (the store check before publication). Must not read the
+store or files.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from awscrt.checksums import crc64nvme as _crc64nvme
+from awscrt import checksums
 
-from dlo_contract.cache import combine_crc64nvme, hexdigest
+from dlo_contract.cache import CRC_ALGORITHMS, combine_crc, hexdigest
+from dlo_contract.cache.manifest import DIGEST_HEX_DIGITS
 
 from dlo_loader.errors import SourceError
 
 ALGORITHM = "crc64nvme"
-"""The digest of every chunk the loader writes into a manifest."""
-STORE_ALGORITHMS = ("crc64nvme",)
-"""Whole-object checksums the store may publish that chunk digests combine into. A store that
-publishes another one (`crc32c`, or a composite multipart checksum `...-N`) is reported as not
-checked: combining those would need a second CRC per chunk."""
+"""The digest of a file's chunks when its object's listing names no CRC the loader knows."""
+_EXTEND = {name: getattr(checksums, name) for name in CRC_ALGORITHMS}
 
 
-def chunk_digest(data: Any) -> str:
+def algorithm_for(store_algorithms: Iterable[str], checksum_type: str | None = None) -> str:
+    """The digest of an object's chunks from what its listing says of the store's checksum
+    (`ChecksumAlgorithm`, `ChecksumType`): that CRC where the store keeps it for the whole
+    object, so the check before publication needs no second pass; else `ALGORITHM`."""
+    if checksum_type not in (None, "FULL_OBJECT"):  # a composite multipart checksum
+        return ALGORITHM
+    named = [name.lower() for name in store_algorithms if name.lower() in CRC_ALGORITHMS]
+    return named[0] if named else ALGORITHM
+
+
+def chunk_digest(data: Any, algorithm: str) -> str:
     """The digest of one chunk's bytes (a memoryview of its buffer)."""
-    return hexdigest(data, ALGORITHM)
+    return hexdigest(data, algorithm)
 
 
-def extend(value: int, piece: Any) -> int:
-    """The running CRC64-NVME `value` (0 for no bytes yet) extended by `piece`.
+def extend(value: int, piece: Any, algorithm: str) -> int:
+    """The running CRC `value` (0 for no bytes yet) extended by `piece`.
 
     [Note: hashing while reading] A reader hashes each piece right after it lands in the chunk
     buffer (a socket read of up to a few hundred KiB, or 1 MiB from disk), while those bytes are
     still in the CPU's cache; hashing a whole 16 MiB chunk once it is complete reads it back
     from memory at a third of the speed, on the core the readers share with the store's
     client."""
-    return _crc64nvme(piece, value)
+    return _EXTEND[algorithm](piece, value)
 
 
-def combine(value: int, piece: int, length: int) -> int:
+def combine(value: int, piece: int, length: int, algorithm: str) -> int:
     """The running CRC `value` extended by a piece of `length` bytes whose own running CRC (from
     0) is `piece`: what `extend` would give, without the bytes."""
-    return combine_crc64nvme(value, piece, length)
+    return combine_crc(algorithm, value, piece, length)
 
 
-def of_parts(parts: Sequence[tuple[int, int]]) -> str:
+def of_parts(parts: Sequence[tuple[int, int]], algorithm: str) -> str:
     """The digest of a chunk from the running CRCs of its parts, `(length, value)` in order
     (`extend`), as `chunk_digest` writes it; no byte is read again."""
     value = 0
     for length, part in parts:
-        value = combine(value, part, length)
-    return f"{value:016x}"
+        value = combine(value, part, length, algorithm)
+    return _hex(value, algorithm)
+
+
+def _hex(value: int, algorithm: str) -> str:
+    return f"{value:0{DIGEST_HEX_DIGITS[algorithm]}x}"
 
 
 @dataclass(frozen=True)
@@ -84,28 +98,29 @@ class StoreCheck:
         return "some" if self.checked else "none"
 
 
-def combined(lengths: Sequence[int], digests: Sequence[str]) -> str:
-    """The CRC64-NVME of a whole file from its chunks' (in order)."""
+def combined(lengths: Sequence[int], digests: Sequence[str], algorithm: str) -> str:
+    """The CRC of a whole file from its chunks' (in order)."""
     value = 0
     for length, digest in zip(lengths, digests, strict=True):
-        value = combine_crc64nvme(value, int(digest, 16), length)
-    return f"{value:016x}"
+        value = combine(value, int(digest, 16), length, algorithm)
+    return _hex(value, algorithm)
 
 
-def check_store(files: Sequence[tuple[str, Sequence[int], Sequence[str]]],
+def check_store(files: Sequence[tuple[str, str, Sequence[int], Sequence[str]]],
                 published: Mapping[str, StoreChecksum], source: str) -> StoreCheck:
-    """Compare the combined chunk CRC of every file in `published` (the store was asked for
-    those) with the store's checksum; a mismatch is a `SourceError` naming the object (nothing
-    is published)."""
+    """Compare the combined chunk CRC of every file `(key, algorithm, lengths, digests)` in
+    `published` (the store was asked for those) with the store's checksum; a mismatch is a
+    `SourceError` naming the object (nothing is published). A store checksum of another
+    algorithm than the file's digest (the listing named none, or not this one) is not checked."""
     checked = unavailable = 0
-    for key, lengths, digests in files:
+    for key, algorithm, lengths, digests in files:
         store = published.get(key)
         if store is None:
             continue
-        if store.algorithm not in STORE_ALGORITHMS or store.value is None:
+        if store.algorithm != algorithm or store.value is None:
             unavailable += 1
             continue
-        ours = combined(lengths, digests)
+        ours = combined(lengths, digests, algorithm)
         if ours != store.value:
             raise SourceError(
                 f"{source}{key}: the bytes read have {store.algorithm} {ours}, the store "

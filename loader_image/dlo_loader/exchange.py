@@ -132,6 +132,7 @@ class _Writer:
         self.digests: list[str | None] = [None] * len(plan.chunks)
         self.error: BaseException | None = None
         self._sink, self._progress = sink, progress
+        self._algorithms = plan.algorithms
         self._queue: queue.Queue[_WriteTask | None] = queue.Queue()
         for number in range(_WRITER_THREADS):
             threading.Thread(target=self._work, name=f"dlo-write-{number}", daemon=True).start()
@@ -159,7 +160,7 @@ class _Writer:
                 if self.error is None:
                     if digest is None:
                         began = time.monotonic()
-                        digest = chunk_digest(view)
+                        digest = chunk_digest(view, self._algorithms[chunk.file])
                         self._progress.timed("digest", time.monotonic() - began)
                     self.digests[chunk.index] = digest
                     if self._sink is not None:
@@ -227,7 +228,8 @@ class Exchange:
             if sink is None:
                 raise LoaderError("an exchange without a group writes what it reads: it needs "
                                   "a sink")
-            self._streams = ChunkStreams(to_read, stream or streamer_of(read), sink,
+            self._streams = ChunkStreams(to_read, stream or streamer_of(read, plan.algorithms),
+                                         sink, algorithms=plan.algorithms,
                                          readers=config.readers, stop=self._fetch_stop,
                                          progress=progress)
             to_read = ()
@@ -235,6 +237,7 @@ class Exchange:
         shape = fetch_shape(chunk_bytes=plan.chunk_bytes, readers=config.readers,
                             buffers=fetch_buffers)
         self._fetcher = Fetcher(to_read, read, shape=shape, stop=self._fetch_stop,
+                                algorithms=plan.algorithms,
                                 pool=BufferPool(fetch_buffers, self._slot),
                                 timed=progress.timed)
 

@@ -23,7 +23,7 @@ import contextlib
 import mmap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from dlo_loader import digest
 from dlo_loader.plan import Chunk
@@ -94,10 +94,10 @@ class Fetcher:
     with their digest (in order with `position`, else whichever is ready)."""
 
     def __init__(self, chunks: tuple[Chunk, ...], read: Reader, *, shape: FetchShape,
-                 pool: BufferPool, stop: threading.Event,
+                 pool: BufferPool, stop: threading.Event, algorithms: Sequence[str],
                  timed: Callable[[str, float], None] = lambda stage, seconds: None) -> None:
         self._chunks, self._read, self._pool, self._stop = chunks, read, pool, stop
-        self._timed = timed
+        self._timed, self._algorithms = timed, algorithms
         self._order = FetchOrder([c.length for c in chunks], part_bytes=shape.part_bytes,
                                  open_limit=shape.open_chunks)
         self._cond = threading.Condition()
@@ -168,7 +168,8 @@ class Fetcher:
             parts[part.start] = (part.length, crc)
             if self._order.complete(part):
                 del self._open[part.position], self._parts[part.position]
-                chunk_digest = digest.of_parts([parts[start] for start in sorted(parts)])
+                chunk_digest = digest.of_parts([parts[start] for start in sorted(parts)],
+                                               self._algorithms[self._chunks[part.position].file])
                 self._ready[part.position] = (buffer, chunk_digest)
             self._cond.notify_all()  # a chunk is ready, or a slot for a new one is free
 

@@ -201,7 +201,7 @@ class _Fill:
             try:
                 plan = early[0] if early else build_plan(
                     files, mode=mode, world_size=self.request.world_size,
-                    chunk_bytes=self.loader.chunk_bytes)
+                    chunk_bytes=self.loader.chunk_bytes, algorithms=self.store.chunk_algorithms)
                 self._transfer(pub, plan, group, identity, early[1] if early else None, fetched)
             finally:
                 if group is not None:
@@ -291,7 +291,8 @@ class _Fill:
         if not self._in_group() or pub.existing is not None:
             return None
         plan = build_plan(files, mode=self.loader.mode, world_size=self.request.world_size,
-                          chunk_bytes=self.loader.chunk_bytes)
+                          chunk_bytes=self.loader.chunk_bytes,
+                          algorithms=self.store.chunk_algorithms)
         return plan, self._exchange(pub, plan, grouped=True)
 
     def _exchange(self, pub: Publication, plan: Plan, *, grouped: bool,
@@ -308,7 +309,8 @@ class _Fill:
         if pub.existing is None and self._sink is None:  # one per publication, kept on fallback
             self._sink = FileSink(pub.tmp_dir, plan.files)
         sink = None if pub.existing is not None else self._sink
-        read = EntryChunks(pub.existing, plan.files).read if pub.existing else self._reader(plan)
+        read = (EntryChunks(pub.existing, plan.files, plan.algorithms).read if pub.existing
+                else self._reader(plan))
         self.progress.start()
         self.progress.phase = "transferring"  # metrics: phase
         stream = None if pub.existing or grouped else self._streamer(plan)  # alone: streamed
@@ -357,11 +359,11 @@ class _Fill:
         files = []
         for index, obj in enumerate(plan.files):
             chunks = [c for c in plan.chunks if c.file == index]
-            files.append((obj.key, [c.length for c in chunks], [digests[c.index] for c in chunks]))
+            files.append((obj.key, plan.algorithms[index], [c.length for c in chunks],
+                          [digests[c.index] for c in chunks]))
         self.store_check = digests_of.check_store(files, published, str(self.uri))
-        log.info("store checksums: %d object(s) match the store's %s, %d without one",
-                 self.store_check.checked, "/".join(digests_of.STORE_ALGORITHMS),
-                 self.store_check.unavailable)
+        log.info("store checksums: %d object(s) match the store's whole-object CRC, %d without "
+                 "one", self.store_check.checked, self.store_check.unavailable)
         return checked
 
     def _streamer(self, plan: Plan) -> Streamer:
@@ -371,13 +373,14 @@ class _Fill:
                 self.progress.add(from_store=len(view))
                 deliver(at, view)
 
-            return self.store.stream(plan.files[file], offset, length, pieces, counted)
+            return self.store.stream(plan.files[file], offset, length, pieces, counted,
+                                     plan.algorithms[file])
 
         return stream
 
     def _reader(self, plan: Plan) -> Reader:
         def read(file: int, offset: int, into: memoryview) -> int:
-            crc = self.store.read(plan.files[file], offset, into)
+            crc = self.store.read(plan.files[file], offset, into, plan.algorithms[file])
             self.progress.add(from_store=len(into))
             return crc
 
@@ -446,15 +449,17 @@ def _check_files(directory: Path | None, plan: Plan, digests: list[str],
     for index, obj in enumerate(plan.files):
         if obj.key.endswith(".safetensors"):
             tensors += len(read_header(directory / obj.key, source + obj.key).tensors)
-        records.append(_record(obj, plan.chunk_bytes, by_file.get(index, [])))
+        records.append(_record(obj, plan.chunk_bytes, by_file.get(index, []),
+                               plan.algorithms[index]))
     return records, tensors
 
 
-def _record(obj: ObjectIdentity, chunk_bytes: int, chunk_digests: list[str]) -> FileRecord:
+def _record(obj: ObjectIdentity, chunk_bytes: int, chunk_digests: list[str],
+            algorithm: str) -> FileRecord:
     """Small files carry one digest (their single chunk's); larger ones the chunk list."""
     if obj.size > chunk_bytes:
         return FileRecord(obj.key, obj.size, chunk_bytes=chunk_bytes,
-                          chunk_digests=tuple(chunk_digests), algorithm=digests_of.ALGORITHM)
-    single = chunk_digests[0] if chunk_digests else digests_of.chunk_digest(b"")
-    return FileRecord(obj.key, obj.size, digest=single, algorithm=digests_of.ALGORITHM)
+                          chunk_digests=tuple(chunk_digests), algorithm=algorithm)
+    single = chunk_digests[0] if chunk_digests else digests_of.chunk_digest(b"", algorithm)
+    return FileRecord(obj.key, obj.size, digest=single, algorithm=algorithm)
 

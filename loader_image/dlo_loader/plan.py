@@ -16,9 +16,11 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
+from dlo_loader.digest import ALGORITHM
 from dlo_contract.cache import ObjectIdentity
 
 MODES = ("multi-reader", "single-reader", "independent")
@@ -44,6 +46,8 @@ class Plan:
     chunk_bytes: int
     files: tuple[ObjectIdentity, ...]
     chunks: tuple[Chunk, ...]
+    algorithms: tuple[str, ...]
+    """Per file: the digest of its chunks (`digest.algorithm_for`)."""
 
     @property
     def total_bytes(self) -> int:
@@ -76,7 +80,7 @@ class Plan:
         """SHA-256 of everything that must agree across ranks."""
         described = {
             "mode": self.mode, "world_size": self.world_size, "chunk_bytes": self.chunk_bytes,
-            "files": [[f.key, f.size, f.etag] for f in self.files],
+            "files": [[f.key, f.size, f.etag, a] for f, a in zip(self.files, self.algorithms)],
             "owners": [c.owner for c in self.chunks],
         }
         return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
@@ -84,9 +88,10 @@ class Plan:
 
 def build_plan(
     files: tuple[ObjectIdentity, ...] | list[ObjectIdentity], *, mode: str, world_size: int,
-    chunk_bytes: int,
+    chunk_bytes: int, algorithms: Mapping[str, str] | None = None,
 ) -> Plan:
-    """Cut `files` into chunks and assign each an owner rank according to `mode`."""
+    """Cut `files` into chunks and assign each an owner rank according to `mode`; `algorithms`:
+    the digest of each file's chunks by key (`digest.ALGORITHM` for a file not named)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {MODES}")
     if world_size < 1 or chunk_bytes < 1:
@@ -106,7 +111,9 @@ def build_plan(
         Chunk(index=i, file=f, number=n, offset=o, length=n_bytes, owner=owner)
         for i, ((f, n, o, n_bytes), owner) in enumerate(zip(pieces, owners))
     )
-    return Plan(mode=mode, world_size=group, chunk_bytes=chunk_bytes, files=ordered, chunks=chunks)
+    named = algorithms or {}
+    return Plan(mode=mode, world_size=group, chunk_bytes=chunk_bytes, files=ordered, chunks=chunks,
+                algorithms=tuple(named.get(f.key, ALGORITHM) for f in ordered))
 
 
 def _balance(lengths: list[int], ranks: int) -> list[int]:

@@ -117,9 +117,12 @@ def _preallocate(fd: int, size: int) -> None:
 class EntryChunks:
     """Reads byte ranges of a published entry that holds the same files as the plan."""
 
-    def __init__(self, entry_dir: Path, files: Sequence[ObjectIdentity]) -> None:
+    def __init__(self, entry_dir: Path, files: Sequence[ObjectIdentity],
+                 algorithms: Sequence[str]) -> None:
         self.entry_dir = entry_dir
         self.files = tuple(files)
+        self.algorithms = tuple(algorithms)
+        """Per file: the digest of its chunks in the plan (`digest.extend`)."""
 
     def read(self, file: int, offset: int, into: memoryview) -> int:
         """Fill `into` with bytes `[offset, offset + len(into))` of the plan's file `file`;
@@ -132,7 +135,7 @@ class EntryChunks:
                 count = os.preadv(fd, [into[got:got + _READ_PIECE_BYTES]], offset + got)
                 if not count:
                     break
-                crc = digest.extend(crc, into[got:got + count])
+                crc = digest.extend(crc, into[got:got + count], self.algorithms[file])
                 got += count
         finally:
             os.close(fd)

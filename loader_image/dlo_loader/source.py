@@ -39,7 +39,7 @@ from botocore.response import StreamingBody
 from dlo_loader import digest, metrics
 from dlo_loader.digest import StoreChecksum
 from dlo_loader.errors import LocalResourceError, SourceChanged, SourceError, SourceUnavailable
-from dlo_contract.cache import ObjectIdentity
+from dlo_contract.cache import CRC_ALGORITHMS, ObjectIdentity
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -116,6 +116,9 @@ class ObjectStore:
         self.stall_timeout_s = stall_timeout_s
         self.on_stall = on_stall or (lambda what: None)
         self.stop = stop or threading.Event()
+        self.chunk_algorithms: dict[str, str] = {}
+        """By relative key, from the last `list`: the digest of each object's chunks, the CRC
+        the listing says the store keeps for it (`digest.algorithm_for`)."""
         config = Config(
             s3={"addressing_style": "path" if path_style else "auto"},
             # Our own retry loop knows about short bodies and the fill deadline: one attempt here.
@@ -137,13 +140,16 @@ class ObjectStore:
     def list(self, include: Iterable[str]) -> list[ObjectIdentity]:
         """Objects under the prefix whose relative key matches a glob (`*` also matches `/`)."""
         patterns = tuple(include)
-        found = []
+        found, algorithms = [], {}
         for page in self._retrying(f"listing {self.uri}", lambda: self._pages()):
             for item in page:
                 rel = item["Key"][len(self.uri.prefix):]
                 wanted = any(fnmatch.fnmatchcase(rel, p) for p in patterns)
                 if rel and not rel.endswith("/") and wanted:
                     found.append(ObjectIdentity(rel, int(item["Size"]), item["ETag"].strip('"')))
+                    algorithms[rel] = digest.algorithm_for(item.get("ChecksumAlgorithm", ()),
+                                                           item.get("ChecksumType"))
+        self.chunk_algorithms = algorithms
         if not found:
             raise SourceError(
                 f"no object under {self.uri} matches loader.include={list(patterns)}",
@@ -168,25 +174,26 @@ class ObjectStore:
     def _checksum(self, obj: ObjectIdentity) -> StoreChecksum:
         head = self._client.head_object(Bucket=self.uri.bucket, Key=self.uri.prefix + obj.key,
                                         IfMatch=f'"{obj.etag}"', ChecksumMode="ENABLED")
-        value = head.get("ChecksumCRC64NVME")
-        if not value or head.get("ChecksumType", "FULL_OBJECT") != "FULL_OBJECT":
-            others = [k[len("Checksum"):].lower() for k in head if k.startswith("Checksum")
-                      and k != "ChecksumType"]
-            return StoreChecksum(others[0] if others else None)
-        return StoreChecksum("crc64nvme", base64.b64decode(value).hex())
+        named = [k[len("Checksum"):].lower() for k in head
+                 if k.startswith("Checksum") and k != "ChecksumType"]
+        crcs = [name for name in named if name in CRC_ALGORITHMS]
+        if not crcs or head.get("ChecksumType", "FULL_OBJECT") != "FULL_OBJECT":
+            return StoreChecksum(named[0] if named else None)  # a composite one: not comparable
+        value = head[f"Checksum{crcs[0].upper()}"]
+        return StoreChecksum(crcs[0], base64.b64decode(value).hex())
 
-    def read(self, obj: ObjectIdentity, start: int, into: memoryview) -> int:
+    def read(self, obj: ObjectIdentity, start: int, into: memoryview, algorithm: str) -> int:
         """Fill `into` with bytes `[start, start+len(into))` of `obj`, exactly, and return their
-        running CRC (`digest.extend`), or raise after the retries."""
+        running CRC of `algorithm` (`digest.extend`), or raise after the retries."""
         what = f"{self.uri}{obj.key} bytes {start}-{start + len(into) - 1}"
-        return self._retrying(what, lambda: self._get(obj, start, into))
+        return self._retrying(what, lambda: self._get(obj, start, into, algorithm))
 
-    def stream(self, obj: ObjectIdentity, start: int, length: int,
-               pieces: Iterator[memoryview], deliver: Callable[[int, memoryview], None]) -> int:
+    def stream(self, obj: ObjectIdentity, start: int, length: int, pieces: Iterator[memoryview],
+               deliver: Callable[[int, memoryview], None], algorithm: str) -> int:
         """Read bytes `[start, start+length)` of `obj` a piece at a time, each into the next of
         `pieces` cut to the bytes still to come, handing each piece to `deliver(offset, view)`
-        (`offset` from `start`), and return the running CRC of them all, or raise after the
-        retries. A retry asks only for the bytes not delivered yet."""
+        (`offset` from `start`), and return the running CRC of `algorithm` of them all, or raise
+        after the retries. A retry asks only for the bytes not delivered yet."""
         what = f"{self.uri}{obj.key} bytes {start}-{start + length - 1}"
         done = [0, 0]  # bytes delivered, their running CRC
 
@@ -196,7 +203,7 @@ class ObjectStore:
                 with self._body(obj, at, length - done[0]) as body:
                     while done[0] < length:
                         view = next(pieces)[:length - done[0]]
-                        got, crc = body.fill(view, done[1])
+                        got, crc = body.fill(view, algorithm, done[1])
                         if got < len(view):
                             raise _ShortBody(f"got {done[0] + got} of {length} bytes")
                         deliver(done[0], view)
@@ -207,10 +214,10 @@ class ObjectStore:
 
         return self._retrying(what, attempt)
 
-    def _get(self, obj: ObjectIdentity, start: int, into: memoryview) -> int:
+    def _get(self, obj: ObjectIdentity, start: int, into: memoryview, algorithm: str) -> int:
         length = len(into)
         with self._body(obj, start, length) as body:
-            got, crc = body.fill(into)
+            got, crc = body.fill(into, algorithm)
             extra = got == length and body.finish()
         if got != length or extra:
             raise _ShortBody(f"got {got}{'+' if extra else ''} of {length} bytes")
@@ -347,9 +354,9 @@ class _Body:
                         and not self._raw.decode_content)
         self._response = response if self._direct else None
 
-    def fill(self, into: memoryview, crc: int = 0) -> tuple[int, int]:
+    def fill(self, into: memoryview, algorithm: str, crc: int = 0) -> tuple[int, int]:
         """Read until `into` is full or the body ends: the bytes read, and the running CRC `crc`
-        (of the bytes before them) extended by them."""
+        of `algorithm` (of the bytes before them) extended by them."""
         got = 0
         if self._response is not None:
             readinto, piece = self._response.readinto, _DIRECT_PIECE_BYTES
@@ -359,7 +366,7 @@ class _Body:
             count = readinto(into[got:got + piece])
             if not count:
                 break
-            crc = digest.extend(crc, into[got:got + count])
+            crc = digest.extend(crc, into[got:got + count], algorithm)
             got += count
         return got, crc
 

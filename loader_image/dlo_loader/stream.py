@@ -24,7 +24,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 
 from dlo_loader import digest
@@ -46,14 +46,16 @@ in turn) cut to the bytes still to come, handing each piece to `deliver` in orde
 the running CRC of them all (`digest.extend`), or raises."""
 
 
-def streamer_of(read: Reader) -> Streamer:
-    """A `Streamer` over a `Reader`: one read per piece (an entry on disk, a test's reader)."""
+def streamer_of(read: Reader, algorithms: Sequence[str]) -> Streamer:
+    """A `Streamer` over a `Reader` (an entry on disk, a test's reader): one read per piece,
+    each piece's CRC of its file's digest (`algorithms`, by file)."""
     def stream(file: int, offset: int, length: int, pieces: Iterator[memoryview],
                deliver: Deliver) -> int:
         value = at = 0
         while at < length:
             view = next(pieces)[:length - at]
-            value = digest.combine(value, read(file, offset + at, view), len(view))
+            value = digest.combine(value, read(file, offset + at, view), len(view),
+                                   algorithms[file])
             deliver(at, view)
             at += len(view)
         return value
@@ -65,11 +67,13 @@ class ChunkStreams:
     """Streams `chunks` into `sink` on up to `readers` daemon threads, in plan order."""
 
     def __init__(self, chunks: tuple[Chunk, ...], stream: Streamer, sink: FileSink, *,
-                 readers: int, stop: threading.Event, progress: Progress) -> None:
+                 algorithms: Sequence[str], readers: int, stop: threading.Event,
+                 progress: Progress) -> None:
         self.digests: dict[int, str] = {}
         """Each streamed chunk's digest, by chunk index."""
         self.error: BaseException | None = None
         self._chunks, self._stream, self._sink = chunks, stream, sink
+        self._algorithms = algorithms
         self._stop, self._progress = stop, progress
         self._next = 0
         self._cond = threading.Condition()
@@ -134,7 +138,8 @@ class ChunkStreams:
         self._progress.timed("get", time.monotonic() - began - waiting[0])
         self._progress.timed("write", writing[0])
         with self._cond:
-            self.digests[chunk.index] = digest.of_parts([(chunk.length, value)])
+            self.digests[chunk.index] = digest.of_parts([(chunk.length, value)],
+                                                        self._algorithms[chunk.file])
 
 
 class _Writer:

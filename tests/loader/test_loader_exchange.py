@@ -8,7 +8,7 @@ import threading
 import time
 from pathlib import Path
 
-from dlo_loader.digest import chunk_digest, extend
+from dlo_loader.digest import ALGORITHM, chunk_digest, extend
 from dlo_loader.exchange import Exchange
 from dlo_loader.plan import build_plan
 from dlo_loader.progress import Progress
@@ -33,7 +33,7 @@ class CountingReader:
         with self._lock:
             self.spans.append((file, offset, len(into)))
         into[:] = CONTENT[file][offset:offset + len(into)]
-        return extend(0, into)
+        return extend(0, into, ALGORITHM)
 
 
 def exchange(plan, read, tmp_path: Path, *, grouped: bool, fetched=None) -> Exchange:
@@ -68,7 +68,7 @@ def test_a_fallback_writes_the_chunks_read_for_the_group_and_reads_only_the_rest
     assert len(rest_reader.spans) + len(fetched) == len(alone_plan.chunks)
     for index, obj in enumerate(FILES):
         assert (tmp_path / obj.key).read_bytes() == CONTENT[index]
-    assert digests == [chunk_digest(CONTENT[c.file][c.offset:c.offset + c.length])
+    assert digests == [chunk_digest(CONTENT[c.file][c.offset:c.offset + c.length], ALGORITHM)
                        for c in alone_plan.chunks]
 
 
@@ -100,13 +100,14 @@ def test_alone_chunks_stream_to_disk_through_two_piece_buffers_per_reader(
 
     def read(file: int, offset: int, into: memoryview) -> int:
         into[:] = bytes([offset // KIB % 251]) * len(into)
-        return extend(0, into)
+        return extend(0, into, ALGORITHM)
 
     digests = exchange(plan, read, tmp_path, grouped=False).run()  # readers=2, 64 buffers allowed
 
     expected = b"".join(bytes([n % 251]) * 4 * KIB for n in range(0, 48 * 12, 4))
     assert (tmp_path / "big.bin").read_bytes() == expected
-    assert digests == [chunk_digest(expected[c.offset:c.offset + c.length]) for c in plan.chunks]
+    assert digests == [chunk_digest(expected[c.offset:c.offset + c.length], ALGORITHM)
+                       for c in plan.chunks]
     assert made == [8 * KIB, 8 * KIB]  # two pieces per reader, no chunk buffer
 
 
@@ -131,7 +132,7 @@ def test_alone_a_reader_receives_its_next_piece_while_the_last_is_written(
         if offset == 4 * KIB:
             second_read.set()
         into[:] = bytes([offset // KIB]) * len(into)
-        return extend(0, into)
+        return extend(0, into, ALGORITHM)
 
     monkeypatch.setattr(sink_module.FileSink, "write_at", first_write_waits)
     one = [ObjectIdentity("one.bin", 16 * KIB, "e")]
@@ -142,7 +143,7 @@ def test_alone_a_reader_receives_its_next_piece_while_the_last_is_written(
     expected = b"".join(bytes([n]) * 4 * KIB for n in range(0, 16, 4))
     assert seen_during_first_write == [True]
     assert (tmp_path / "one.bin").read_bytes() == expected
-    assert digests == [chunk_digest(expected)]
+    assert digests == [chunk_digest(expected, ALGORITHM)]
 
 
 def test_alone_a_failed_write_beside_the_reads_fails_the_exchange(

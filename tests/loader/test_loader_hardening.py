@@ -17,10 +17,10 @@ from pathlib import Path
 import boto3
 import botocore.exceptions as bexc
 import pytest
-from dlo_bench.faultproxy import STALL, FaultPlan, FaultProxy
+from dlo_bench.faultproxy import CORRUPT, STALL, FaultPlan, FaultProxy
 from dlo_bench.s3server import DUMMY_CREDENTIALS, S3Server
 from dlo_loader import fill as fill_module
-from dlo_loader.digest import chunk_digest
+from dlo_loader.digest import ALGORITHM, chunk_digest
 from dlo_loader.errors import LocalResourceError, SourceChanged, SourceError, SourceUnavailable
 from dlo_loader.fill import FillRequest, fill
 from dlo_loader.progress import Progress
@@ -94,7 +94,7 @@ def test_an_object_replaced_under_a_store_ignoring_if_match_is_never_mixed_in(
         [listed] = store.list(["*.json"])
         _client(s3).put_object(Bucket=BUCKET, Key="replaced-unguarded/m/a.json", Body=b"y" * 5000)
         with pytest.raises(SourceChanged) as caught:
-            store.read(listed, 0, memoryview(bytearray(1000)))
+            store.read(listed, 0, memoryview(bytearray(1000)), ALGORITHM)
         store.close()
     assert "the object changed since it was listed (ETag" in str(caught.value)
 
@@ -110,7 +110,7 @@ def test_a_stalled_body_is_asked_again_at_once_and_the_line_says_stalled(
         obj = next(o for o in store.list(["*.safetensors"]) if o.key == KEY)
         into = memoryview(bytearray(obj.size))
         began = time.monotonic()
-        store.read(obj, 0, into)
+        store.read(obj, 0, into, ALGORITHM)
         took = time.monotonic() - began
         store.close()
     assert bytes(into) == checkpoint.files[KEY]
@@ -137,11 +137,11 @@ def test_a_streamed_range_resumes_after_the_bytes_it_delivered(
             got[at:at + len(view)] = view
 
         crc = store.stream(obj, 0, obj.size, itertools.repeat(memoryview(bytearray(4096))),
-                           deliver)
+                           deliver, ALGORITHM)
         store.close()
     assert bytes(got) == checkpoint.files[KEY]
     assert offsets == list(range(0, obj.size, 4096))  # each piece once, in order
-    assert f"{crc:016x}" == chunk_digest(checkpoint.files[KEY])
+    assert f"{crc:016x}" == chunk_digest(checkpoint.files[KEY], ALGORITHM)
     assert proxy.faults[STALL] == 1 and proxy.object_requests == 2
     assert proxy.object_bytes < obj.size + 4096  # not the stalled half again
 
@@ -154,7 +154,7 @@ def test_a_store_that_keeps_stalling_fails_without_suggesting_more_retries(
         store = store_for(checkpoint.source, proxy.url, stall_timeout_s=0.3, attempts=2)
         obj = next(o for o in store.list(["*.safetensors"]) if o.key == KEY)
         with pytest.raises(SourceUnavailable) as caught:
-            store.read(obj, 0, memoryview(bytearray(obj.size)))
+            store.read(obj, 0, memoryview(bytearray(obj.size)), ALGORITHM)
         store.close()
     assert "last error: stalled: no bytes for 0.3 s" in str(caught.value)
     assert "max_retries" not in (caught.value.hint or "")
@@ -207,23 +207,52 @@ def test_a_loader_waiting_for_another_publication_says_so(
     assert lines[-1] == eid  # then filled it itself: the other publication ended without one
 
 
+@pytest.mark.parametrize("algorithm", ["CRC64NVME", "CRC32C", "CRC32"])
 def test_the_store_checksum_is_checked_and_said_in_the_summary(
-    s3: S3Server, tmp_path: Path
+    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path, algorithm: str
 ) -> None:
+    """Each CRC S3 keeps for whole objects (the listing names it) is what the fill hashes that
+    object's chunks with, so their digests combine into the store's figure; a checksum of
+    another kind is said not checked."""
     data = os.urandom(300_000)
     client = _client(s3)
-    client.put_object(Bucket=BUCKET, Key="crc/big.json", Body=data, ChecksumAlgorithm="CRC64NVME")
-    client.put_object(Bucket=BUCKET, Key="crc/small.json", Body=b"{}")
-    settings = settings_for("s3://models/crc/", s3.endpoint_url, tmp_path / "cache",
+    prefix = f"crc-{algorithm.lower()}"
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/big.json", Body=data,
+                      ChecksumAlgorithm=algorithm)
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/small.json", Body=b"{}",
+                      ChecksumAlgorithm=algorithm)
+    settings = settings_for(f"s3://models/{prefix}/", s3.endpoint_url, tmp_path / "cache",
                             include=("*.json",), chunk_bytes=64 * 1024)
     result = fill(FillRequest(settings=settings))
     assert result.summary().store_checksums == "all"  # the small one is a single chunk
     assert verify_entry(tmp_path / "cache", result.entry_id, full=True) == []
     with open_entry(tmp_path / "cache", result.entry_id) as handle:
-        assert {f.algorithm for f in handle.manifest.files} == {"crc64nvme"}
-    client.put_object(Bucket=BUCKET, Key="crc/big.json", Body=data[::-1],
-                      ChecksumAlgorithm="CRC32C")
+        assert {f.algorithm for f in handle.manifest.files} == {algorithm.lower()}
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/big.json", Body=data[::-1],
+                      ChecksumAlgorithm="SHA256")
     other = fill(FillRequest(settings=settings_for(
-        "s3://models/crc/", s3.endpoint_url, tmp_path / "cache2", include=("*.json",),
+        f"s3://models/{prefix}/", s3.endpoint_url, tmp_path / "cache2", include=("*.json",),
         chunk_bytes=64 * 1024)))
     assert other.summary().store_checksums == "none"
+    with open_entry(tmp_path / "cache2", other.entry_id) as handle:
+        assert {f.name: f.algorithm for f in handle.manifest.files}["big.json"] == "crc64nvme"
+
+
+@pytest.mark.parametrize("algorithm", ["CRC64NVME", "CRC32C", "CRC32"])
+def test_bytes_damaged_on_the_way_fail_the_store_check_and_publish_nothing(
+    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path, algorithm: str
+) -> None:
+    """A byte flipped between the store and the loader (no error, no retry: the body's length
+    and headers are right) is caught by the store's own CRC before publication, whichever of
+    the three the object carries."""
+    client = _client(s3)
+    prefix = f"damaged-{algorithm.lower()}"
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/big.json", Body=os.urandom(300_000),
+                      ChecksumAlgorithm=algorithm)
+    with FaultProxy(s3.endpoint_url, FaultPlan(kinds=(CORRUPT,), limit=1)) as proxy:
+        settings = settings_for(f"s3://models/{prefix}/", proxy.url, tmp_path / "cache",
+                                include=("*.json",), chunk_bytes=64 * 1024)
+        with pytest.raises(SourceError, match=f"the bytes read have {algorithm.lower()} "
+                                              "[0-9a-f]+, the store publishes"):
+            fill(FillRequest(settings=settings))
+    assert not list((tmp_path / "cache" / "entries").glob("*"))

@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 from dlo_loader import digest
-from dlo_loader.digest import chunk_digest
+from dlo_loader.digest import ALGORITHM, chunk_digest
 from dlo_loader.fetch import BufferPool, Fetcher
 from dlo_loader.plan import build_plan
 from dlo_loader.schedule import FetchOrder, FetchShape, Part, fetch_shape
@@ -105,11 +105,12 @@ def test_fetcher_delivers_every_chunk_in_parts_with_its_digest() -> None:
         with lock:
             reads.append((file, offset, len(into)))
         into[:] = content[file][offset:offset + len(into)]
-        return digest.extend(0, into)
+        return digest.extend(0, into, ALGORITHM)
 
     shape = FetchShape(part_bytes=4 * MIB, open_chunks=2, readers=3)
     stop = threading.Event()
-    fetcher = Fetcher(plan.owned(0), read, shape=shape, pool=BufferPool(2, 8 * MIB), stop=stop)
+    fetcher = Fetcher(plan.owned(0), read, shape=shape, pool=BufferPool(2, 8 * MIB), stop=stop,
+                      algorithms=plan.algorithms)
     try:
         for position, chunk in enumerate(plan.owned(0)):
             assert fetcher.wait_ready(60.0, position)
@@ -117,7 +118,7 @@ def test_fetcher_delivers_every_chunk_in_parts_with_its_digest() -> None:
             expected = content[chunk.file][chunk.offset:chunk.offset + chunk.length]
             assert taken == chunk
             assert bytes(memoryview(buffer)[:chunk.length]) == expected
-            assert found == chunk_digest(expected)
+            assert found == chunk_digest(expected, ALGORITHM)
             fetcher.give_back(buffer)
     finally:
         stop.set()
@@ -131,11 +132,11 @@ def test_a_chunk_digest_from_the_running_crcs_of_its_parts_equals_one_pass(
         cuts: tuple[int, ...]) -> None:
     data = bytes(range(256)) * 390 + b"tail"
     bounds = [0, *cuts, len(data)]
-    parts = [(hi - lo, digest.extend(digest.extend(0, data[lo:(lo + hi) // 2]),
-                                     data[(lo + hi) // 2:hi]))
+    parts = [(hi - lo, digest.extend(digest.extend(0, data[lo:(lo + hi) // 2], ALGORITHM),
+                                     data[(lo + hi) // 2:hi], ALGORITHM))
              for lo, hi in zip(bounds, bounds[1:])]
-    assert digest.of_parts(parts) == chunk_digest(data)
-    assert digest.of_parts(parts[:-1]) != chunk_digest(data)
+    assert digest.of_parts(parts, ALGORITHM) == chunk_digest(data, ALGORITHM)
+    assert digest.of_parts(parts[:-1], ALGORITHM) != chunk_digest(data, ALGORITHM)
 
 
 def test_fetcher_hands_a_failed_read_to_the_consumer() -> None:
@@ -147,7 +148,8 @@ def test_fetcher_hands_a_failed_read_to_the_consumer() -> None:
 
     stop = threading.Event()
     shape = FetchShape(part_bytes=64, open_chunks=2, readers=2)
-    fetcher = Fetcher(plan.owned(0), read, shape=shape, pool=BufferPool(2, 64), stop=stop)
+    fetcher = Fetcher(plan.owned(0), read, shape=shape, pool=BufferPool(2, 64), stop=stop,
+                      algorithms=plan.algorithms)
     try:
         assert fetcher.wait_ready(60.0)
     finally:

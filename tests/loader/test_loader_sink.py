@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from dlo_loader.errors import LoaderError
 from dlo_loader.plan import build_plan
-from dlo_loader.digest import chunk_digest
+from dlo_loader.digest import ALGORITHM, chunk_digest
 from dlo_loader.sink import ALIGN, EntryChunks, FileSink
 from dlo_contract.cache import ObjectIdentity
 
@@ -56,11 +56,11 @@ def test_every_chunk_lands_at_its_offset(
 def test_entry_chunks_read_ranges_and_name_a_short_file(tmp_path: Path) -> None:
     data = content(10_000, 3)
     (tmp_path / "big.safetensors").write_bytes(data)
-    entry = EntryChunks(tmp_path, [ObjectIdentity("big.safetensors", 20_000, "e")])
+    entry = EntryChunks(tmp_path, [ObjectIdentity("big.safetensors", 20_000, "e")], [ALGORITHM])
     into = bytearray(4000)
     crc = entry.read(0, 5000, memoryview(into))
     assert into == data[5000:9000]
-    assert f"{crc:016x}" == chunk_digest(data[5000:9000])
+    assert f"{crc:016x}" == chunk_digest(data[5000:9000], ALGORITHM)
     with pytest.raises(LoaderError) as caught:
         entry.read(0, 8000, memoryview(into))
     assert str(caught.value) == (

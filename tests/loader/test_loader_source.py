@@ -17,7 +17,7 @@ from botocore.response import StreamingBody
 from dlo_bench.faultproxy import FAULT_KINDS, FaultPlan, FaultProxy
 from dlo_bench.s3server import S3Server
 from dlo_loader.errors import SourceError, SourceUnavailable
-from dlo_loader.digest import chunk_digest
+from dlo_loader.digest import ALGORITHM, chunk_digest
 from dlo_loader.source import ObjectStore, _Body, parse_source
 from dlo_contract.cache import ObjectIdentity
 from support.loader_fleet import BUCKET, Checkpoint, upload_files
@@ -65,10 +65,10 @@ def test_each_fault_kind_is_retried_to_exact_bytes(
         store = store_for(checkpoint.source, proxy.url)
         obj = next(o for o in store.list(["*.safetensors"]) if o.key == name)
         data = bytearray(300_000)
-        crc = store.read(obj, 1000, memoryview(data))
+        crc = store.read(obj, 1000, memoryview(data), ALGORITHM)
     assert data == checkpoint.files[name][1000:301_000]
     # The running CRC covers the bytes delivered, not what failed attempts sent first.
-    assert f"{crc:016x}" == chunk_digest(checkpoint.files[name][1000:301_000])
+    assert f"{crc:016x}" == chunk_digest(checkpoint.files[name][1000:301_000], ALGORITHM)
     assert proxy.faults == {kind: 2}
     assert proxy.object_requests == 3
 
@@ -80,7 +80,7 @@ def test_persistent_throttling_gives_up_with_the_last_error(
         store = store_for(checkpoint.source, proxy.url, attempts=3)
         obj = next(o for o in store.list(["*.json"]) if o.key == CONFIG)
         with pytest.raises(SourceUnavailable) as caught:
-            store.read(obj, 0, memoryview(bytearray(obj.size)))
+            store.read(obj, 0, memoryview(bytearray(obj.size)), ALGORITHM)
     assert str(caught.value) == (
         f"s3://models/tiny/{CONFIG} bytes 0-{obj.size - 1}: gave up after 3 attempt(s); "
         "last error: SlowDown (503)"
@@ -94,7 +94,7 @@ def test_object_replaced_after_listing_is_refused(s3: S3Server, tmp_path: Path) 
     (obj,) = store.list(["*"])
     s3.client().put_object(Bucket=BUCKET, Key="replaced/model.safetensors", Body=b"b" * 1000)
     with pytest.raises(SourceError) as caught:
-        store.read(obj, 0, memoryview(bytearray(1000)))
+        store.read(obj, 0, memoryview(bytearray(1000)), ALGORITHM)
     assert str(caught.value) == ("s3://models/replaced/model.safetensors bytes 0-999: the object "
                                  "changed since it was listed (ETag no longer matches)")
 
@@ -122,7 +122,7 @@ def test_secrets_never_reach_logs_or_errors(
         store = store_for(checkpoint.source, proxy.url, attempts=len(FAULT_KINDS))
         obj = next(o for o in store.list(["*.json"]) if o.key == CONFIG)
         with pytest.raises(SourceUnavailable) as caught:
-            store.read(obj, 0, memoryview(bytearray(obj.size)))
+            store.read(obj, 0, memoryview(bytearray(obj.size)), ALGORITHM)
     assert len(caplog.records) == len(FAULT_KINDS) - 1
     assert secret not in caplog.text
     assert secret not in str(caught.value) and secret not in repr(caught.value.__cause__)
@@ -175,7 +175,7 @@ def test_ranged_reads_reuse_their_connection() -> None:
         piece = bytearray(100_000)
         for start in range(0, 500_000, 100_000):
             store.read(ObjectIdentity("model.safetensors", len(data), "e"), start,
-                       memoryview(piece))
+                       memoryview(piece), ALGORITHM)
             assert piece == data[start:start + 100_000]
         store.close()
     assert connections == [5]  # one connection, kept open from one read to the next
@@ -188,8 +188,8 @@ def test_bodies_not_read_directly_take_botocore_path_with_the_same_checks(
 ) -> None:
     into = bytearray(10)
     body = _Body(StreamingBody(io.BytesIO(sent), len(sent)))
-    got, crc = body.fill(memoryview(into))
+    got, crc = body.fill(memoryview(into), ALGORITHM)
     extra = got == len(into) and body.finish()
     assert (got, extra) == expected
     assert into[:got] == sent[:got]
-    assert f"{crc:016x}" == chunk_digest(sent[:got])
+    assert f"{crc:016x}" == chunk_digest(sent[:got], ALGORITHM)

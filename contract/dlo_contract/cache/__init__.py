@@ -15,9 +15,10 @@ boto3 or kopf. Layout and protocol: DESIGN.md section 4.
 from dlo_contract.cache.check import Problem
 from dlo_contract.cache.digest import (
     CHUNKED_THRESHOLD,
+    CRC_ALGORITHMS,
     DEFAULT_CHUNK_BYTES,
     chunk_digests,
-    combine_crc64nvme,
+    combine_crc,
     file_digest,
     file_record,
     hexdigest,
@@ -63,7 +64,8 @@ __all__ = [
     "canonical_json",
     "checkpoint_identity",
     "chunk_digests",
-    "combine_crc64nvme",
+    "CRC_ALGORITHMS",
+    "combine_crc",
     "entry_id",
     "evict",
     "file_digest",

@@ -1,17 +1,20 @@
 """Content digests: one per small file, one per chunk for large files, of a named algorithm.
 
 Owns the hashing rules of format v1 and the algorithms a manifest may name (`ALGORITHMS`):
-`sha256` (the first entries; still verified), `crc64nvme` (what the loader writes: ~25x faster
-than SHA-256 on one core, and the checksum S3 publishes for whole objects, so chunk digests
-combine into the store's figure without another pass: `combine_crc64nvme`) and `xxh3-128`. Large files carry a list of per-chunk digests so that several
-writers (loader ranks, reader threads) can each hash the byte ranges they wrote, in parallel,
-without a second pass; small files carry one digest. Called by the loader (per range), by
+`sha256` (the first entries; still verified), the CRCs S3 publishes for whole objects
+(`crc64nvme`, what the loader writes unless the store names another: ~25x faster than SHA-256
+on one core; `crc32c`; `crc32`, what recent AWS SDKs send by default), whose chunk digests
+combine into the store's figure without another pass (`combine_crc`), and `xxh3-128`. Large
+files carry a list of per-chunk digests so that several writers (loader ranks, reader threads)
+can each hash the byte ranges they wrote, in parallel, without a second pass; small files carry
+one digest. Called by the loader (per range), by
 `publish` (records that arrive without digests) and by `entry` (full verification). Must not
 decide validity or touch anything but the file it is given.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from collections.abc import Callable
@@ -35,19 +38,25 @@ class _Hasher(Protocol):
     def hexdigest(self) -> str: ...
 
 
-class _Crc64Nvme:
-    """CRC64-NVME through awscrt (what botocore uses for S3's checksums), as a hasher."""
+class _Crc:
+    """A CRC through awscrt (what botocore uses for S3's checksums), as a hasher."""
 
-    def __init__(self) -> None:
+    def __init__(self, algorithm: str) -> None:
         from awscrt import checksums
 
-        self._crc, self._value = checksums.crc64nvme, 0
+        self._crc, self._value = getattr(checksums, algorithm), 0
+        self._digits = DIGEST_HEX_DIGITS[algorithm]
 
     def update(self, data: Any, /) -> None:
         self._value = self._crc(data, self._value)
 
     def hexdigest(self) -> str:
-        return f"{self._value:016x}"
+        return f"{self._value:0{self._digits}x}"
+
+
+CRC_ALGORITHMS = ("crc64nvme", "crc32c", "crc32")
+"""The digests that are CRCs: S3 publishes each of them for whole objects, and a file's CRC
+combines from its chunks' (`combine_crc`)."""
 
 
 def _xxh3_128() -> _Hasher:
@@ -57,7 +66,8 @@ def _xxh3_128() -> _Hasher:
 
 
 ALGORITHMS: dict[str, Callable[[], _Hasher]] = {
-    "sha256": hashlib.sha256, "crc64nvme": _Crc64Nvme, "xxh3-128": _xxh3_128,
+    "sha256": hashlib.sha256, "xxh3-128": _xxh3_128,
+    **{name: functools.partial(_Crc, name) for name in CRC_ALGORITHMS},
 }
 assert set(ALGORITHMS) == set(DIGEST_HEX_DIGITS)
 
@@ -69,15 +79,12 @@ def hexdigest(data: Any, algorithm: str = DEFAULT_ALGORITHM) -> str:
     return hasher.hexdigest()
 
 
-def crc64nvme_value(hex_digest: str) -> int:
-    return int(hex_digest, 16)
-
-
-def combine_crc64nvme(first: int, second: int, second_length: int) -> int:
-    """CRC64-NVME of A || B from the CRCs of A and B (no pass over the bytes)."""
+def combine_crc(algorithm: str, first: int, second: int, second_length: int) -> int:
+    """The CRC (one of `CRC_ALGORITHMS`) of A || B from the CRCs of A and B (no pass over the
+    bytes)."""
     from awscrt import checksums
 
-    return checksums.combine_crc64nvme(first, second, second_length)
+    return getattr(checksums, f"combine_{algorithm}")(first, second, second_length)
 
 
 def _hash_range(fd: int, offset: int, length: int,

@@ -20,7 +20,7 @@ from dlo_contract.cache.layout import relpath_problem
 MANIFEST_SCHEMA_VERSION = 1
 KINDS = ("checkpoint", "runtime")
 _HEX = frozenset("0123456789abcdef")
-DIGEST_HEX_DIGITS = {"sha256": 64, "crc64nvme": 16, "xxh3-128": 32}
+DIGEST_HEX_DIGITS = {"sha256": 64, "crc64nvme": 16, "crc32c": 8, "crc32": 8, "xxh3-128": 32}
 """The digest algorithms a manifest may name, with the length of their lowercase hex digests.
 `sha256` records use the format's first keys (`sha256`, `chunk_sha256`) and need no
 `algorithm`; every other algorithm is named in the record (`algorithm`, `digest`,
