@@ -114,9 +114,9 @@ def measure(args: argparse.Namespace, server: S3Server, work: Path) -> dict[str,
         "fill_to_bound_ratio": round(fill / min(ceiling, disk), 4),
         "stage_seconds": stages,
         "stage_seconds_note": "per fill, thread-seconds summed over the loader's threads: GET "
-                              "(16 readers at once, each hashing what it reads), digest (CRC64-NVME of "
-                              "chunks received from peers), write "
-                              "(positioned, O_DIRECT), exchange (none alone)",
+                              f"({args.readers} readers at once, each hashing what it reads), "
+                              "digest (the CRC of chunks received from peers), write (positioned, "
+                              "O_DIRECT, on a writer beside each reader), exchange (none alone)",
     }
 
 
