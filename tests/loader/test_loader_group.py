@@ -65,6 +65,7 @@ def test_fill_gives_every_node_the_same_bytes(
                 summary["cached"]) == ("ok", mode, rank, world, False)
         assert summary["bytes_from_store"] == counting[rank].object_bytes
         assert summary["bytes_from_peers"] == total - summary["bytes_from_store"]
+        assert summary["store_checksums"] == "all"  # the store's CRC32 (moto's default), combined
         node = fleet.tmp / f"node{rank}"
         assert json.loads((node / "termination-log").read_text()) == summary
         assert json.loads((node / "entry.json").read_text())["entry_id"] == summary["entry_id"]

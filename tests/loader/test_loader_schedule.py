@@ -127,16 +127,26 @@ def test_fetcher_delivers_every_chunk_in_parts_with_its_digest() -> None:
                              (1, 0, 3 * MIB)]
 
 
+@pytest.mark.parametrize(("listed", "checksum_type", "expected"), [
+    (["CRC32"], None, "crc32"), (["CRC32C"], "FULL_OBJECT", "crc32c"),
+    (["CRC64NVME"], None, "crc64nvme"), (["CRC32"], "COMPOSITE", "crc64nvme"),
+    (["SHA256"], None, "crc64nvme"), ([], None, "crc64nvme")])
+def test_an_objects_chunks_are_hashed_with_the_whole_object_crc_its_listing_names(
+        listed: list[str], checksum_type: str | None, expected: str) -> None:
+    assert digest.algorithm_for(listed, checksum_type) == expected
+
+
+@pytest.mark.parametrize("algorithm", ["crc64nvme", "crc32c", "crc32"])
 @pytest.mark.parametrize("cuts", [(), (1,), (4096, 4097), (1, 2, 3, 99_000)])
 def test_a_chunk_digest_from_the_running_crcs_of_its_parts_equals_one_pass(
-        cuts: tuple[int, ...]) -> None:
+        cuts: tuple[int, ...], algorithm: str) -> None:
     data = bytes(range(256)) * 390 + b"tail"
     bounds = [0, *cuts, len(data)]
-    parts = [(hi - lo, digest.extend(digest.extend(0, data[lo:(lo + hi) // 2], ALGORITHM),
-                                     data[(lo + hi) // 2:hi], ALGORITHM))
+    parts = [(hi - lo, digest.extend(digest.extend(0, data[lo:(lo + hi) // 2], algorithm),
+                                     data[(lo + hi) // 2:hi], algorithm))
              for lo, hi in zip(bounds, bounds[1:])]
-    assert digest.of_parts(parts, ALGORITHM) == chunk_digest(data, ALGORITHM)
-    assert digest.of_parts(parts[:-1], ALGORITHM) != chunk_digest(data, ALGORITHM)
+    assert digest.of_parts(parts, algorithm) == chunk_digest(data, algorithm)
+    assert digest.of_parts(parts[:-1], algorithm) != chunk_digest(data, algorithm)
 
 
 def test_fetcher_hands_a_failed_read_to_the_consumer() -> None:
