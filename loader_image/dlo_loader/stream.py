@@ -12,10 +12,9 @@ complete ones queued for the writers: with 16 readers and 16 MiB chunks, hundred
 memory the kernel clears page by page before the first byte lands (on the core the readers
 share), and the last chunks were written only after the last bytes arrived. Streamed, the
 memory is two `PIECE_BYTES` buffers per reader (64 MiB for 16), reused for every piece: while
-the writer puts one piece on disk the reader receives the next into the other, so the socket
-is drained during the write instead of after it (a reader that wrote its own pieces left its
-connection idle for every write, and the store's sender with it). A retry asks only for the
-bytes not delivered yet (`source.ObjectStore.stream`).
+the writer puts one piece on disk the reader receives the next into the other, instead of
+receiving nothing while it writes. A retry asks only for the bytes not delivered yet
+(`source.ObjectStore.stream`).
 """
 
 from __future__ import annotations
