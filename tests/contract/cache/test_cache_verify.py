@@ -16,6 +16,7 @@ from dlo_contract.cache import (
     Problem,
     chunk_digests,
     find_entry,
+    hexdigest,
     open_entry,
     sha256_file,
     verify_entry,
@@ -122,3 +123,21 @@ def test_a_missing_manifest_means_no_entry(root: CacheRoot) -> None:
     assert verify_entry(root, entry) == [
         Problem("manifest.json", None, "missing (the entry is incomplete or absent)")
     ]
+
+
+@pytest.mark.parametrize("algorithm", ["crc64nvme", "crc32c", "crc32", "xxh3-128"])
+def test_full_verify_checks_chunks_of_every_named_algorithm(root: CacheRoot,
+                                                            algorithm: str) -> None:
+    """The loader names the digest of each file (the CRC its store keeps, when it keeps one);
+    `verify` checks each, and a flipped byte is found in the chunk that holds it."""
+    digests = [hexdigest(BIG[i:i + CHUNK], algorithm) for i in range(0, len(BIG), CHUNK)]
+    big = FileRecord("weights/w.safetensors", len(BIG), chunk_bytes=CHUNK,
+                     chunk_digests=tuple(digests), algorithm=algorithm)
+    entry = publish_files(root, "s3://b/m/", {"weights/w.safetensors": BIG},
+                          **{"weights/w.safetensors": big})
+    assert verify_entry(root, entry, full=True) == []
+    _flip(root.entry_dir(entry) / "weights" / "w.safetensors", CHUNK + 7)
+    [problem] = verify_entry(root, entry, full=True)
+    assert (problem.file, problem.chunk) == ("weights/w.safetensors", 1)
+    assert problem.message.startswith(f"bytes {CHUNK}-{2 * CHUNK - 1}: {algorithm} ")
+    assert problem.message.endswith(f"does not match the manifest's {digests[1]}")
