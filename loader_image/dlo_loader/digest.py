@@ -29,14 +29,33 @@ ALGORITHM = "crc64nvme"
 _EXTEND = {name: getattr(checksums, name) for name in CRC_ALGORITHMS}
 
 
-def algorithm_for(store_algorithms: Iterable[str], checksum_type: str | None = None) -> str:
+def algorithm_for(store_algorithms: Iterable[str], checksum_type: str | None, *,
+                  multipart: bool) -> str:
     """The digest of an object's chunks from what its listing says of the store's checksum
     (`ChecksumAlgorithm`, `ChecksumType`): that CRC where the store keeps it for the whole
-    object, so the check before publication needs no second pass; else `ALGORITHM`."""
-    if checksum_type not in (None, "FULL_OBJECT"):  # a composite multipart checksum
+    object, so the check before publication needs no second pass; else `ALGORITHM`.
+
+    [Note: composite checksums] An object uploaded in parts may carry a checksum of its parts'
+    checksums (type COMPOSITE), which no combination of chunk CRCs gives; and a store need not
+    say which kind it keeps (moto states neither the type nor the `-N` suffix of the value).
+    A whole-object checksum is relied on only where it cannot be composite: the object was
+    written in one part (its ETag has no `-N`), or the store states FULL_OBJECT."""
+    if not full_object(checksum_type, multipart=multipart):
         return ALGORITHM
     named = [name.lower() for name in store_algorithms if name.lower() in CRC_ALGORITHMS]
     return named[0] if named else ALGORITHM
+
+
+def full_object(checksum_type: str | None, *, multipart: bool) -> bool:
+    """Whether a store checksum of this `checksum_type` (None: not stated) is of the whole
+    object's bytes (see [Note: composite checksums])."""
+    return checksum_type == "FULL_OBJECT" or (checksum_type is None and not multipart)
+
+
+def is_multipart(etag: str) -> bool:
+    """Whether an S3 ETag (quotes dropped) is a multipart upload's: `<hex>-<parts>`."""
+    _, dash, parts = etag.rpartition("-")
+    return bool(dash) and parts.isdigit()
 
 
 def chunk_digest(data: Any, algorithm: str) -> str:

@@ -147,8 +147,9 @@ class ObjectStore:
                 wanted = any(fnmatch.fnmatchcase(rel, p) for p in patterns)
                 if rel and not rel.endswith("/") and wanted:
                     found.append(ObjectIdentity(rel, int(item["Size"]), item["ETag"].strip('"')))
-                    algorithms[rel] = digest.algorithm_for(item.get("ChecksumAlgorithm", ()),
-                                                           item.get("ChecksumType"))
+                    algorithms[rel] = digest.algorithm_for(
+                        item.get("ChecksumAlgorithm", ()), item.get("ChecksumType"),
+                        multipart=digest.is_multipart(found[-1].etag))
         self.chunk_algorithms = algorithms
         if not found:
             raise SourceError(
@@ -177,9 +178,11 @@ class ObjectStore:
         named = [k[len("Checksum"):].lower() for k in head
                  if k.startswith("Checksum") and k != "ChecksumType"]
         crcs = [name for name in named if name in CRC_ALGORITHMS]
-        if not crcs or head.get("ChecksumType", "FULL_OBJECT") != "FULL_OBJECT":
-            return StoreChecksum(named[0] if named else None)  # a composite one: not comparable
-        value = head[f"Checksum{crcs[0].upper()}"]
+        whole = digest.full_object(head.get("ChecksumType"),
+                                   multipart=digest.is_multipart(obj.etag))
+        value = head[f"Checksum{crcs[0].upper()}"] if crcs else ""
+        if not crcs or not whole or "-" in value:  # a composite one: not comparable
+            return StoreChecksum(named[0] if named else None)
         return StoreChecksum(crcs[0], base64.b64decode(value).hex())
 
     def read(self, obj: ObjectIdentity, start: int, into: memoryview, algorithm: str) -> int:

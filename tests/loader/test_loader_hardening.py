@@ -238,6 +238,28 @@ def test_the_store_checksum_is_checked_and_said_in_the_summary(
         assert {f.name: f.algorithm for f in handle.manifest.files}["big.json"] == "crc64nvme"
 
 
+def test_a_multipart_object_is_checked_only_against_a_stated_full_object_checksum(
+    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """An object uploaded in parts (ETag `...-N`) may carry a checksum of its parts' checksums,
+    and a store need not say so (moto says neither the type nor the `-N`): unless the store
+    states FULL_OBJECT it is not compared (and not chosen as the chunk digest), never
+    mistaken for a damaged object."""
+    from boto3.s3.transfer import TransferConfig
+
+    source = tmp_path / "parts.bin"
+    source.write_bytes(os.urandom(12 << 20))
+    _client(s3).upload_file(str(source), BUCKET, "multipart/big.bin", Config=TransferConfig(
+        multipart_threshold=5 << 20, multipart_chunksize=5 << 20))
+    settings = settings_for("s3://models/multipart/", s3.endpoint_url, tmp_path / "cache",
+                            include=("*.bin",), chunk_bytes=1 << 20)
+    result = fill(FillRequest(settings=settings))
+    assert result.summary().store_checksums == "none"
+    with open_entry(tmp_path / "cache", result.entry_id) as handle:
+        assert [f.algorithm for f in handle.manifest.files] == ["crc64nvme"]
+        assert (handle.path / "big.bin").read_bytes() == source.read_bytes()
+
+
 @pytest.mark.parametrize("algorithm", ["CRC64NVME", "CRC32C", "CRC32"])
 def test_bytes_damaged_on_the_way_fail_the_store_check_and_publish_nothing(
     s3: S3Server, checkpoint: Checkpoint, tmp_path: Path, algorithm: str

@@ -127,13 +127,16 @@ def test_fetcher_delivers_every_chunk_in_parts_with_its_digest() -> None:
                              (1, 0, 3 * MIB)]
 
 
-@pytest.mark.parametrize(("listed", "checksum_type", "expected"), [
-    (["CRC32"], None, "crc32"), (["CRC32C"], "FULL_OBJECT", "crc32c"),
-    (["CRC64NVME"], None, "crc64nvme"), (["CRC32"], "COMPOSITE", "crc64nvme"),
-    (["SHA256"], None, "crc64nvme"), ([], None, "crc64nvme")])
+@pytest.mark.parametrize(("listed", "checksum_type", "etag", "expected"), [
+    (["CRC32"], None, "9b2c", "crc32"), (["CRC32C"], "FULL_OBJECT", "9b2c", "crc32c"),
+    (["CRC64NVME"], None, "9b2c", "crc64nvme"), (["CRC32"], "COMPOSITE", "9b2c-3", "crc64nvme"),
+    (["CRC32"], None, "9b2c-3", "crc64nvme"), (["CRC32"], "FULL_OBJECT", "9b2c-3", "crc32"),
+    (["SHA256"], None, "9b2c", "crc64nvme"), ([], None, "9b2c", "crc64nvme")])
 def test_an_objects_chunks_are_hashed_with_the_whole_object_crc_its_listing_names(
-        listed: list[str], checksum_type: str | None, expected: str) -> None:
-    assert digest.algorithm_for(listed, checksum_type) == expected
+        listed: list[str], checksum_type: str | None, etag: str, expected: str) -> None:
+    """A multipart object's checksum counts only where the store states FULL_OBJECT."""
+    multipart = digest.is_multipart(etag)
+    assert digest.algorithm_for(listed, checksum_type, multipart=multipart) == expected
 
 
 @pytest.mark.parametrize("algorithm", ["crc64nvme", "crc32c", "crc32"])
