@@ -19,8 +19,7 @@ from typing import Any
 
 from awscrt import checksums
 
-from dlo_contract.cache import CRC_ALGORITHMS, combine_crc, hexdigest
-from dlo_contract.cache.manifest import DIGEST_HEX_DIGITS
+from dlo_contract.cache import CRC_ALGORITHMS, combine_crc, crc_hex, hexdigest
 
 from dlo_loader.errors import SourceError
 
@@ -86,11 +85,12 @@ def of_parts(parts: Sequence[tuple[int, int]], algorithm: str) -> str:
     value = 0
     for length, part in parts:
         value = combine(value, part, length, algorithm)
-    return _hex(value, algorithm)
+    return crc_hex(value, algorithm)
 
 
-def _hex(value: int, algorithm: str) -> str:
-    return f"{value:0{DIGEST_HEX_DIGITS[algorithm]}x}"
+def of_running(value: int, algorithm: str) -> str:
+    """The digest of a chunk whose bytes were hashed in one running CRC `value` (`extend`)."""
+    return crc_hex(value, algorithm)
 
 
 @dataclass(frozen=True)
@@ -119,10 +119,8 @@ class StoreCheck:
 
 def combined(lengths: Sequence[int], digests: Sequence[str], algorithm: str) -> str:
     """The CRC of a whole file from its chunks' (in order)."""
-    value = 0
-    for length, digest in zip(lengths, digests, strict=True):
-        value = combine(value, int(digest, 16), length, algorithm)
-    return _hex(value, algorithm)
+    return of_parts([(length, int(digest, 16))
+                     for length, digest in zip(lengths, digests, strict=True)], algorithm)
 
 
 def check_store(files: Sequence[tuple[str, str, Sequence[int], Sequence[str]]],

@@ -137,8 +137,7 @@ class ChunkStreams:
         self._progress.timed("get", time.monotonic() - began - waiting[0])
         self._progress.timed("write", writing[0])
         with self._cond:
-            self.digests[chunk.index] = digest.of_parts([(chunk.length, value)],
-                                                        self._algorithms[chunk.file])
+            self.digests[chunk.index] = digest.of_running(value, self._algorithms[chunk.file])
 
 
 class _Writer:

@@ -44,14 +44,19 @@ class _Crc:
     def __init__(self, algorithm: str) -> None:
         from awscrt import checksums
 
+        self._algorithm = algorithm
         self._crc, self._value = getattr(checksums, algorithm), 0
-        self._digits = DIGEST_HEX_DIGITS[algorithm]
 
     def update(self, data: Any, /) -> None:
         self._value = self._crc(data, self._value)
 
     def hexdigest(self) -> str:
-        return f"{self._value:0{self._digits}x}"
+        return crc_hex(self._value, self._algorithm)
+
+
+def crc_hex(value: int, algorithm: str) -> str:
+    """A CRC's value as a manifest writes its digest (fixed-width lowercase hex)."""
+    return f"{value:0{DIGEST_HEX_DIGITS[algorithm]}x}"
 
 
 CRC_ALGORITHMS = ("crc64nvme", "crc32c", "crc32")
