@@ -155,9 +155,11 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             payload = payload[:middle] + bytes([payload[middle] ^ 0xFF]) + payload[middle + 1:]
         self.send_response(status, reason)
         for name, value in headers:
-            if name.lower() not in _HOP_BY_HOP:
+            kept = self.command == "HEAD" and name.lower() == "content-length"
+            if kept or name.lower() not in _HOP_BY_HOP:
                 self.send_header(name, value)
-        self.send_header("Content-Length", str(len(payload)))
+        if self.command != "HEAD":  # a HEAD's length is the object's, as upstream said
+            self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
         if fault == "reset":
             self._reset_after(payload[: len(payload) // 2])

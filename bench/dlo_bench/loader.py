@@ -10,13 +10,17 @@ loader's own sink (so with the direct writes the loader uses). Correctness
 first (the published files equal the source, digests verified), one warm-up, then ceiling, disk
 and fill runs interleaved so drift hits all alike. The figure asked for is `fill_to_ceiling_ratio`
 (median fill throughput / median GET ceiling); `fill_to_bound_ratio` divides by the slower of the
-GET ceiling and the disk instead. `--json` prints one JSON object as the last line,
-with the commit, the machine and the parameters. Must not be imported by the planes.
+GET ceiling and the disk instead. Each run also counts CPU-seconds, of this process (the
+ceiling's client, the fill's loader) and of the server, so what a fill costs beyond reading is
+visible apart from how the two processes shared the cores. `--json` prints one JSON object as
+the last line, with the commit, the machine and the parameters. Must not be imported by the
+planes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -30,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import botocore.session
+import psutil
 from botocore.config import Config
 from dlo_loader.fetch import chunk_buffer
 from dlo_loader.fill import FillRequest, fill
@@ -42,6 +47,7 @@ from dlo_bench import provenance
 from dlo_bench.s3server import DUMMY_CREDENTIALS, S3Server, start_ministack, upload_tree
 
 MIB = 1 << 20
+GIB = 1 << 30
 BUCKET = "bench"
 PREFIX = "ckpt"
 
@@ -83,12 +89,17 @@ def measure(args: argparse.Namespace, server: S3Server, work: Path) -> dict[str,
     total = sum(p.stat().st_size for p in (work / "source").iterdir())
     ranges = _ranges(server, args.chunk_bytes)
     correct = _check_fill(args, server, work / "cache-check", digests)
-    _ceiling(server, ranges, args.readers)  # warm-up: connections, server caches
+    meter = _Meter(server)
+    _ceiling(server, ranges, args.readers, meter)  # warm-up: connections, server caches
     ceiling_s, disk_s, fill_s, stages = [], [], [], []
+    cpu: dict[str, list[dict[str, float]]] = {"ceiling": [], "disk": [], "fill": []}
     for repeat in range(args.repeats):
-        ceiling_s.append(_ceiling(server, ranges, args.readers))
-        disk_s.append(_disk(work / "disk", total, args.chunk_bytes))
-        seconds, stage_seconds = _fill(args, server, work / f"cache-{repeat}")
+        ceiling_s.append(_ceiling(server, ranges, args.readers, meter))
+        cpu["ceiling"].append(meter.cpu)
+        disk_s.append(_disk(work / "disk", total, args.chunk_bytes, meter))
+        cpu["disk"].append(meter.cpu)
+        seconds, stage_seconds = _fill(args, server, work / f"cache-{repeat}", meter)
+        cpu["fill"].append(meter.cpu)
         fill_s.append(seconds)
         stages.append(stage_seconds)
     ceiling = total / statistics.median(ceiling_s)
@@ -112,12 +123,48 @@ def measure(args: argparse.Namespace, server: S3Server, work: Path) -> dict[str,
         "fill_bytes_per_s": round(fill),
         "fill_to_ceiling_ratio": round(fill / ceiling, 4),
         "fill_to_bound_ratio": round(fill / min(ceiling, disk), 4),
+        "cpu_seconds_per_gib": {
+            kind: {side: round(statistics.median(run[side] for run in runs) * GIB / total, 3)
+                   for side in ("client", "server")}
+            for kind, runs in cpu.items()},
+        "cpu_seconds_per_gib_note": "median per run, per GiB moved: client is this process "
+                                    "(the ceiling's GETs, the disk probe's writes, the whole "
+                                    "fill), server the S3 server's processes",
         "stage_seconds": stages,
         "stage_seconds_note": "per fill, thread-seconds summed over the loader's threads: GET "
                               f"({args.readers} readers at once, each hashing what it reads), "
                               "digest (the CRC of chunks received from peers), write (positioned, "
                               "O_DIRECT, on a writer beside each reader), exchange (none alone)",
     }
+
+
+class _Meter:
+    """Over a `with` block: its wall seconds, and the CPU-seconds (user + system) this process
+    and the server spent in it."""
+
+    def __init__(self, server: S3Server) -> None:
+        self._server = psutil.Process(server.process.pid)
+        self.seconds = 0.0
+        self.cpu: dict[str, float] = {}
+        self._started: tuple[float, dict[str, float]] = (0.0, {})
+
+    def __enter__(self) -> _Meter:
+        self._started = (time.perf_counter(), self._cpu_now())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        began, before = self._started
+        self.seconds = time.perf_counter() - began
+        after = self._cpu_now()
+        self.cpu = {side: round(after[side] - before[side], 4) for side in after}
+
+    def _cpu_now(self) -> dict[str, float]:
+        server = 0.0
+        for process in (self._server, *self._server.children(recursive=True)):
+            with contextlib.suppress(psutil.Error):  # a child that just ended
+                times = process.cpu_times()
+                server += times.user + times.system
+        return {"client": time.process_time(), "server": server}
 
 
 def _write_checkpoint(directory: Path, total: int, files: int) -> dict[str, str]:
@@ -164,16 +211,12 @@ def _ranges(server: S3Server, chunk_bytes: int) -> list[tuple[str, int, int]]:
             for item in listing["Contents"] for start in range(0, item["Size"], chunk_bytes)]
 
 
-def _ceiling(server: S3Server, ranges: list[tuple[str, int, int]], readers: int) -> float:
+def _ceiling(server: S3Server, ranges: list[tuple[str, int, int]], readers: int,
+             meter: _Meter) -> float:
     """Seconds to GET every range with `readers` threads, reading each body and dropping it,
     from creating the client on (the fill's time includes its client too). The client comes from
     a fresh botocore session, as the loader's does (a fresh process has no service model
     loaded); a pool of `readers` connections, as the loader's."""
-    started = time.perf_counter()
-    client = botocore.session.get_session().create_client(
-        "s3", endpoint_url=server.endpoint_url,
-        config=Config(s3={"addressing_style": "path"}, max_pool_connections=readers))
-
     def get(item: tuple[str, int, int]) -> int:
         key, start, length = item
         body = client.get_object(Bucket=BUCKET, Key=key,
@@ -183,39 +226,41 @@ def _ceiling(server: S3Server, ranges: list[tuple[str, int, int]], readers: int)
             got += len(piece)
         return got
 
-    with ThreadPoolExecutor(max_workers=readers) as pool:
-        got = sum(pool.map(get, ranges))
-    elapsed = time.perf_counter() - started
+    with meter:
+        client = botocore.session.get_session().create_client(
+            "s3", endpoint_url=server.endpoint_url,
+            config=Config(s3={"addressing_style": "path"}, max_pool_connections=readers))
+        with ThreadPoolExecutor(max_workers=readers) as pool:
+            got = sum(pool.map(get, ranges))
     if got != sum(r[2] for r in ranges):
         raise RuntimeError(f"ceiling run read {got} bytes, expected {sum(r[2] for r in ranges)}")
-    return elapsed
+    return meter.seconds
 
 
-def _disk(directory: Path, total: int, chunk_bytes: int) -> float:
+def _disk(directory: Path, total: int, chunk_bytes: int, meter: _Meter) -> float:
     """Seconds to write and fsync `total` bytes where the cache goes, chunk by chunk through the
     loader's own sink (direct writes where the filesystem allows): the node's other limit."""
     directory.mkdir(exist_ok=True)
     block = chunk_buffer(chunk_bytes)  # the loader's own kind of buffer
     block.write(os.urandom(chunk_bytes))
-    started = time.perf_counter()
-    sink = FileSink(directory, [ObjectIdentity("probe", total, "")])
-    try:
-        for number, offset in enumerate(range(0, total, chunk_bytes)):
-            length = min(chunk_bytes, total - offset)
-            chunk = Chunk(index=number, file=0, number=number, offset=offset, length=length,
-                          owner=0)
-            sink.write(chunk, memoryview(block)[:length])
-    finally:
-        sink.close()
-    fd = os.open(directory / "probe", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    elapsed = time.perf_counter() - started
+    with meter:
+        sink = FileSink(directory, [ObjectIdentity("probe", total, "")])
+        try:
+            for number, offset in enumerate(range(0, total, chunk_bytes)):
+                length = min(chunk_bytes, total - offset)
+                chunk = Chunk(index=number, file=0, number=number, offset=offset, length=length,
+                              owner=0)
+                sink.write(chunk, memoryview(block)[:length])
+        finally:
+            sink.close()
+        fd = os.open(directory / "probe", os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     (directory / "probe").unlink()
     _settle_disk()
-    return elapsed
+    return meter.seconds
 
 
 def _settings(args: argparse.Namespace, server: S3Server, root: Path) -> Settings:
@@ -226,16 +271,15 @@ def _settings(args: argparse.Namespace, server: S3Server, root: Path) -> Setting
     )
 
 
-def _fill(args: argparse.Namespace, server: S3Server,
-          root: Path) -> tuple[float, dict[str, float]]:
+def _fill(args: argparse.Namespace, server: S3Server, root: Path,
+          meter: _Meter) -> tuple[float, dict[str, float]]:
     """Seconds for one complete fill (list, read, hash, write, validate, publish), and where
     the loader's threads spent them."""
-    started = time.perf_counter()
-    result = fill(FillRequest(settings=_settings(args, server, root)))
-    elapsed = time.perf_counter() - started
+    with meter:
+        result = fill(FillRequest(settings=_settings(args, server, root)))
     shutil.rmtree(root)
     _settle_disk()
-    return elapsed, {k: round(v, 3) for k, v in (result.stage_seconds or {}).items()}
+    return meter.seconds, {k: round(v, 3) for k, v in (result.stage_seconds or {}).items()}
 
 
 def _settle_disk() -> None:
@@ -264,6 +308,9 @@ def _print(report: dict[str, Any], as_json: bool) -> None:
           f"(runs: {report['fill_seconds']} s)")
     print(f"disk write+fsync where the cache goes: {report['disk_write_bytes_per_s'] / 1e9:.3f} "
           f"GB/s (runs: {report['disk_seconds']} s)")
+    cpu = report["cpu_seconds_per_gib"]
+    print("CPU-seconds per GiB (this process / the server): " + ", ".join(
+        f"{kind} {sides['client']:.2f} / {sides['server']:.2f}" for kind, sides in cpu.items()))
     print(f"where the fill's time went (thread-seconds per run): {report['stage_seconds']}")
     print(f"fill_to_ceiling_ratio: {report['fill_to_ceiling_ratio']:.3f}; fill_to_bound_ratio "
           f"(against the slower of GETs and disk): {report['fill_to_bound_ratio']:.3f}")

@@ -71,8 +71,8 @@ class FillSummary:
     cached: bool | None = None
     """True when the entry was on the node already: nothing was read."""
     store_checksums: str | None = None
-    """`all`/`some`/`none`: whether the bytes read matched the store's own whole-object
-    checksums (objects of at least one chunk)."""
+    """`all`/`some`/`none`: whether the bytes read matched the store's own checksums, of whole
+    objects or of their upload's parts (objects of at least one chunk)."""
     stage_seconds: dict[str, float] | None = None
     """Where the fill's time went, thread-seconds per stage: get, digest, write, exchange."""
     error: str | None = None

@@ -97,8 +97,9 @@ class FillResult:
     seconds: float
     cached: bool
     store_checksums: str = "none"
-    """`all`/`some`/`none`: whether the bytes were checked against the store's own whole-object
-    checksums (see `digest`); `none` also for a fill that read nothing."""
+    """`all`/`some`/`none`: whether the bytes were checked against the store's own checksums
+    (of whole objects or of their parts, see `digest`); `none` also for a fill that read
+    nothing."""
     stage_seconds: dict[str, float] | None = None
     """Thread-seconds per stage (`progress.STAGES`); None for a cached entry."""
 
@@ -201,7 +202,8 @@ class _Fill:
             try:
                 plan = early[0] if early else build_plan(
                     files, mode=mode, world_size=self.request.world_size,
-                    chunk_bytes=self.loader.chunk_bytes, algorithms=self.store.chunk_algorithms)
+                    chunk_bytes=self.loader.chunk_bytes, algorithms=self.store.chunk_algorithms,
+                    part_bytes=self.store.part_bytes)
                 self._transfer(pub, plan, group, identity, early[1] if early else None, fetched)
             finally:
                 if group is not None:
@@ -292,7 +294,8 @@ class _Fill:
             return None
         plan = build_plan(files, mode=self.loader.mode, world_size=self.request.world_size,
                           chunk_bytes=self.loader.chunk_bytes,
-                          algorithms=self.store.chunk_algorithms)
+                          algorithms=self.store.chunk_algorithms,
+                          part_bytes=self.store.part_bytes)
         return plan, self._exchange(pub, plan, grouped=True)
 
     def _exchange(self, pub: Publication, plan: Plan, *, grouped: bool,
@@ -328,7 +331,7 @@ class _Fill:
         beside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlo-checksums")
         try:
             published = None if pub.existing is not None else beside.submit(
-                self.store.checksums, plan.files, min_bytes=plan.chunk_bytes)
+                self.store.checksums, _checked_files(plan))
             try:
                 if group is not None:
                     _agree(group, plan.fingerprint)
@@ -353,17 +356,22 @@ class _Fill:
 
     def _check(self, directory: Path | None, plan: Plan, digests: list[str],
                published: dict[str, digests_of.StoreChecksum]) -> tuple[list[FileRecord], int]:
-        """Headers, then the store's whole-object checksums (`published`), then the manifest
-        records."""
+        """Headers, then the store's checksums (`published`), then the manifest records."""
         checked = _check_files(directory, plan, digests, str(self.uri))
         files = []
         for index, obj in enumerate(plan.files):
             chunks = [c for c in plan.chunks if c.file == index]
-            files.append((obj.key, plan.algorithms[index], [c.length for c in chunks],
-                          [digests[c.index] for c in chunks]))
-        self.store_check = digests_of.check_store(files, published, str(self.uri))
-        log.info("store checksums: %d object(s) match the store's whole-object CRC, %d without "
-                 "one", self.store_check.checked, self.store_check.unavailable)
+            files.append(digests_of.FileDigests(
+                obj.key, plan.algorithms[index], [c.length for c in chunks],
+                [digests[c.index] for c in chunks], plan.part_bytes[index]))
+        by_key = {obj.key: obj for obj in plan.files}
+        self.store_check = digests_of.check_store(
+            files, published, str(self.uri),
+            layout_holds=lambda key, part_bytes: self.store.layout_holds(by_key[key],
+                                                                         part_bytes))
+        log.info("store checksums: %d object(s) match the store's CRC (of the whole object or of "
+                 "its parts), %d without one", self.store_check.checked,
+                 self.store_check.unavailable)
         return checked
 
     def _streamer(self, plan: Plan) -> Streamer:
@@ -449,9 +457,16 @@ def _check_files(directory: Path | None, plan: Plan, digests: list[str],
     for index, obj in enumerate(plan.files):
         if obj.key.endswith(".safetensors"):
             tensors += len(read_header(directory / obj.key, source + obj.key).tensors)
-        records.append(_record(obj, plan.chunk_bytes, by_file.get(index, []),
+        records.append(_record(obj, plan.file_chunk_bytes[index], by_file.get(index, []),
                                plan.algorithms[index]))
     return records, tensors
+
+
+def _checked_files(plan: Plan) -> list[ObjectIdentity]:
+    """The objects whose store checksum the fill compares: those of more than one chunk, or cut
+    at their parts (a single chunk is compared across ranks only)."""
+    return [obj for obj, cut, parts in zip(plan.files, plan.file_chunk_bytes, plan.part_bytes)
+            if obj.size >= cut or parts is not None]
 
 
 def _record(obj: ObjectIdentity, chunk_bytes: int, chunk_digests: list[str],

@@ -4,7 +4,8 @@ them.
 Owns a pure function of (listing, mode, world size, chunk size), so every rank computes the same
 plan without talking; `Plan.fingerprint` lets the group confirm that. Files are cut into chunks at
 multiples of `chunk_bytes` (the same chunks the manifest hashes), never at tensor boundaries, so a
-large tensor is spread over several ranks. Modes: `multi-reader` balances bytes over all ranks
+large tensor is spread over several ranks; an object whose store checksum is of its upload's
+parts is cut at its part boundaries instead (`chunk_bytes_for_parts`). Modes: `multi-reader` balances bytes over all ranks
 (largest chunks first, each to the least-loaded rank: no rank ends more than one chunk above the
 mean); `single-reader` gives rank 0 everything; `independent` is a group of one. Round `k` of the
 exchange moves the `k`-th chunk of every rank that has one round the ring. Called by `fill`
@@ -44,10 +45,17 @@ class Plan:
     mode: str
     world_size: int
     chunk_bytes: int
+    """The largest chunk: what a chunk buffer holds."""
     files: tuple[ObjectIdentity, ...]
     chunks: tuple[Chunk, ...]
     algorithms: tuple[str, ...]
     """Per file: the digest of its chunks (`digest.algorithm_for`)."""
+    file_chunk_bytes: tuple[int, ...]
+    """Per file: where its chunks are cut (`chunk_bytes`, or less for an object cut at its
+    parts), as its manifest record says."""
+    part_bytes: tuple[int | None, ...]
+    """Per file: the size of its upload's parts (all but the last) where the store's checksum
+    of it is of its parts, else None."""
 
     @property
     def total_bytes(self) -> int:
@@ -80,7 +88,8 @@ class Plan:
         """SHA-256 of everything that must agree across ranks."""
         described = {
             "mode": self.mode, "world_size": self.world_size, "chunk_bytes": self.chunk_bytes,
-            "files": [[f.key, f.size, f.etag, a] for f, a in zip(self.files, self.algorithms)],
+            "files": [[f.key, f.size, f.etag, a, c, p] for f, a, c, p in zip(
+                self.files, self.algorithms, self.file_chunk_bytes, self.part_bytes)],
             "owners": [c.owner for c in self.chunks],
         }
         return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
@@ -89,18 +98,24 @@ class Plan:
 def build_plan(
     files: tuple[ObjectIdentity, ...] | list[ObjectIdentity], *, mode: str, world_size: int,
     chunk_bytes: int, algorithms: Mapping[str, str] | None = None,
+    part_bytes: Mapping[str, int] | None = None,
 ) -> Plan:
     """Cut `files` into chunks and assign each an owner rank according to `mode`; `algorithms`:
-    the digest of each file's chunks by key (`digest.ALGORITHM` for a file not named)."""
+    the digest of each file's chunks by key (`digest.ALGORITHM` for a file not named);
+    `part_bytes`: by key, the part size of each object to cut at its parts."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {MODES}")
     if world_size < 1 or chunk_bytes < 1:
         raise ValueError(f"world_size={world_size} and chunk_bytes={chunk_bytes} must be >= 1")
     ordered = tuple(sorted(files, key=lambda f: f.key))
+    cut_at_parts = [(p, chunk_bytes_for_parts(p, chunk_bytes) if p else None)
+                    for p in ((part_bytes or {}).get(f.key) for f in ordered)]
+    parts = tuple(p if cut else None for p, cut in cut_at_parts)
+    cuts = tuple(cut or chunk_bytes for _, cut in cut_at_parts)
     pieces = [
-        (file_index, number, offset, min(chunk_bytes, obj.size - offset))
-        for file_index, obj in enumerate(ordered)
-        for number, offset in enumerate(range(0, obj.size, chunk_bytes))
+        (file_index, number, offset, min(cut, obj.size - offset))
+        for file_index, (obj, cut) in enumerate(zip(ordered, cuts))
+        for number, offset in enumerate(range(0, obj.size, cut))
     ]
     group = 1 if mode == "independent" else world_size
     if mode == "multi-reader":
@@ -113,7 +128,23 @@ def build_plan(
     )
     named = algorithms or {}
     return Plan(mode=mode, world_size=group, chunk_bytes=chunk_bytes, files=ordered, chunks=chunks,
-                algorithms=tuple(named.get(f.key, ALGORITHM) for f in ordered))
+                algorithms=tuple(named.get(f.key, ALGORITHM) for f in ordered),
+                file_chunk_bytes=cuts, part_bytes=parts)
+
+
+def chunk_bytes_for_parts(part_bytes: int, chunk_bytes: int) -> int | None:
+    """Where to cut an object uploaded in parts of `part_bytes` (the last may be shorter) so that
+    every part boundary is a chunk boundary and no chunk exceeds `chunk_bytes`: the part size
+    divided by the fewest parts that fit (a part of 8 MiB is one chunk, of 100 MiB with 16 MiB
+    chunks eight of 12.5 MiB); None where that takes chunks under half the size that would fit
+    (a part size with no divisor near it: the object is cut as any other). Only cut this way
+    can a part's CRC be combined from its chunks' (see [Note: composite checksums] in
+    `digest`)."""
+    fewest = -(-part_bytes // chunk_bytes)
+    for count in range(fewest, 2 * fewest + 1):
+        if part_bytes % count == 0:
+            return part_bytes // count
+    return None
 
 
 def _balance(lengths: list[int], ranks: int) -> list[int]:

@@ -10,22 +10,23 @@ an object replaced mid-fill is an error, never a mixed file; bodies go straight 
 buffer (see [Note: one copy]). A body that sends no bytes for `stall_timeout_s` is abandoned and
 its range asked again at once on a new connection. Running out of descriptors or disk
 (`EMFILE`, `ENOSPC`) is this node's problem, not the store's: raised as `LocalResourceError` at
-once, never retried. `checksums` asks the store for its whole-object checksums (HEAD with
-`ChecksumMode=ENABLED`). Called by `fill`. Must not log or raise anything that
+once, never retried. `checksums` asks the store for its checksums of objects (HEAD with
+`ChecksumMode=ENABLED`), `list` for the part size of objects uploaded in parts (HEAD with
+`PartNumber=1`). Called by `fill`. Must not log or raise anything that
 carries a credential, and must not write files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fnmatch
 import http.client
 import logging
 import random
-import base64
-import contextlib
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -40,16 +41,24 @@ from dlo_loader import digest, metrics
 from dlo_loader.digest import StoreChecksum
 from dlo_loader.errors import LocalResourceError, SourceChanged, SourceError, SourceUnavailable
 from dlo_contract.cache import CRC_ALGORITHMS, ObjectIdentity
+from dlo_contract.settings import STREAM_PIECE_BYTES
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 _PIECE_BYTES = 1 << 20
 """Read size on the public path: a piece stays in the CPU cache between urllib3's two copies."""
-_DIRECT_PIECE_BYTES = 256 << 10
-"""Most bytes one socket read delivers on the direct path: small enough to still be in the
-core's cache when they are hashed (a socket with a full receive buffer would otherwise hand
-over several MiB at once), large enough that the reads cost nothing next to the copy."""
+_DIRECT_PIECE_BYTES = STREAM_PIECE_BYTES
+"""Most bytes one read asks for on the direct path (`http.client`'s buffered reader loops on the
+socket until they are all in), then hashed at once: a reading alone's whole piece. [Note: read
+size] Smaller reads cost more than their calls: reading 1 GiB from ministack in 256 KiB reads,
+each hashed, took 0.94 CPU-seconds of the client against 0.85 in 2 MiB reads (16 readers, the
+median of 8 alternating rounds of a scratch script). The kernel sizes a socket's receive buffer
+by how much the reader takes at once (`ss -tmi` during fills: about 3 MB with 256 KiB reads,
+17 MB with 2 MiB), so small reads drain a small buffer in more, smaller steps. 2 MiB is still
+in a core's L2 cache, or its share of L3, when it is hashed."""
+_HEADS_AT_ONCE = 16
+"""Most part HEADs a listing sends at once (one per object cut at its parts)."""
 _BACKOFF_BASE_S = 0.1
 _BACKOFF_CAP_S = 5.0
 _THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
@@ -119,6 +128,10 @@ class ObjectStore:
         self.chunk_algorithms: dict[str, str] = {}
         """By relative key, from the last `list`: the digest of each object's chunks, the CRC
         the listing says the store keeps for it (`digest.algorithm_for`)."""
+        self.part_bytes: dict[str, int] = {}
+        """By relative key, from the last `list`: the part size of each object whose store
+        checksum may be of its parts and whose layout allows checking it (see [Note: composite
+        checksums] in `digest`)."""
         config = Config(
             s3={"addressing_style": "path" if path_style else "auto"},
             # Our own retry loop knows about short bodies and the fill deadline: one attempt here.
@@ -138,39 +151,89 @@ class ObjectStore:
         self._client.close()
 
     def list(self, include: Iterable[str]) -> list[ObjectIdentity]:
-        """Objects under the prefix whose relative key matches a glob (`*` also matches `/`)."""
+        """Objects under the prefix whose relative key matches a glob (`*` also matches `/`);
+        each one's chunk digest, and the part size of those whose store checksum may be of
+        their parts (a HEAD of the first part of each, at once)."""
         patterns = tuple(include)
-        found, algorithms = [], {}
+        found, algorithms, of_parts = [], {}, {}
         for page in self._retrying(f"listing {self.uri}", lambda: self._pages()):
             for item in page:
                 rel = item["Key"][len(self.uri.prefix):]
                 wanted = any(fnmatch.fnmatchcase(rel, p) for p in patterns)
                 if rel and not rel.endswith("/") and wanted:
-                    found.append(ObjectIdentity(rel, int(item["Size"]), item["ETag"].strip('"')))
-                    algorithms[rel] = digest.algorithm_for(
-                        item.get("ChecksumAlgorithm", ()), item.get("ChecksumType"),
-                        multipart=digest.is_multipart(found[-1].etag))
-        self.chunk_algorithms = algorithms
+                    obj = ObjectIdentity(rel, int(item["Size"]), item["ETag"].strip('"'))
+                    found.append(obj)
+                    said = (item.get("ChecksumAlgorithm", ()), item.get("ChecksumType"))
+                    multipart = digest.is_multipart(obj.etag)
+                    algorithms[rel] = digest.algorithm_for(*said, multipart=multipart)
+                    crc = digest.of_parts_algorithm(*said, multipart=multipart)
+                    if crc is not None:
+                        of_parts[obj] = crc
         if not found:
             raise SourceError(
                 f"no object under {self.uri} matches loader.include={list(patterns)}",
                 hint="check loader.source and loader.include",
             )
+        self.part_bytes = {}
+        if of_parts:
+            with ThreadPoolExecutor(max_workers=min(len(of_parts), _HEADS_AT_ONCE)) as pool:
+                sizes = dict(zip(of_parts, pool.map(self._even_part_bytes, of_parts)))
+            for obj, size in sizes.items():
+                if size is not None:
+                    self.part_bytes[obj.key], algorithms[obj.key] = size, of_parts[obj]
+        self.chunk_algorithms = algorithms
         return sorted(found, key=lambda o: o.key)
+
+    def _even_part_bytes(self, obj: ObjectIdentity) -> int | None:
+        """The size of `obj`'s first part where its parts can be even (every one but the last
+        of that size, as SDKs upload), else None."""
+        count = int(obj.etag.rpartition("-")[2])
+        head = self._part_head(obj, 1)
+        if head is None or int(head.get("PartsCount") or 0) != count:
+            return None
+        size = int(head["ContentLength"])
+        last = obj.size - (count - 1) * size
+        return size if 0 < last <= size else None
+
+    def layout_holds(self, obj: ObjectIdentity, part_bytes: int) -> bool:
+        """Whether every part of `obj` but the last has `part_bytes` (a HEAD of each)."""
+        count = int(obj.etag.rpartition("-")[2])
+        for number in range(1, count + 1):
+            head = self._part_head(obj, number)
+            expected = part_bytes if number < count else obj.size - (count - 1) * part_bytes
+            if head is None or int(head["ContentLength"]) != expected:
+                log.info("%s%s: part %d is not %d bytes; its store checksum (of its parts) is "
+                         "not checked", self.uri, obj.key, number, expected)
+                return False
+        return True
+
+    def _part_head(self, obj: ObjectIdentity, number: int) -> dict | None:
+        """HEAD of part `number` of `obj`; None where the store answers a part number with a
+        client error (it keeps no parts). Without `If-Match`: a store may compare it with the
+        part's own ETag (moto does); the GETs, which send it, find an object replaced since."""
+        def head() -> dict | None:
+            try:
+                return self._client.head_object(
+                    Bucket=self.uri.bucket, Key=self.uri.prefix + obj.key, PartNumber=number)
+            except bexc.ClientError as exc:
+                status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+                if status in (400, 416, 501):
+                    return None
+                raise
+
+        return self._retrying(f"{self.uri}{obj.key} part {number}", head)
 
     def _pages(self) -> list[list[dict]]:
         paginator = self._client.get_paginator("list_objects_v2")
         pages = paginator.paginate(Bucket=self.uri.bucket, Prefix=self.uri.prefix)
         return [page.get("Contents", []) for page in pages]
 
-    def checksums(self, files: Sequence[ObjectIdentity], *,
-                  min_bytes: int) -> dict[str, StoreChecksum]:
-        """The store's whole-object checksum of every object of at least `min_bytes` (the
-        others are single chunks, compared across ranks only), by key. One HEAD at a time, on
-        the pool's one connection beyond the readers': `fill` runs this beside the transfer."""
+    def checksums(self, files: Sequence[ObjectIdentity]) -> dict[str, StoreChecksum]:
+        """The store's checksum of every object of `files`, by key. One HEAD at a time, on the
+        pool's one connection beyond the readers': `fill` runs this beside the transfer."""
         return {obj.key: self._retrying(f"{self.uri}{obj.key} checksum",
                                         lambda: self._checksum(obj))
-                for obj in files if obj.size >= min_bytes}
+                for obj in files}
 
     def _checksum(self, obj: ObjectIdentity) -> StoreChecksum:
         head = self._client.head_object(Bucket=self.uri.bucket, Key=self.uri.prefix + obj.key,
@@ -178,12 +241,11 @@ class ObjectStore:
         named = [k[len("Checksum"):].lower() for k in head
                  if k.startswith("Checksum") and k != "ChecksumType"]
         crcs = [name for name in named if name in CRC_ALGORITHMS]
-        whole = digest.full_object(head.get("ChecksumType"),
-                                   multipart=digest.is_multipart(obj.etag))
-        value = head[f"Checksum{crcs[0].upper()}"] if crcs else ""
-        if not crcs or not whole or "-" in value:  # a composite one: not comparable
+        if not crcs:
             return StoreChecksum(named[0] if named else None)
-        return StoreChecksum(crcs[0], base64.b64decode(value).hex())
+        return digest.store_checksum(crcs[0], head[f"Checksum{crcs[0].upper()}"],
+                                     head.get("ChecksumType"),
+                                     multipart=digest.is_multipart(obj.etag))
 
     def read(self, obj: ObjectIdentity, start: int, into: memoryview, algorithm: str) -> int:
         """Fill `into` with bytes `[start, start+len(into))` of `obj`, exactly, and return their

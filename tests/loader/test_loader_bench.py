@@ -40,6 +40,12 @@ def test_report_checks_correctness_and_names_the_ratio(s3: S3Server, tmp_path: P
     assert report["fill_to_bound_ratio"] == pytest.approx(
         report["fill_bytes_per_s"] / bound, rel=1e-3)
     assert {"commit", "machine", "disk_write_bytes_per_s"} <= set(report)
+    cpu = report["cpu_seconds_per_gib"]
+    assert set(cpu) == {"ceiling", "disk", "fill"}
+    # Both processes work to move the bytes; the disk probe asks nothing of the server.
+    for kind in ("ceiling", "fill"):
+        assert cpu[kind]["client"] > 0 and cpu[kind]["server"] > 0, cpu
+    assert cpu["disk"]["client"] > 0 and cpu["disk"]["server"] < cpu["fill"]["server"], cpu
 
 
 def test_a_fill_that_publishes_wrong_bytes_is_reported_as_incorrect(

@@ -23,6 +23,7 @@ from dlo_contract.cache import (
     entry_id,
 )
 from support.loader_fleet import (
+    BUCKET,
     CHUNK_BYTES,
     Checkpoint,
     Fleet,
@@ -76,6 +77,33 @@ def test_fill_gives_every_node_the_same_bytes(
         assert counted == [total] + [0] * (world - 1)
     else:
         assert counted == [total] * world
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_a_group_checks_a_multipart_objects_crc_of_its_parts(
+    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """Two ranks list the same parts (one HEAD each), cut the object at them alike (the plans
+    agree) and each checks the store's CRC of the parts' CRCs from the chunks it read and
+    received."""
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+
+    data = os.urandom(12 << 20)
+    (tmp_path / "big.bin").write_bytes(data)
+    boto3.client("s3", endpoint_url=s3.endpoint_url, region_name="us-east-1").upload_file(
+        str(tmp_path / "big.bin"), BUCKET, "group-parts/big.bin",
+        Config=TransferConfig(multipart_threshold=5 << 20, multipart_chunksize=5 << 20))
+    with proxies(s3, FaultPlan(), FaultPlan()) as counting:
+        fleet = Fleet(tmp_path, f"s3://{BUCKET}/group-parts/", 2, [p.url for p in counting],
+                      settings={"chunk_bytes": 1 << 20, "memory_limit_bytes": 16 << 20,
+                                "include": ["*.bin"]})
+        outcomes = fleet.run()
+    for outcome in outcomes:
+        assert outcome.returncode == 0, outcome.stderr
+        assert outcome.summary["store_checksums"] == "all"
+        assert entry_files(fleet.root(outcome.rank)) == {"big.bin": data}
+    assert sorted(p.object_bytes for p in counting) == [6 << 20, 6 << 20]
 
 
 def test_injected_faults_still_give_identical_bytes(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from dlo_loader.plan import Plan, build_plan
+from dlo_loader.plan import Plan, build_plan, chunk_bytes_for_parts
 from dlo_contract.cache import ObjectIdentity
 
 MIB = 1 << 20
@@ -83,3 +83,36 @@ def test_plan_ignores_listing_order_and_fingerprints_what_matters() -> None:
                       chunk_bytes=16 * MIB).fingerprint != one.fingerprint
     assert build_plan(FILES, mode="multi-reader", world_size=3,
                       chunk_bytes=8 * MIB).fingerprint != one.fingerprint
+
+
+@pytest.mark.parametrize(("part", "chunk", "expected"), [
+    (8 * MIB, 16 * MIB, 8 * MIB),  # boto3's and the AWS CLI's parts: one chunk each
+    (16 * MIB, 16 * MIB, 16 * MIB),
+    (100 * MIB, 16 * MIB, 12800 * 1024),  # eight chunks of 12.5 MiB
+    (5 * MIB, MIB, MIB),
+    (17 * MIB, 16 * MIB, 17 * MIB // 2),
+    (7 * 748_983, MIB, 748_983),  # no divisor at 6; the next count that divides
+    (2 * 1_000_003, 1000, None),  # a prime half: no chunk near the size that fits
+])
+def test_an_object_of_parts_is_cut_at_every_part_boundary(
+        part: int, chunk: int, expected: int | None) -> None:
+    assert chunk_bytes_for_parts(part, chunk) == expected
+
+
+def test_a_plan_cuts_an_object_at_its_parts_and_fingerprints_them() -> None:
+    parts = {"transformer/a.safetensors": 40 * MIB}  # 100 MiB: parts of 40, 40 and 20
+    plan = build_plan(FILES, mode="multi-reader", world_size=3, chunk_bytes=16 * MIB,
+                      part_bytes=parts)
+    index = [f.key for f in plan.files].index("transformer/a.safetensors")
+    assert plan.file_chunk_bytes[index] == 10 * MIB  # 40 MiB has no third, a quarter fits
+    assert covered(plan)["transformer/a.safetensors"] == [(o, 10 * MIB)
+                                                          for o in range(0, 100 * MIB, 10 * MIB)]
+    assert plan.part_bytes[index] == 40 * MIB
+    assert [c for i, c in enumerate(plan.file_chunk_bytes) if i != index] == [16 * MIB] * 3
+    assert covered(plan)["transformer/b.safetensors"][1] == (16 * MIB, 16 * MIB)
+    plain = build_plan(FILES, mode="multi-reader", world_size=3, chunk_bytes=16 * MIB)
+    assert plain.fingerprint != plan.fingerprint
+    assert plain.part_bytes == (None,) * len(FILES)
+    odd = build_plan(FILES, mode="multi-reader", world_size=3, chunk_bytes=1000,
+                     part_bytes={"transformer/config.json": 2 * 1_000_003})
+    assert odd.part_bytes == (None,) * len(FILES)  # not cut at its parts: not checked so
