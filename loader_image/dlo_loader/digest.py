@@ -44,18 +44,19 @@ def algorithm_for(store_algorithms: Iterable[str], checksum_type: str | None, *,
     object, so the check before publication needs no second pass; else `ALGORITHM`.
 
     [Note: composite checksums] An object uploaded in parts may carry a checksum of its parts'
-    checksums (type COMPOSITE), which no combination of chunk CRCs gives; and a store need not
-    say which kind it keeps (moto states neither the type nor the `-N` suffix of the value).
-    A whole-object checksum is relied on only where it cannot be composite: the object was
-    written in one part (its ETag has no `-N`), or the store states FULL_OBJECT. A COMPOSITE
-    CRC32 or CRC32C (S3's default for multipart uploads with those, what boto3's `upload_file`
-    makes by default of every file over 8 MiB) is checked part by part instead: the object is cut into chunks
-    at its part boundaries (`plan.chunk_bytes_for_parts`, from its first part's size and part
-    count, one HEAD before the plan), each part's CRC is combined from its chunks', and the
-    CRC of the parts' CRCs (big-endian, in order) is the store's value (`composite`). The
-    layout is assumed even (every part but the last of the first one's size, as SDKs upload);
-    a value that does not match is blamed on the bytes only once every part's size has been
-    read and found as assumed (`check_store`'s `layout_holds`)."""
+    checksums (type COMPOSITE), which chunk CRCs give only where chunks are cut at the parts;
+    and a store need not say which kind it keeps (moto states neither the type nor the `-N`
+    suffix of the value). A whole-object checksum is relied on only where it cannot be
+    composite: the object was written in one part (its ETag has no `-N`), or the store states
+    FULL_OBJECT. A COMPOSITE CRC32 or CRC32C (S3's default for multipart uploads with those,
+    what boto3's `upload_file` makes by default of every file over 8 MiB) is checked part by
+    part instead: the object is cut into chunks at its part boundaries
+    (`plan.chunk_bytes_for_parts`, from its first part's size and part count, one HEAD before
+    the plan), each part's CRC is combined from its chunks', and the CRC of the parts' CRCs
+    (big-endian, in order) is the store's value (`composite`). The layout is assumed even (every
+    part but the last of the first one's size, as SDKs upload); a value that does not match is
+    blamed on the bytes only once every part's size has been read and found as assumed
+    (`check_store`'s `layout_holds`)."""
     if not full_object(checksum_type, multipart=multipart):
         return ALGORITHM
     named = [name.lower() for name in store_algorithms if name.lower() in CRC_ALGORITHMS]

@@ -305,8 +305,8 @@ class _Fill:
         from dlo_loader.sink import EntryChunks, FileSink
 
         rank = self.request.rank if grouped else 0
-        log.info("plan: %s over %d rank(s), %d chunks of %s; this rank reads %s%s", plan.mode,
-                 plan.world_size, len(plan.chunks), human_bytes(plan.chunk_bytes),
+        log.info("plan: %s over %d rank(s), %d chunks of at most %s; this rank reads %s%s",
+                 plan.mode, plan.world_size, len(plan.chunks), human_bytes(plan.chunk_bytes),
                  human_bytes(plan.owned_bytes(rank)),
                  " from its cached entry" if pub.existing else "")
         if pub.existing is None and self._sink is None:  # one per publication, kept on fallback

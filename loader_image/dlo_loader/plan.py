@@ -4,12 +4,12 @@ them.
 Owns a pure function of (listing, mode, world size, chunk size), so every rank computes the same
 plan without talking; `Plan.fingerprint` lets the group confirm that. Files are cut into chunks at
 multiples of `chunk_bytes` (the same chunks the manifest hashes), never at tensor boundaries, so a
-large tensor is spread over several ranks; an object whose store checksum is of its upload's
-parts is cut at its part boundaries instead (`chunk_bytes_for_parts`). Modes: `multi-reader` balances bytes over all ranks
-(largest chunks first, each to the least-loaded rank: no rank ends more than one chunk above the
-mean); `single-reader` gives rank 0 everything; `independent` is a group of one. Round `k` of the
-exchange moves the `k`-th chunk of every rank that has one round the ring. Called by `fill`
-and `exchange`. Must not do I/O.
+large tensor is spread over several ranks; an object whose store checksum is of its upload's parts
+is cut at its part boundaries instead (`chunk_bytes_for_parts`). Modes: `multi-reader` balances
+bytes over all ranks (largest chunks first, each to the least-loaded rank: no rank ends more than
+one chunk above the mean); `single-reader` gives rank 0 everything; `independent` is a group of
+one. Round `k` of the exchange moves the `k`-th chunk of every rank that has one round the ring.
+Called by `fill` and `exchange`. Must not do I/O.
 """
 
 from __future__ import annotations

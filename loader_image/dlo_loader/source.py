@@ -57,8 +57,6 @@ median of 8 alternating rounds of a scratch script). The kernel sizes a socket's
 by how much the reader takes at once (`ss -tmi` during fills: about 3 MB with 256 KiB reads,
 17 MB with 2 MiB), so small reads drain a small buffer in more, smaller steps. 2 MiB is still
 in a core's L2 cache, or its share of L3, when it is hashed."""
-_HEADS_AT_ONCE = 16
-"""Most part HEADs a listing sends at once (one per object cut at its parts)."""
 _BACKOFF_BASE_S = 0.1
 _BACKOFF_CAP_S = 5.0
 _THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
@@ -121,6 +119,7 @@ class ObjectStore:
         stall_timeout_s: float = 30.0, on_stall: Callable[[str], None] | None = None,
     ) -> None:
         self.uri = uri
+        self.connections = readers + 1  # the readers, and one for the checksum HEADs
         self.attempts = attempts
         self.stall_timeout_s = stall_timeout_s
         self.on_stall = on_stall or (lambda what: None)
@@ -136,7 +135,7 @@ class ObjectStore:
             s3={"addressing_style": "path" if path_style else "auto"},
             # Our own retry loop knows about short bodies and the fill deadline: one attempt here.
             retries={"total_max_attempts": 1},
-            max_pool_connections=readers + 1,  # the readers, and one for the checksum HEADs
+            max_pool_connections=self.connections,
             connect_timeout=10,
             read_timeout=stall_timeout_s,  # per socket read: no byte for this long is a stall
         )
@@ -176,7 +175,7 @@ class ObjectStore:
             )
         self.part_bytes = {}
         if of_parts:
-            with ThreadPoolExecutor(max_workers=min(len(of_parts), _HEADS_AT_ONCE)) as pool:
+            with ThreadPoolExecutor(max_workers=min(len(of_parts), self.connections)) as pool:
                 sizes = dict(zip(of_parts, pool.map(self._even_part_bytes, of_parts)))
             for obj, size in sizes.items():
                 if size is not None:
