@@ -84,8 +84,8 @@ def test_a_group_checks_a_multipart_objects_crc_of_its_parts(
     s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
 ) -> None:
     """Two ranks list the same parts (one HEAD each), cut the object at them alike (the plans
-    agree) and each checks the store's CRC of the parts' CRCs from the chunks it read and
-    received."""
+    agree: 5 MiB parts in chunks of 2.5 MiB, buffers of 4 MiB) and each checks the store's CRC
+    of the parts' CRCs from the chunks it read and received."""
     import boto3
     from boto3.s3.transfer import TransferConfig
 
@@ -96,14 +96,15 @@ def test_a_group_checks_a_multipart_objects_crc_of_its_parts(
         Config=TransferConfig(multipart_threshold=5 << 20, multipart_chunksize=5 << 20))
     with proxies(s3, FaultPlan(), FaultPlan()) as counting:
         fleet = Fleet(tmp_path, f"s3://{BUCKET}/group-parts/", 2, [p.url for p in counting],
-                      settings={"chunk_bytes": 1 << 20, "memory_limit_bytes": 16 << 20,
+                      settings={"chunk_bytes": 4 << 20, "memory_limit_bytes": 48 << 20,
                                 "include": ["*.bin"]})
         outcomes = fleet.run()
     for outcome in outcomes:
         assert outcome.returncode == 0, outcome.stderr
         assert outcome.summary["store_checksums"] == "all"
         assert entry_files(fleet.root(outcome.rank)) == {"big.bin": data}
-    assert sorted(p.object_bytes for p in counting) == [6 << 20, 6 << 20]
+    # Five chunks (2.5, 2.5, 2.5, 2.5 and 2 MiB), largest first to the least-loaded rank.
+    assert [p.object_bytes for p in counting] == [7 << 20, 5 << 20]
 
 
 def test_injected_faults_still_give_identical_bytes(
