@@ -21,6 +21,8 @@ from dlo_contract.cache import (
     begin_publication,
     checkpoint_identity,
     entry_id,
+    open_entry,
+    verify_entry,
 )
 from support.loader_fleet import (
     BUCKET,
@@ -103,6 +105,10 @@ def test_a_group_checks_a_multipart_objects_crc_of_its_parts(
         assert outcome.returncode == 0, outcome.stderr
         assert outcome.summary["store_checksums"] == "all"
         assert entry_files(fleet.root(outcome.rank)) == {"big.bin": data}
+        root, entry = fleet.root(outcome.rank), outcome.summary["entry_id"]
+        assert verify_entry(root, entry, full=True) == []  # the manifest's 2.5 MiB chunks
+        with open_entry(root, entry) as handle:
+            assert handle.manifest.files[0].chunk_bytes == 5 << 19
     # Five chunks (2.5, 2.5, 2.5, 2.5 and 2 MiB), largest first to the least-loaded rank.
     assert [p.object_bytes for p in counting] == [7 << 20, 5 << 20]
 
