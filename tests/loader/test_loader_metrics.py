@@ -9,12 +9,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from dlo_bench.s3server import S3Server
+from dlo_bench.s3server import S3Server, free_port
 from dlo_loader import cli, metrics
 from dlo_loader.progress import Progress
 from prometheus_client.parser import text_string_to_metric_families
 from support.loader_fleet import LOADER_SETTINGS, Checkpoint
-from support.scrape import free_port, scrape, value
+from support.scrape import scrape, value
 
 
 def parse(*argv: str) -> argparse.Namespace:

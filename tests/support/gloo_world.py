@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,12 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from dlo_bench.s3server import free_port
 
 
 def run_world(main: Callable[..., None], world: int, out_dir: Path) -> list[dict[str, Any]]:

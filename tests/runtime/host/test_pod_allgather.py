@@ -5,23 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import support
+from dlo_bench.s3server import free_port
 from support.host_helpers import publish_checkpoint, settings_with, write_entry_file
 
 WORKER = Path(support.__file__).with_name("pod_allgather_worker.py")
 WORLD = 2
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.mark.slow
