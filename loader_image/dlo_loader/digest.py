@@ -59,8 +59,7 @@ def algorithm_for(store_algorithms: Iterable[str], checksum_type: str | None, *,
     (`check_store`'s `layout_holds`)."""
     if not full_object(checksum_type, multipart=multipart):
         return ALGORITHM
-    named = [name.lower() for name in store_algorithms if name.lower() in CRC_ALGORITHMS]
-    return named[0] if named else ALGORITHM
+    return _first_named(store_algorithms, CRC_ALGORITHMS) or ALGORITHM
 
 
 def full_object(checksum_type: str | None, *, multipart: bool) -> bool:
@@ -76,14 +75,24 @@ def of_parts_algorithm(store_algorithms: Iterable[str], checksum_type: str | Non
     at its parts and its chunks hashed with that CRC (see [Note: composite checksums])."""
     if not multipart or checksum_type not in (None, "COMPOSITE"):
         return None
-    named = [name.lower() for name in store_algorithms if name.lower() in _PART_CRCS]
-    return named[0] if named else None
+    return _first_named(store_algorithms, _PART_CRCS)
+
+
+def _first_named(store_algorithms: Iterable[str], known: Sequence[str]) -> str | None:
+    """The first of the listing's checksum algorithms that is one of `known`, lower-case."""
+    return next((n.lower() for n in store_algorithms if n.lower() in known), None)
+
+
+def part_count(etag: str) -> int | None:
+    """How many parts an S3 ETag (quotes dropped) says the object was uploaded in
+    (`<hex>-<parts>`), or None for an object written in one part."""
+    _, dash, parts = etag.rpartition("-")
+    return int(parts) if dash and parts.isdigit() else None
 
 
 def is_multipart(etag: str) -> bool:
-    """Whether an S3 ETag (quotes dropped) is a multipart upload's: `<hex>-<parts>`."""
-    _, dash, parts = etag.rpartition("-")
-    return bool(dash) and parts.isdigit()
+    """Whether an S3 ETag (quotes dropped) is a multipart upload's."""
+    return part_count(etag) is not None
 
 
 def chunk_digest(data: Any, algorithm: str) -> str:
@@ -250,12 +259,13 @@ def _ours(file: FileDigests, store: StoreChecksum) -> tuple[str, ...] | None:
     error), or None when they cannot be compared."""
     if store.algorithm != file.algorithm or store.value is None:
         return None
-    whole = combined(file.lengths, file.digests, file.algorithm)
     if store.kind is ChecksumKind.WHOLE:
-        return (whole,)
+        return (combined(file.lengths, file.digests, file.algorithm),)
     if file.part_bytes is None:
         return None
     parts, count = composite(file.lengths, file.digests, file.part_bytes, file.algorithm)
     if store.parts not in (None, count):  # cut at other parts than the store's
         return (f"{parts} ({count} parts, the store {store.parts})",)
-    return (parts,) if store.kind is ChecksumKind.PARTS else (parts, whole)
+    if store.kind is ChecksumKind.PARTS:
+        return (parts,)
+    return parts, combined(file.lengths, file.digests, file.algorithm)

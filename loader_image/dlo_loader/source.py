@@ -51,12 +51,11 @@ _PIECE_BYTES = 1 << 20
 _DIRECT_PIECE_BYTES = STREAM_PIECE_BYTES
 """Most bytes one read asks for on the direct path (`http.client`'s buffered reader loops on the
 socket until they are all in), then hashed at once: a reading alone's whole piece. [Note: read
-size] Smaller reads cost more than their calls: reading 1 GiB from ministack in 256 KiB reads,
-each hashed, took 0.94 CPU-seconds of the client against 0.85 in 2 MiB reads (16 readers, the
-median of 8 alternating rounds of a scratch script). The kernel sizes a socket's receive buffer
-by how much the reader takes at once (`ss -tmi` during fills: about 3 MB with 256 KiB reads,
-17 MB with 2 MiB), so small reads drain a small buffer in more, smaller steps. 2 MiB is still
-in a core's L2 cache, or its share of L3, when it is hashed."""
+size] Smaller reads cost more CPU than their calls explain: the kernel sizes a socket's receive
+buffer by how much the reader takes at once (on loopback, where a round trip is short, 256 KiB
+reads kept it several times smaller than 2 MiB reads, as `ss -tmi` shows), so small reads drain
+a small buffer in more, smaller steps. `dlo bench loader` reports the loader's CPU-seconds per
+GiB. 2 MiB is still in a core's L2 cache, or its share of L3, when it is hashed."""
 _BACKOFF_BASE_S = 0.1
 _BACKOFF_CAP_S = 5.0
 _THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
@@ -186,7 +185,7 @@ class ObjectStore:
     def _even_part_bytes(self, obj: ObjectIdentity) -> int | None:
         """The size of `obj`'s first part where its parts can be even (every one but the last
         of that size, as SDKs upload), else None."""
-        count = int(obj.etag.rpartition("-")[2])
+        count = digest.part_count(obj.etag)
         head = self._part_head(obj, 1)
         if head is None or int(head.get("PartsCount") or 0) != count:
             return None
@@ -196,7 +195,7 @@ class ObjectStore:
 
     def layout_holds(self, obj: ObjectIdentity, part_bytes: int) -> bool:
         """Whether every part of `obj` but the last has `part_bytes` (a HEAD of each)."""
-        count = int(obj.etag.rpartition("-")[2])
+        count = digest.part_count(obj.etag) or 1
         for number in range(1, count + 1):
             head = self._part_head(obj, number)
             expected = part_bytes if number < count else obj.size - (count - 1) * part_bytes
