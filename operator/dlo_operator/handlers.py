@@ -8,7 +8,8 @@
   posts the Events (`Valid=False`, `Applied=False`, pod troubles, prefill milestones).
 - delete: nothing to remove by hand: the children carry owner references, so the garbage
   collector deletes them; node caches stay (the loader's eviction manages them). The handler
-  records that in an event, and kopf then removes its finalizer.
+  records that in an event, and kopf then removes its finalizer once the DOD's timers have
+  stopped (a timer run in flight is waited for, `TIMER_EXIT_WAIT_S`, not kopf's minute).
 
 Handlers are registered on `registry`, which `dlo operator run` and the tests pass to kopf.
 They must not build manifests or decide phases themselves.
@@ -39,6 +40,8 @@ RESYNC_INTERVAL_S = 2.0
 """How often every DOD is reconciled even without an event (prefill retries, lost events)."""
 PREFILL_BACKOFF_ENV = "DLO_OPERATOR_PREFILL_BACKOFF_SECONDS"
 """First delay before retrying a failed prefill (doubling up to 600 s); default 10."""
+TIMER_EXIT_WAIT_S = 5.0
+"""How long a DOD's deletion waits for a timer run in flight before checking again each second."""
 _OWNED = ("statefulsets", "configmaps", "services", "jobs", "poddisruptionbudgets")
 
 
@@ -52,6 +55,11 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         prefix=GROUP, key="last-handled-configuration")
     settings.scanning.disabled = True
     settings.peering.standalone = True
+    # A deleted DOD keeps kopf's finalizer until its timers stop; a timer caught mid-run (a
+    # reconcile, a progress read of up to `progress.READ_TIMEOUT_S` per pod) finishes first.
+    # kopf's default re-checks a minute later; wait for the run instead, then check each second.
+    settings.background.instant_exit_timeout = TIMER_EXIT_WAIT_S
+    settings.background.cancellation_polling = 1.0
     memo.kube = KubeClient.from_environment()
     memo.locks = {}
     memo.pending = set()

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import socket
+import threading
+import time
 from typing import Any
 
 import aiohttp
@@ -216,6 +219,43 @@ async def test_delete_leaves_children_to_owner_references(
     assert all(children(cluster, "flux"))  # the cluster's garbage collector removes them
     deleted = await eventually(lambda: _events(cluster, "Deleted"))  # posted in the background
     assert deleted[0]["type"] == "Normal"
+
+
+async def test_delete_is_not_held_by_a_timer_in_flight(
+        cluster: ClusterEmulator, operator: Operator) -> None:
+    """kopf removes the finalizer only once the DOD's timers have stopped; a timer caught in
+    the middle of a run (here the progress timer reading a loader endpoint that answers slowly)
+    must not hold the deletion for kopf's default minute between checks."""
+    reading = threading.Event()
+
+    class SlowLoader(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            reading.set()
+            time.sleep(1.5)  # inside the operator's 2 s read timeout: the timer waits it out
+            self.send_error(503)
+
+        def log_message(self, *_: Any) -> None:
+            pass
+
+    slow = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowLoader)
+    threading.Thread(target=slow.serve_forever, daemon=True).start()
+    try:
+        await request(cluster, "POST", DOD_PATH, dod(
+            replicas=1, loader={"metricsPort": slow.server_address[1]}))
+        await eventually(lambda: live(cluster, DOD_RESOURCE, "flux")["metadata"].get("finalizers"))
+        await request(cluster, "POST", PODS_PATH, workload_pod("flux", 0, "gpu-0"))
+        await request(cluster, "PATCH", f"{PODS_PATH}/flux-0/status", {"status": {
+            "podIP": "127.0.0.1", "initContainerStatuses": [
+                {"name": "loader", "restartCount": 0, "state": {"running": {}}}]}})
+        reading.clear()
+        await eventually(reading.is_set)  # the progress timer is now inside its read
+
+        await request(cluster, "DELETE", f"{DOD_PATH}/flux")
+
+        await eventually(lambda: live(cluster, DOD_RESOURCE, "flux") is None, timeout=10.0)
+    finally:
+        slow.shutdown()
+        slow.server_close()
 
 
 async def test_liveness_endpoint_answers(cluster: ClusterEmulator) -> None:
