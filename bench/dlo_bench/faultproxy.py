@@ -6,8 +6,8 @@ object-store bytes each loader rank read without trusting the loader (one proxy 
 `FaultPlan` turns chosen object reads into the failures real object stores produce: 503 SlowDown,
 500 InternalError, a connection reset in the middle of the body, a truncated body (a short
 but well-formed response) and a stall (half the body, then silence for `stall_s`); it can also
-slow every read down, and act as a store that ignores `If-Match` (`ignore_if_match`). Listing and other requests pass
-through untouched.
+slow every read down, act as a store that ignores `If-Match` (`ignore_if_match`) or one whose
+listings name no checksum (`unlisted_checksums`). Other requests pass through untouched.
 
 Runs in threads of the calling process (`with FaultProxy(upstream) as proxy: proxy.url`). Used by
 the loader tests and benchmarks; it must not be imported by the loader.
@@ -16,6 +16,7 @@ the loader tests and benchmarks; it must not be imported by the loader.
 from __future__ import annotations
 
 import http.client
+import re
 import socket
 import struct
 import threading
@@ -31,6 +32,7 @@ STALL = "stall"
 CORRUPT = "corrupt"
 """Flips one byte in the middle of the body: bytes damaged on the way that no retry is asked for
 (only a checksum of the whole object can tell)."""
+_LISTED_CHECKSUM = re.compile(rb"<Checksum(Algorithm|Type)>[^<]*</Checksum(Algorithm|Type)>")
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te",
                "trailer", "upgrade", "content-length"}
 _ERROR_BODIES = {
@@ -53,6 +55,9 @@ class FaultPlan:
     """How long a `stall` fault holds the connection silent after half the body."""
     ignore_if_match: bool = False
     """Drop `If-Match` before the server sees it (stores that do not implement it)."""
+    unlisted_checksums: bool = False
+    """Drop the checksum algorithm and type from listings (stores that keep an object's
+    checksum and answer it to a HEAD, but do not name it in a listing)."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.kinds) - {*FAULT_KINDS, STALL, CORRUPT})
@@ -148,6 +153,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             self._send_error_body(*_ERROR_BODIES[fault])
             return
         status, reason, headers, payload = self._upstream_call(body)
+        if self.owner.plan.unlisted_checksums and "list-type=" in self.path:
+            payload = _LISTED_CHECKSUM.sub(b"", payload)
         if fault == "truncate":
             payload = payload[: len(payload) // 2]
         if fault == CORRUPT and payload:

@@ -88,7 +88,7 @@ def measure(args: argparse.Namespace, server: S3Server, work: Path) -> dict[str,
     upload_tree(server, BUCKET, PREFIX, work / "source")
     total = sum(p.stat().st_size for p in (work / "source").iterdir())
     ranges = _ranges(server, args.chunk_bytes)
-    correct = _check_fill(args, server, work / "cache-check", digests)
+    correct, store_checksums = _check_fill(args, server, work / "cache-check", digests)
     meter = _Meter(server)
     _ceiling(server, ranges, args.readers, meter)  # warm-up: connections, server caches
     ceiling_s, disk_s, fill_s, stages = [], [], [], []
@@ -115,6 +115,7 @@ def measure(args: argparse.Namespace, server: S3Server, work: Path) -> dict[str,
             "world_size": 1,
         },
         "correct": correct,
+        "store_checksums": store_checksums,
         "ceiling_seconds": [round(s, 4) for s in ceiling_s],
         "fill_seconds": [round(s, 4) for s in fill_s],
         "disk_seconds": [round(s, 4) for s in disk_s],
@@ -291,17 +292,18 @@ def _settle_disk() -> None:
 
 
 def _check_fill(args: argparse.Namespace, server: S3Server, root: Path,
-                digests: dict[str, str]) -> bool:
-    """One fill whose published files must hash to the source's digests (and verify fully)."""
+                digests: dict[str, str]) -> tuple[bool, str]:
+    """One fill whose published files must hash to the source's digests (and verify fully);
+    and whether it checked the bytes against the store's checksums (its summary's word)."""
     result = fill(FillRequest(settings=_settings(args, server, root)))
     published = {name: sha256_file(Path(result.path) / name) for name in digests}
     good = published == digests and not verify_entry(root, result.entry_id, full=True)
     shutil.rmtree(root)
-    return good
+    return good, result.summary().store_checksums
 
 
 def _print(report: dict[str, Any], as_json: bool) -> None:
-    print(f"correct: {report['correct']}")
+    print(f"correct: {report['correct']}; store checksums checked: {report['store_checksums']}")
     print(f"ceiling (raw parallel GETs): {report['ceiling_bytes_per_s'] / 1e9:.3f} GB/s "
           f"(runs: {report['ceiling_seconds']} s)")
     print(f"fill (dlo cache fill, 1 rank): {report['fill_bytes_per_s'] / 1e9:.3f} GB/s "

@@ -5,7 +5,8 @@ Owns the loader's choice of digest for each file (`algorithm_for`, named in ever
 record it writes) and the comparison with what the store publishes. The digests are CRCs: they
 run at several GB/s on one core (SHA-256 at under 2), so hashing no longer bounds a fill; and
 S3 keeps a CRC of every whole object it stores (type FULL_OBJECT; `crc64nvme` by default,
-`crc32` from recent AWS SDKs, `crc32c`), named in its listing, so a file's chunks are hashed with
+`crc32` from recent AWS SDKs, `crc32c`), named in its listing (or answered to a HEAD where a
+store does not list it: [Note: unlisted checksums] in `source`), so a file's chunks are hashed with
 its object's CRC and their digests combine into the store's figure without reading a byte again
 (`dlo_contract.cache.combine_crc`); an object uploaded in parts whose CRC32 or CRC32C is of its
 parts' CRCs (COMPOSITE) is cut into chunks at its part boundaries, so the same holds part by
@@ -22,16 +23,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from awscrt import checksums
-
-from dlo_contract.cache import CRC_ALGORITHMS, combine_crc, crc_hex, hexdigest
+from dlo_contract.cache import CRC_ALGORITHMS, combine_crc, crc_function, crc_hex, hexdigest
 from dlo_contract.cache.manifest import DIGEST_HEX_DIGITS
 
 from dlo_loader.errors import SourceError
 
 ALGORITHM = "crc64nvme"
 """The digest of a file's chunks when its object's listing names no CRC the loader knows."""
-_EXTEND = {name: getattr(checksums, name) for name in CRC_ALGORITHMS}
+_EXTEND = {name: crc_function(name) for name in CRC_ALGORITHMS}
 _PART_CRCS = ("crc32c", "crc32")
 """The CRCs a store may keep of an object's parts (COMPOSITE); CRC64-NVME is always of the whole
 object."""

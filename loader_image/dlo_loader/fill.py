@@ -164,7 +164,7 @@ class _Fill:
         return result
 
     def _run(self) -> FillResult:
-        files = self.store.list(self.loader.include)
+        files = self.store.list(self.loader.include, checked_bytes=self.loader.chunk_bytes)
         identity = checkpoint_identity(str(self.uri), files)
         eid = entry_id(identity)
         self.progress.total_bytes = total = sum(f.size for f in files)

@@ -38,7 +38,7 @@ from botocore.config import Config
 from botocore.response import StreamingBody
 
 from dlo_loader import digest, metrics
-from dlo_loader.digest import StoreChecksum
+from dlo_loader.digest import ChecksumKind, StoreChecksum
 from dlo_loader.errors import LocalResourceError, SourceChanged, SourceError, SourceUnavailable
 from dlo_contract.cache import CRC_ALGORITHMS, ObjectIdentity
 from dlo_contract.settings import STREAM_PIECE_BYTES
@@ -127,6 +127,9 @@ class ObjectStore:
         """By relative key, from the last `list`: the digest of each object's chunks, the CRC
         the listing says the store keeps for it (`digest.algorithm_for`)."""
         self.part_bytes: dict[str, int] = {}
+        self._published: dict[str, StoreChecksum] = {}
+        """By relative key: store checksums the last `list` asked for (see [Note: unlisted
+        checksums])."""
         """By relative key, from the last `list`: the part size of each object whose store
         checksum may be of its parts and whose layout allows checking it (see [Note: composite
         checksums] in `digest`)."""
@@ -148,12 +151,19 @@ class ObjectStore:
         """Close the client's pooled connections."""
         self._client.close()
 
-    def list(self, include: Iterable[str]) -> list[ObjectIdentity]:
+    def list(self, include: Iterable[str], *, checked_bytes: int | None = None
+             ) -> list[ObjectIdentity]:
         """Objects under the prefix whose relative key matches a glob (`*` also matches `/`);
         each one's chunk digest, and the part size of those whose store checksum may be of
-        their parts (a HEAD of the first part of each, at once)."""
+        their parts (a HEAD of the first part of each, at once).
+
+        [Note: unlisted checksums] Objects of `checked_bytes` or more are the ones whose store
+        checksum the fill checks. A store may keep a checksum without naming it in its listing
+        (S3 names it; some S3-compatible stores, ministack among them, answer it only to a
+        HEAD): for such an object a HEAD now, before the plan, says which CRC to hash its chunks
+        with, so that the check needs no second pass; `checksums` keeps its answer."""
         patterns = tuple(include)
-        found, algorithms, of_parts = [], {}, {}
+        found, algorithms, of_parts, unlisted = [], {}, {}, []
         for page in self._retrying(f"listing {self.uri}", lambda: self._pages()):
             for item in page:
                 rel = item["Key"][len(self.uri.prefix):]
@@ -167,11 +177,20 @@ class ObjectStore:
                     crc = digest.of_parts_algorithm(*said, multipart=multipart)
                     if crc is not None:
                         of_parts[obj] = crc
+                    if not said[0] and checked_bytes is not None and obj.size >= checked_bytes:
+                        unlisted.append(obj)
         if not found:
             raise SourceError(
                 f"no object under {self.uri} matches loader.include={list(patterns)}",
                 hint="check loader.source and loader.include",
             )
+        heads = self._heads(unlisted)
+        self._published = {obj.key: store for obj, store in heads.items()}
+        for obj, store in heads.items():
+            if store.value is not None and store.kind is ChecksumKind.WHOLE:
+                algorithms[obj.key] = store.algorithm
+            elif store.value is not None:  # a CRC32 or CRC32C that may be of the parts
+                of_parts[obj] = store.algorithm
         self.part_bytes = {}
         if of_parts:
             with ThreadPoolExecutor(max_workers=min(len(of_parts), self.connections)) as pool:
@@ -227,11 +246,23 @@ class ObjectStore:
         return [page.get("Contents", []) for page in pages]
 
     def checksums(self, files: Sequence[ObjectIdentity]) -> dict[str, StoreChecksum]:
-        """The store's checksum of every object of `files`, by key. One HEAD at a time, on the
-        pool's one connection beyond the readers': `fill` runs this beside the transfer."""
-        return {obj.key: self._retrying(f"{self.uri}{obj.key} checksum",
-                                        lambda: self._checksum(obj))
+        """The store's checksum of every object of `files`, by key: as the last `list` learned
+        it, else from a HEAD, one at a time on the pool's one connection beyond the readers'
+        (`fill` runs this beside the transfer)."""
+        return {obj.key: self._published.get(obj.key) or self._retrying(
+                    f"{self.uri}{obj.key} checksum", lambda: self._checksum(obj))
                 for obj in files}
+
+    def _heads(self, objects: Sequence[ObjectIdentity]) -> dict[ObjectIdentity, StoreChecksum]:
+        """The store's checksum of each of `objects`, their HEADs at once."""
+        if not objects:
+            return {}
+
+        def head(obj: ObjectIdentity) -> StoreChecksum:
+            return self._retrying(f"{self.uri}{obj.key} checksum", lambda: self._checksum(obj))
+
+        with ThreadPoolExecutor(max_workers=min(len(objects), self.connections)) as pool:
+            return dict(zip(objects, pool.map(head, objects)))
 
     def _checksum(self, obj: ObjectIdentity) -> StoreChecksum:
         head = self._client.head_object(Bucket=self.uri.bucket, Key=self.uri.prefix + obj.key,

@@ -30,6 +30,7 @@ def test_report_checks_correctness_and_names_the_ratio(s3: S3Server, tmp_path: P
                               "--readers", "4", "--repeats", "1"])
     report = bench.measure(args, s3, tmp_path)
     assert report["correct"] is True
+    assert report["store_checksums"] == "all"  # the fill did the check it does for users
     assert report["parameters"] == {"bytes": 2 << 20, "files": 2, "chunk_bytes": 262144,
                                     "readers": 4, "repeats": 1, "server": "moto",
                                     "world_size": 1}

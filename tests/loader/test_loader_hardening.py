@@ -285,11 +285,20 @@ def test_a_byte_damaged_in_a_multipart_object_fails_the_check_of_its_parts(
     """Parts of 6 MiB cut into chunks of at most 4 MiB (two of 3 MiB each); one byte flipped on
     the way fails the fill before anything is published."""
     _upload_in_parts(s3, "damaged-parts/big.bin", [os.urandom(6 << 20), os.urandom(1 << 20)])
-    with FaultProxy(s3.endpoint_url, FaultPlan(kinds=(CORRUPT,), limit=1)) as proxy:
-        settings = settings_for("s3://models/damaged-parts/", proxy.url, tmp_path / "cache",
-                                include=("*.bin",), chunk_bytes=4 << 20)
-        with pytest.raises(SourceError, match="big.bin: the bytes read have crc32 [0-9a-f]{8} "
-                                              "of their parts' CRCs, the store publishes"):
+    _damaged_on_the_way(s3, tmp_path, "damaged-parts", "*.bin", 4 << 20,
+                        "big.bin: the bytes read have crc32 [0-9a-f]{8} of their parts' CRCs, "
+                        "the store publishes")
+
+
+def _damaged_on_the_way(s3: S3Server, tmp_path: Path, prefix: str, include: str,
+                        chunk_bytes: int, error: str, **store: bool) -> None:
+    """A fill of `prefix` through a proxy that flips one byte of one GET (and acts as `store`
+    says) fails with `error` and publishes nothing."""
+    plan = FaultPlan(kinds=(CORRUPT,), limit=1, **store)
+    with FaultProxy(s3.endpoint_url, plan) as proxy:
+        settings = settings_for(f"s3://models/{prefix}/", proxy.url, tmp_path / "cache",
+                                include=(include,), chunk_bytes=chunk_bytes)
+        with pytest.raises(SourceError, match=error):
             fill(FillRequest(settings=settings))
     assert not list((tmp_path / "cache" / "entries").glob("*"))
 
@@ -310,6 +319,40 @@ def test_an_object_of_uneven_parts_is_not_blamed_for_them(
         assert (handle.path / "big.bin").read_bytes() == data
 
 
+def test_a_store_that_does_not_list_its_checksums_has_them_checked(
+    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """A store that keeps each object's checksum but names none in its listing (a proxy drops
+    them from moto's): a HEAD before the plan says which CRC each large object has, whole
+    (CRC32C, one part) or of its parts (CRC32, 5 + 1 MiB), and both are checked. (Until now
+    their chunks were hashed with CRC64-NVME and nothing was checked.)"""
+    whole = os.urandom(3 << 20)
+    _client(s3).put_object(Bucket=BUCKET, Key="unlisted/whole.bin", Body=whole,
+                           ChecksumAlgorithm="CRC32C")
+    parts = _upload_in_parts(s3, "unlisted/parts.bin", [os.urandom(5 << 20), os.urandom(1 << 20)])
+    with FaultProxy(s3.endpoint_url, FaultPlan(unlisted_checksums=True)) as proxy:
+        settings = settings_for("s3://models/unlisted/", proxy.url, tmp_path / "cache",
+                                include=("*.bin",), chunk_bytes=1 << 20)
+        result = fill(FillRequest(settings=settings))
+    assert result.summary().store_checksums == "all"
+    with open_entry(tmp_path / "cache", result.entry_id) as handle:
+        assert [(r.name, r.algorithm) for r in handle.manifest.files] == [
+            ("parts.bin", "crc32"), ("whole.bin", "crc32c")]
+        assert (handle.path / "parts.bin").read_bytes() == parts
+        assert (handle.path / "whole.bin").read_bytes() == whole
+    assert verify_entry(tmp_path / "cache", result.entry_id, full=True) == []
+
+
+def test_a_byte_damaged_from_a_store_that_does_not_list_its_checksums_fails_the_fill(
+    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    _client(s3).put_object(Bucket=BUCKET, Key="unlisted-damaged/big.bin",
+                           Body=os.urandom(2 << 20), ChecksumAlgorithm="CRC32")
+    _damaged_on_the_way(s3, tmp_path, "unlisted-damaged", "*.bin", 1 << 20,
+                        "big.bin: the bytes read have crc32 [0-9a-f]{8}, the store publishes",
+                        unlisted_checksums=True)
+
+
 @pytest.mark.parametrize("algorithm", ["CRC64NVME", "CRC32C", "CRC32"])
 def test_bytes_damaged_on_the_way_fail_the_store_check_and_publish_nothing(
     s3: S3Server, checkpoint: Checkpoint, tmp_path: Path, algorithm: str
@@ -321,10 +364,5 @@ def test_bytes_damaged_on_the_way_fail_the_store_check_and_publish_nothing(
     prefix = f"damaged-{algorithm.lower()}"
     client.put_object(Bucket=BUCKET, Key=f"{prefix}/big.json", Body=os.urandom(300_000),
                       ChecksumAlgorithm=algorithm)
-    with FaultProxy(s3.endpoint_url, FaultPlan(kinds=(CORRUPT,), limit=1)) as proxy:
-        settings = settings_for(f"s3://models/{prefix}/", proxy.url, tmp_path / "cache",
-                                include=("*.json",), chunk_bytes=64 * 1024)
-        with pytest.raises(SourceError, match=f"the bytes read have {algorithm.lower()} "
-                                              "[0-9a-f]+, the store publishes"):
-            fill(FillRequest(settings=settings))
-    assert not list((tmp_path / "cache" / "entries").glob("*"))
+    _damaged_on_the_way(s3, tmp_path, prefix, "*.json", 64 * 1024,
+                        f"the bytes read have {algorithm.lower()} [0-9a-f]+, the store publishes")

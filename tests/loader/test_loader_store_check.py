@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import base64
 import os
+import zlib
 
 import pytest
 from awscrt import checksums
 from dlo_loader import digest
 from dlo_loader.digest import ChecksumKind, FileDigests, StoreChecksum, chunk_digest
 from dlo_loader.errors import SourceError
+from dlo_contract.cache import CRC_ALGORITHMS, combine_crc, crc_function
 
 KIB = 1 << 10
 
@@ -28,6 +30,20 @@ def _store_composite(parts: list[bytes], algorithm: str) -> str:
 def _chunked(data: bytes, cut: int, algorithm: str) -> tuple[list[int], list[str]]:
     pieces = [data[o:o + cut] for o in range(0, len(data), cut)]
     return [len(p) for p in pieces], [chunk_digest(p, algorithm) for p in pieces]
+
+
+@pytest.mark.parametrize("algorithm", CRC_ALGORITHMS)
+def test_each_crc_is_the_one_the_store_keeps(algorithm: str) -> None:
+    """The loader's CRCs (ISA-L's CRC32, awscrt's others) give what botocore computes for S3
+    for the same bytes, whether extended piece by piece or combined from pieces' CRCs."""
+    data = os.urandom(3 * KIB * KIB + 5)
+    expected = getattr(checksums, algorithm)(data)
+    if algorithm == "crc32":
+        assert zlib.crc32(data) == expected
+    extend, cut = crc_function(algorithm), 1000 * KIB + 3
+    assert extend(data[cut:], extend(data[:cut], 0)) == expected
+    assert combine_crc(algorithm, extend(data[:cut], 0), extend(data[cut:], 0),
+                       len(data) - cut) == expected
 
 
 @pytest.mark.parametrize(("listed", "checksum_type", "etag", "expected"), [

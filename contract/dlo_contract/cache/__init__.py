@@ -2,7 +2,7 @@
 
 This package is the contract between the loader (which publishes checkpoint entries), the runtime
 (which maps them and publishes runtime entries) and the `dlo cache` commands. It uses the standard
-library only (awscrt or xxhash only to hash entries that name those digests): no torch,
+library only (awscrt, isal or xxhash only to hash entries that name those digests): no torch,
 boto3 or kopf. Layout and protocol: DESIGN.md section 4.
 
     entry = entry_id(identity)
@@ -19,6 +19,7 @@ from dlo_contract.cache.digest import (
     DEFAULT_CHUNK_BYTES,
     chunk_digests,
     combine_crc,
+    crc_function,
     crc_hex,
     file_digest,
     file_record,
@@ -67,6 +68,7 @@ __all__ = [
     "chunk_digests",
     "CRC_ALGORITHMS",
     "combine_crc",
+    "crc_function",
     "crc_hex",
     "entry_id",
     "evict",
