@@ -10,8 +10,10 @@ from __future__ import annotations
 import ast
 import json
 import pkgutil
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import dlo_cli
@@ -80,3 +82,19 @@ def test_planes_import_each_other_only_through_the_contract(package: str, folder
                 for path, names in _imported_packages(REPO / folder / package).items()
                 if names - allowed}
     assert crossing == {}
+
+
+def test_every_digest_can_be_computed_wherever_entries_are_read() -> None:
+    """`cache.verify: full` re-hashes an entry in the pod that maps it (the runtime) as well as
+    in the loader: the modules the contract imports for a digest, lazily, are in both extras."""
+    tree = ast.parse((REPO / "contract" / "dlo_contract" / "cache" / "digest.py").read_text())
+    lazy = {(node.module if isinstance(node, ast.ImportFrom) else node.names[0].name).split(".")[0]
+            for function in ast.walk(tree) if isinstance(function, ast.FunctionDef)
+            for node in ast.walk(function) if isinstance(node, (ast.Import, ast.ImportFrom))}
+    assert {"awscrt", "isal", "xxhash"} <= lazy
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    for extra in ("loader", "runtime"):
+        installed = {re.split(r"[<>=\[ ]", requirement)[0].lower()
+                     for requirement in extras[extra]}
+        assert lazy <= installed, (extra, sorted(lazy - installed))
