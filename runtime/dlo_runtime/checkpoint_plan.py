@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -180,7 +180,7 @@ def parameters_on_meta() -> Iterator[None]:
     non-persistent ones (rotary tables) are computed in `__init__` and no checkpoint holds
     them."""
     original = nn.Module.register_parameter
-    inits = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS if hasattr(nn.init, name)}
+    inits = initializers()
 
     def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         original(module, name, param)
@@ -202,11 +202,14 @@ def parameters_on_meta() -> Iterator[None]:
             setattr(nn.init, name, function)
 
 
-_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "xavier_uniform_",
-                   "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "uniform", "normal",
-                   "xavier_uniform", "xavier_normal", "kaiming_uniform", "kaiming_normal",
-                   "zeros_", "ones_", "orthogonal_", "sparse_")
-"""`torch.nn.init` functions a module's `reset_parameters` may call."""
+def initializers() -> dict[str, Callable[..., Any]]:
+    """`torch.nn.init`'s functions a module's `reset_parameters` may call, by name: the public
+    ones that fill a tensor in place (`*_`), and their deprecated aliases without the
+    underscore. Read from the module, so an initializer a torch release adds is skipped too."""
+    public = {name: value for name, value in vars(nn.init).items()
+              if not name.startswith("_") and callable(value)}
+    return {name: value for name, value in public.items()
+            if name.endswith("_") or f"{name}_" in public}
 
 
 def build_meta_dit(model_cls: Any, component_dir: Path, dtype: torch.dtype) -> nn.Module:

@@ -12,7 +12,7 @@ from support.host_helpers import settings_with, state_equal
 from safetensors.torch import save_file
 from torch import nn
 
-from dlo_runtime.checkpoint_plan import build_meta_dit, preflight
+from dlo_runtime.checkpoint_plan import build_meta_dit, initializers, parameters_on_meta, preflight
 from dlo_runtime.host_weight_plan import BackingKind, DeclaredTransform
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -50,6 +50,20 @@ def test_meta_build_initializes_nothing_and_restores_torch_init(
     assert calls == [] and nn.init.kaiming_uniform_ is counting
     nn.Linear(2, 2)
     assert calls == [torch.Size([2, 2])]
+
+
+def test_every_initializer_torch_has_is_skipped_while_building() -> None:
+    """The in-place initializers are read from `torch.nn.init` itself, so none a release adds is
+    missed (`eye_` and `dirac_` were, in a hand-kept list): each leaves its tensor untouched."""
+    found = initializers()
+    assert {"kaiming_uniform_", "normal_", "eye_", "dirac_", "uniform"} <= set(found)
+    assert "calculate_gain" not in found
+    with parameters_on_meta():
+        for name in found:
+            tensor = torch.full((3, 3, 3), 7.0)
+            assert getattr(nn.init, name)(tensor) is tensor, name
+            assert torch.equal(tensor, torch.full((3, 3, 3), 7.0)), name
+    assert all(getattr(nn.init, name) is function for name, function in found.items())
 
 
 def test_meta_build_allocates_no_weights(meta_flux: nn.Module, flux: nn.Module) -> None:
