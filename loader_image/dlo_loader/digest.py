@@ -6,9 +6,9 @@ record it writes) and the comparison with what the store publishes. The digests 
 run at several GB/s on one core (SHA-256 at under 2), so hashing no longer bounds a fill; and
 S3 keeps a CRC of every whole object it stores (type FULL_OBJECT; `crc64nvme` by default,
 `crc32` from recent AWS SDKs, `crc32c`), named in its listing (or answered to a HEAD where a
-store does not list it: [Note: unlisted checksums] in `source`), so a file's chunks are hashed with
-its object's CRC and their digests combine into the store's figure without reading a byte again
-(`dlo_contract.cache.combine_crc`); an object uploaded in parts whose CRC32 or CRC32C is of its
+store does not list it: [Note: unlisted checksums] in `source`), so a file's chunks are hashed
+with its object's CRC and their digests combine into the store's figure without reading a byte
+again (`dlo_contract.cache.combine_crc`); an object uploaded in parts whose CRC32 or CRC32C is of its
 parts' CRCs (COMPOSITE) is cut into chunks at its part boundaries, so the same holds part by
 part (`composite`). Called by `fetch`, `stream`, `source`, `sink` and `exchange`
 (one digest per chunk) and by `fill` (the store check before publication). Must not read the
@@ -29,7 +29,8 @@ from dlo_contract.cache.manifest import DIGEST_HEX_DIGITS
 from dlo_loader.errors import SourceError
 
 ALGORITHM = "crc64nvme"
-"""The digest of a file's chunks when its object's listing names no CRC the loader knows."""
+"""The digest of a file's chunks when the store names no CRC the loader knows for its object
+(in its listing, or to a HEAD)."""
 _EXTEND = {name: crc_function(name) for name in CRC_ALGORITHMS}
 _PART_CRCS = ("crc32c", "crc32")
 """The CRCs a store may keep of an object's parts (COMPOSITE); CRC64-NVME is always of the whole

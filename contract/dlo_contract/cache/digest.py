@@ -41,10 +41,9 @@ class _Hasher(Protocol):
 def crc_function(algorithm: str) -> Callable[[Any, int], int]:
     """`extend(data, value)`: the running CRC `value` (0 for no bytes yet) of one of
     `CRC_ALGORITHMS` extended by `data`. awscrt's (what botocore uses for S3's checksums), but
-    CRC32 from ISA-L: awscrt's runs at about a fifth of its CRC64-NVME's speed here (no
-    carry-less multiply path), ISA-L's at the same speed, and recent AWS SDKs send CRC32 by
-    default, so most objects' chunks are hashed with it. Same values; `combine_crc` combines
-    either's."""
+    CRC32 from ISA-L: awscrt's runs at about a fifth of its CRC64-NVME's speed here, ISA-L's
+    at the same speed, and recent AWS SDKs send CRC32 by default, so most objects' chunks are
+    hashed with it. Same values; `combine_crc` combines either's."""
     if algorithm == "crc32":
         from isal import isal_zlib
 
