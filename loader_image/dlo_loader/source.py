@@ -184,13 +184,7 @@ class ObjectStore:
                 f"no object under {self.uri} matches loader.include={list(patterns)}",
                 hint="check loader.source and loader.include",
             )
-        heads = self._heads(unlisted)
-        self._published = {obj.key: store for obj, store in heads.items()}
-        for obj, store in heads.items():
-            if store.value is not None and store.kind is ChecksumKind.WHOLE:
-                algorithms[obj.key] = store.algorithm
-            elif store.value is not None:  # a CRC32 or CRC32C that may be of the parts
-                of_parts[obj] = store.algorithm
+        self._published = self._learn_unlisted(unlisted, algorithms, of_parts)
         self.part_bytes = {}
         if of_parts:
             with ThreadPoolExecutor(max_workers=min(len(of_parts), self.connections)) as pool:
@@ -200,6 +194,21 @@ class ObjectStore:
                     self.part_bytes[obj.key], algorithms[obj.key] = size, of_parts[obj]
         self.chunk_algorithms = algorithms
         return sorted(found, key=lambda o: o.key)
+
+    def _learn_unlisted(self, unlisted: Sequence[ObjectIdentity], algorithms: dict[str, str],
+                        of_parts: dict[ObjectIdentity, str]) -> dict[str, StoreChecksum]:
+        """The store's checksums of `unlisted` by key, their HEADs at once; each one's CRC goes
+        into `algorithms` (of the whole object) or `of_parts` (one that may be of its parts)."""
+        if not unlisted:
+            return {}
+        with ThreadPoolExecutor(max_workers=min(len(unlisted), self.connections)) as pool:
+            heads = dict(zip(unlisted, pool.map(self._asked_checksum, unlisted)))
+        for obj, store in heads.items():
+            if store.value is not None and store.kind is ChecksumKind.WHOLE:
+                algorithms[obj.key] = store.algorithm
+            elif store.value is not None:  # a CRC32 or CRC32C that may be of the parts
+                of_parts[obj] = store.algorithm
+        return {obj.key: store for obj, store in heads.items()}
 
     def _even_part_bytes(self, obj: ObjectIdentity) -> int | None:
         """The size of `obj`'s first part where its parts can be even (every one but the last
@@ -249,20 +258,11 @@ class ObjectStore:
         """The store's checksum of every object of `files`, by key: as the last `list` learned
         it, else from a HEAD, one at a time on the pool's one connection beyond the readers'
         (`fill` runs this beside the transfer)."""
-        return {obj.key: self._published.get(obj.key) or self._retrying(
-                    f"{self.uri}{obj.key} checksum", lambda: self._checksum(obj))
+        return {obj.key: self._published.get(obj.key) or self._asked_checksum(obj)
                 for obj in files}
 
-    def _heads(self, objects: Sequence[ObjectIdentity]) -> dict[ObjectIdentity, StoreChecksum]:
-        """The store's checksum of each of `objects`, their HEADs at once."""
-        if not objects:
-            return {}
-
-        def head(obj: ObjectIdentity) -> StoreChecksum:
-            return self._retrying(f"{self.uri}{obj.key} checksum", lambda: self._checksum(obj))
-
-        with ThreadPoolExecutor(max_workers=min(len(objects), self.connections)) as pool:
-            return dict(zip(objects, pool.map(head, objects)))
+    def _asked_checksum(self, obj: ObjectIdentity) -> StoreChecksum:
+        return self._retrying(f"{self.uri}{obj.key} checksum", lambda: self._checksum(obj))
 
     def _checksum(self, obj: ObjectIdentity) -> StoreChecksum:
         head = self._client.head_object(Bucket=self.uri.bucket, Key=self.uri.prefix + obj.key,
