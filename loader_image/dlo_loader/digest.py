@@ -8,9 +8,9 @@ S3 keeps a CRC of every whole object it stores (type FULL_OBJECT; `crc64nvme` by
 `crc32` from recent AWS SDKs, `crc32c`), named in its listing (or answered to a HEAD where a
 store does not list it: [Note: unlisted checksums] in `source`), so a file's chunks are hashed
 with its object's CRC and their digests combine into the store's figure without reading a byte
-again (`dlo_contract.cache.combine_crc`); an object uploaded in parts whose CRC32 or CRC32C is of its
-parts' CRCs (COMPOSITE) is cut into chunks at its part boundaries, so the same holds part by
-part (`composite`). Called by `fetch`, `stream`, `source`, `sink` and `exchange`
+again (`dlo_contract.cache.combine_crc`); an object uploaded in parts whose CRC32 or CRC32C is
+of its parts' CRCs (COMPOSITE) is cut into chunks at its part boundaries, so the same holds
+part by part (`composite`). Called by `fetch`, `stream`, `source`, `sink` and `exchange`
 (one digest per chunk) and by `fill` (the store check before publication). Must not read the
 store or files.
 """

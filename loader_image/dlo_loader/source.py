@@ -127,12 +127,12 @@ class ObjectStore:
         """By relative key, from the last `list`: the digest of each object's chunks, the CRC
         the listing says the store keeps for it (`digest.algorithm_for`)."""
         self.part_bytes: dict[str, int] = {}
-        self._published: dict[str, StoreChecksum] = {}
-        """By relative key: store checksums the last `list` asked for (see [Note: unlisted
-        checksums])."""
         """By relative key, from the last `list`: the part size of each object whose store
         checksum may be of its parts and whose layout allows checking it (see [Note: composite
         checksums] in `digest`)."""
+        self._published: dict[str, StoreChecksum] = {}
+        """By relative key: store checksums the last `list` asked for (see [Note: unlisted
+        checksums])."""
         config = Config(
             s3={"addressing_style": "path" if path_style else "auto"},
             # Our own retry loop knows about short bodies and the fill deadline: one attempt here.
@@ -204,9 +204,11 @@ class ObjectStore:
         with ThreadPoolExecutor(max_workers=min(len(unlisted), self.connections)) as pool:
             heads = dict(zip(unlisted, pool.map(self._asked_checksum, unlisted)))
         for obj, store in heads.items():
-            if store.value is not None and store.kind is ChecksumKind.WHOLE:
+            if store.value is None:
+                continue
+            if store.kind is ChecksumKind.WHOLE:
                 algorithms[obj.key] = store.algorithm
-            elif store.value is not None:  # a CRC32 or CRC32C that may be of the parts
+            else:  # a CRC32 or CRC32C that may be of the parts
                 of_parts[obj] = store.algorithm
         return {obj.key: store for obj, store in heads.items()}
 

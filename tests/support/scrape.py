@@ -25,5 +25,3 @@ def value(samples: Samples, name: str,
     if default is not None:
         return samples.get(key, default)
     return samples[key]
-
-
