@@ -160,9 +160,9 @@ def _prefill(owner: Owner, spec: DeploymentSpec, seen: Observed,
         retry_at = _parse_time(previous.get("retryAt"))
         if previous.get("state") == PrefillState.FAILED.value and retry_at and (
                 seen.now < retry_at):
-            decision = Decision(stage=Stage.BACKOFF, message=(
-                f"prefill of revision {rev} failed (attempt {attempt}); old pods keep "
-                f"serving; next attempt at {previous['retryAt']}"), apply=keep)
+            decision = Decision(stage=Stage.BACKOFF, message=(  # the reason stays on show
+                f"prefill of revision {rev} failed (attempt {attempt}): {previous.get('message')}"
+                f"; old pods keep serving; next attempt at {previous['retryAt']}"), apply=keep)
             decision.prefill = previous
             return decision
         nodes = _serving_nodes(seen.pods)

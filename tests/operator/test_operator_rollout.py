@@ -71,3 +71,17 @@ def test_summaries_that_never_come_are_not_waited_for_past_the_grace_period() ->
                       BackoffConfig())
     assert decision.stage is Stage.RESTARTING
     assert decision.prefill["message"] == "1/1 nodes hold the entry, 600 bytes read from the store"
+
+
+def test_a_failed_prefill_keeps_its_reason_on_show_through_the_backoff() -> None:
+    """The failed Job is deleted at once; every reconcile of the backoff that follows still says
+    why the prefill failed, not only that it did."""
+    why = "loader on gpu-0: s3://models/flux-v2/ not readable: 403 AccessDenied"
+    failed = {"revision": revision(NEW), "attempt": 1, "state": "Failed", "message": why,
+              "retryAt": (NOW + datetime.timedelta(seconds=10)).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    later = seen([], completed_s_ago=None)
+    later = Observed(**{**vars(later), "jobs": [], "prefill": failed})
+    decision = decide(OWNER, NEW, later, BackoffConfig())
+    assert decision.stage is Stage.BACKOFF
+    assert decision.message.startswith(
+        f"prefill of revision {revision(NEW)} failed (attempt 1): {why}; old pods keep serving")
