@@ -5,7 +5,8 @@ checkpoint it writes itself (random weights) from ministack in the store namespa
 (`dlo_bench.cluster_store`), then for each node count runs one `dlo cache fill` per node in each
 mode, each on empty caches. Every fill is checked before it counts: every rank reports success in
 the requested mode and every node's entry is byte-identical to the source. The kernel's own
-counters of the shaped links give each node's wire bytes from the store and from its peers.
+counters of the shaped links give each node's wire bytes from the store and from its peers, and
+the machine's CPU counters how busy the host that simulates them was (`hostcpu`).
 Figures, bounds and the plot come from `dlo_bench.cluster_report`.
 
 Without root or iproute2 it says why and exits 0 with no figures. It must not leave namespaces,
@@ -29,7 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from dlo_bench import cluster_report, linkprobe, netns, provenance
+from dlo_bench import cluster_report, hostcpu, linkprobe, netns, provenance
 from dlo_bench.s3server import DUMMY_CREDENTIALS
 from dlo_contract.cache import sha256_file
 from dlo_contract.errors import PermanentError
@@ -271,7 +272,8 @@ def _fill(cluster: netns.Cluster, store: dict[str, Any], nodes: int, mode: str, 
                                               stderr=err, env=env))
         before = [netns.node_traffic(cluster, rank) for rank in range(nodes)]
         started = _start_together(procs, roots, args.fill_timeout_s)
-        codes = [p.wait(timeout=args.fill_timeout_s) for p in procs]
+        with hostcpu.HostCpuMeter() as host:
+            codes = [p.wait(timeout=args.fill_timeout_s) for p in procs]
         wall = time.perf_counter() - started
     finally:
         for p in procs:
@@ -284,9 +286,11 @@ def _fill(cluster: netns.Cluster, store: dict[str, Any], nodes: int, mode: str, 
         for rank, (root, code) in enumerate(zip(roots, codes))
     )
     shutil.rmtree(work)
-    run = cluster_report.RunResult(nodes=nodes, mode=mode, ranks=ranks, wall_s=wall)
+    run = cluster_report.RunResult(nodes=nodes, mode=mode, ranks=ranks, wall_s=wall,
+                                   host_cpu=host.result)
     print(f"N={nodes} {mode}: fill {run.fill_s:.2f} s (processes {wall:.2f} s), store bytes "
-          f"per node {[r.wire_from_store for r in ranks]}", flush=True)
+          f"per node {[r.wire_from_store for r in ranks]}; host CPU "
+          f"{host.result.describe() if host.result else 'not readable'}", flush=True)
     return run
 
 

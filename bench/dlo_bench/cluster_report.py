@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dlo_bench.hostcpu import HostCpu
+
 MODES = ("multi-reader", "single-reader", "independent")
 GOAL_NODES = 8
 GOAL_TO_BOUND = 1.2
@@ -56,6 +58,9 @@ class RunResult:
     ranks: tuple[RankResult, ...]
     wall_s: float
     """From releasing the (already imported) loaders to the exit of the last one."""
+    host_cpu: HostCpu | None = None
+    """The whole machine's CPU over `wall_s` (None where unreadable): whether the host that
+    simulates the nodes had room to spare (see [Note: steal] in `dlo_bench.hostcpu`)."""
 
     @property
     def fill_s(self) -> float:
@@ -99,6 +104,8 @@ def summarize(model_bytes: int, runs: Sequence[RunResult], *, store_mbit: float,
     rows = []
     for nodes in sorted({run.nodes for run in runs}):
         fill = {run.mode: run.fill_s for run in runs if run.nodes == nodes}
+        host = next((run.host_cpu for run in runs
+                     if run.nodes == nodes and run.mode == MODES[0]), None)
         b = bounds(model_bytes, nodes, store_mbit=store_mbit, peer_mbit=peer_mbit)
         multi, single, alone = (fill.get(mode) for mode in MODES)
         rows.append({
@@ -115,6 +122,7 @@ def summarize(model_bytes: int, runs: Sequence[RunResult], *, store_mbit: float,
             "multi_reader_to_single_reader_ratio": _ratio(multi, single),
             "single_reader_to_one_link_bound_ratio": _ratio(single, b.one_link_s),
             "independent_to_one_link_bound_ratio": _ratio(alone, b.one_link_s),
+            "multi_reader_host_cpu": host.as_dict() if host else None,
         })
     return rows
 
@@ -153,24 +161,31 @@ def build_report(*, model_bytes: int, files: int, runs: Sequence[RunResult],
         "goal": goal(rows),
         "runs": [
             {"nodes": run.nodes, "mode": run.mode, "fill_s": run.fill_s,
-             "wall_s": round(run.wall_s, 3), "ranks": [asdict(rank) for rank in run.ranks]}
+             "wall_s": round(run.wall_s, 3),
+             "host_cpu": run.host_cpu.as_dict() if run.host_cpu else None,
+             "ranks": [asdict(rank) for rank in run.ranks]}
             for run in runs
         ],
     }
 
 
 def format_table(report: dict[str, Any]) -> list[str]:
-    """The report as the lines a person reads: fill seconds per mode, the bound, the ratios."""
+    """The report as the lines a person reads: fill seconds per mode, the bound, the ratios, and
+    how idle the host was and how much the hypervisor took during the multi-reader fill."""
     lines = [f"model {report['model_bytes'] / 1e6:.1f} MB in {report['model_files']} objects; "
              f"measured links {report['link_probe']}",
              f"{'N':>2} {'multi':>7} {'single':>7} {'indep':>7} {'bound':>7} "
-             f"{'multi/bound':>11} {'multi/indep':>11}"]
+             f"{'multi/bound':>11} {'multi/indep':>11} {'idle':>5} {'steal':>5}"]
     for row in report["results"]:
         cells = [row["multi_reader_s"], row["single_reader_s"], row["independent_s"],
                  row["bound_s"]]
         text = " ".join(f"{c:7.2f}" if c is not None else f"{'-':>7}" for c in cells)
         ratios = [row["multi_reader_to_bound_ratio"], row["multi_reader_to_independent_ratio"]]
-        lines.append(f"{row['nodes']:>2} {text} " + " ".join(f"{str(r):>11}" for r in ratios))
+        host = row.get("multi_reader_host_cpu")
+        shares = (f"{host['idle']:5.0%} {host['steal']:5.0%}" if host
+                  else f"{'-':>5} {'-':>5}")
+        lines.append(f"{row['nodes']:>2} {text} " + " ".join(f"{str(r):>11}" for r in ratios)
+                     + f" {shares}")
     g = report["goal"]
     lines.append(f"goal at N={g['nodes']}: multi-reader/bound {g['multi_reader_to_bound_ratio']} "
                  f"(<= {g['multi_reader_to_bound_max']}: {g['bound_met']}), multi-reader/"

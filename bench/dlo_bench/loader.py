@@ -12,7 +12,8 @@ and fill runs interleaved so drift hits all alike. The figure asked for is `fill
 (median fill throughput / median GET ceiling); `fill_to_bound_ratio` divides by the slower of the
 GET ceiling and the disk instead. Each run also counts CPU-seconds, of this process (the
 ceiling's client, the fill's loader) and of the server, so what a fill costs beyond reading is
-visible apart from how the two processes shared the cores. `--json` prints one JSON object as
+visible apart from how the two processes shared the cores, and the whole machine's CPU shares
+(`hostcpu`: busy, idle, steal), so a run the host starved is visible as such. `--json` prints one JSON object as
 the last line, with the commit, the machine and the parameters. Must not be imported by the
 planes.
 """
@@ -43,7 +44,7 @@ from dlo_loader.sink import FileSink
 from dlo_contract.cache import ObjectIdentity, sha256_file, verify_entry
 from dlo_contract.settings import CacheConfig, LoaderConfig, Settings
 
-from dlo_bench import provenance
+from dlo_bench import hostcpu, provenance
 from dlo_bench.s3server import DUMMY_CREDENTIALS, S3Server, start_ministack, upload_tree
 
 MIB = 1 << 20
@@ -93,13 +94,17 @@ def measure(args: argparse.Namespace, server: S3Server, work: Path) -> dict[str,
     _ceiling(server, ranges, args.readers, meter)  # warm-up: connections, server caches
     ceiling_s, disk_s, fill_s, stages = [], [], [], []
     cpu: dict[str, list[dict[str, float]]] = {"ceiling": [], "disk": [], "fill": []}
+    host: dict[str, list[hostcpu.HostCpu | None]] = {kind: [] for kind in cpu}
     for repeat in range(args.repeats):
         ceiling_s.append(_ceiling(server, ranges, args.readers, meter))
         cpu["ceiling"].append(meter.cpu)
+        host["ceiling"].append(meter.host)
         disk_s.append(_disk(work / "disk", total, args.chunk_bytes, meter))
         cpu["disk"].append(meter.cpu)
+        host["disk"].append(meter.host)
         seconds, stage_seconds = _fill(args, server, work / f"cache-{repeat}", meter)
         cpu["fill"].append(meter.cpu)
+        host["fill"].append(meter.host)
         fill_s.append(seconds)
         stages.append(stage_seconds)
     ceiling = total / statistics.median(ceiling_s)
@@ -131,6 +136,10 @@ def measure(args: argparse.Namespace, server: S3Server, work: Path) -> dict[str,
         "cpu_seconds_per_gib_note": "median per run, per GiB moved: client is this process "
                                     "(the ceiling's GETs, the disk probe's writes, the whole "
                                     "fill), server the S3 server's processes",
+        "host_cpu": {kind: _median_host(readings) for kind, readings in host.items()},
+        "host_cpu_note": "median per run of the whole machine's CPU time: busy (its own "
+                         "work), idle, steal (taken by the hypervisor); a run with no idle "
+                         "time was bounded by the machine's CPU",
         "stage_seconds": stages,
         "stage_seconds_note": "per fill, thread-seconds summed over the loader's threads: GET "
                               f"({args.readers} readers at once, each hashing what it reads), "
@@ -140,23 +149,25 @@ def measure(args: argparse.Namespace, server: S3Server, work: Path) -> dict[str,
 
 
 class _Meter:
-    """Over a `with` block: its wall seconds, and the CPU-seconds (user + system) this process
-    and the server spent in it."""
+    """Over a `with` block: its wall seconds, the CPU-seconds (user + system) this process and
+    the server spent in it, and the whole machine's CPU shares (`hostcpu`)."""
 
     def __init__(self, server: S3Server) -> None:
         self._server = psutil.Process(server.process.pid)
         self.seconds = 0.0
         self.cpu: dict[str, float] = {}
-        self._started: tuple[float, dict[str, float]] = (0.0, {})
+        self.host: hostcpu.HostCpu | None = None
+        self._started: tuple[float, dict[str, float], tuple[int, ...] | None] = (0.0, {}, None)
 
     def __enter__(self) -> _Meter:
-        self._started = (time.perf_counter(), self._cpu_now())
+        self._started = (time.perf_counter(), self._cpu_now(), hostcpu.read_times())
         return self
 
     def __exit__(self, *exc: object) -> None:
-        began, before = self._started
+        began, before, host_before = self._started
         self.seconds = time.perf_counter() - began
         after = self._cpu_now()
+        self.host = hostcpu.between(host_before, hostcpu.read_times())
         self.cpu = {side: round(after[side] - before[side], 4) for side in after}
 
     def _cpu_now(self) -> dict[str, float]:
@@ -166,6 +177,14 @@ class _Meter:
                 times = process.cpu_times()
                 server += times.user + times.system
         return {"client": time.process_time(), "server": server}
+
+
+def _median_host(readings: list[hostcpu.HostCpu | None]) -> dict[str, float] | None:
+    """Each share's median over the runs that could read the counters; None if none could."""
+    read = [reading.as_dict() for reading in readings if reading is not None]
+    if not read:
+        return None
+    return {share: round(statistics.median(r[share] for r in read), 3) for share in read[0]}
 
 
 def _write_checkpoint(directory: Path, total: int, files: int) -> dict[str, str]:
@@ -313,6 +332,10 @@ def _print(report: dict[str, Any], as_json: bool) -> None:
     cpu = report["cpu_seconds_per_gib"]
     print("CPU-seconds per GiB (this process / the server): " + ", ".join(
         f"{kind} {sides['client']:.2f} / {sides['server']:.2f}" for kind, sides in cpu.items()))
+    host = report["host_cpu"]
+    print("machine CPU, median per run: " + ", ".join(
+        f"{kind} " + (f"idle {shares['idle']:.0%} steal {shares['steal']:.0%}" if shares
+                      else "not readable") for kind, shares in host.items()))
     print(f"where the fill's time went (thread-seconds per run): {report['stage_seconds']}")
     print(f"fill_to_ceiling_ratio: {report['fill_to_ceiling_ratio']:.3f}; fill_to_bound_ratio "
           f"(against the slower of GETs and disk): {report['fill_to_bound_ratio']:.3f}")

@@ -6,11 +6,12 @@ import argparse
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 
-from dlo_bench import cluster, cluster_report, linkprobe, netns
+from dlo_bench import cluster, cluster_report, hostcpu, linkprobe, netns
 from dlo_bench.cluster_report import RankResult, RunResult
 from dlo_contract.cache import sha256_file
 
@@ -20,8 +21,9 @@ def _rank(rank: int, seconds: float) -> RankResult:
                       bytes_to_peers=300, wire_from_store=105, wire_from_peers=315)
 
 
-def _run(nodes: int, mode: str, *seconds: float) -> RunResult:
-    return RunResult(nodes=nodes, mode=mode, wall_s=max(seconds) + 3,
+def _run(nodes: int, mode: str, *seconds: float,
+         host_cpu: hostcpu.HostCpu | None = None) -> RunResult:
+    return RunResult(nodes=nodes, mode=mode, wall_s=max(seconds) + 3, host_cpu=host_cpu,
                      ranks=tuple(_rank(i, s) for i, s in enumerate(seconds)))
 
 
@@ -53,7 +55,9 @@ def test_fill_time_is_the_slowest_rank() -> None:
 
 def test_report_ratios_and_goal() -> None:
     model = 10**9  # bound at N=8: 5 s; one link: 40 s
-    runs = [_run(8, "multi-reader", 5.5, 5.9, 5.0, 5.5), _run(8, "single-reader", 41, 40, 40, 40),
+    saturated = hostcpu.HostCpu(busy=0.62, idle=0.05, steal=0.33)
+    runs = [_run(8, "multi-reader", 5.5, 5.9, 5.0, 5.5, host_cpu=saturated),
+            _run(8, "single-reader", 41, 40, 40, 40),
             _run(8, "independent", 40.0, 44.0, 42.0, 41.0), _run(2, "multi-reader", 21.0, 22.0)]
     report = cluster_report.build_report(
         model_bytes=model, files=3, runs=runs, parameters={"store_mbit": 200, "peer_mbit": 2000},
@@ -69,13 +73,43 @@ def test_report_ratios_and_goal() -> None:
     assert eight["single_reader_to_one_link_bound_ratio"] == round(41 / 40, 3)
     assert report["goal"]["bound_met"] is True and report["goal"]["independent_met"] is True
     assert report["runs"][0]["ranks"][1]["seconds"] == 5.9
+    assert report["runs"][0]["host_cpu"] == {"busy": 0.62, "idle": 0.05, "steal": 0.33}
+    assert eight["multi_reader_host_cpu"] == report["runs"][0]["host_cpu"]
+    assert two["multi_reader_host_cpu"] is None  # not measured: said, not guessed
     assert report["commit"] == "abc" and report["machine"] == {"cores": 2}
     json.dumps(report)  # every figure is JSON-ready
     lines = cluster_report.format_table(report)
-    assert lines[2] == " 2   22.00       -       -   20.00         1.1        None"
-    assert lines[3] == " 8    5.90   41.00   44.00    5.00        1.18       0.134"
+    assert lines[2] == " 2   22.00       -       -   20.00         1.1        None     -     -"
+    assert lines[3] == " 8    5.90   41.00   44.00    5.00        1.18       0.134    5%   33%"
     assert lines[-1] == ("goal at N=8: multi-reader/bound 1.18 (<= 1.2: True), "
                          "multi-reader/independent 0.134 (< 0.4: True)")
+
+
+def test_host_cpu_shares_come_from_the_kernel_counters(tmp_path: Path) -> None:
+    # user nice system idle iowait irq softirq steal (guest fields after them are ignored)
+    before = (100, 0, 50, 800, 10, 0, 5, 35)
+    after = (160, 0, 70, 815, 15, 0, 10, 75)  # +60 +0 +20 +15 +5 +0 +5 +40 = 145 ticks
+    shares = hostcpu.between(before, after)
+    assert shares == pytest.approx(hostcpu.HostCpu(busy=85 / 145, idle=20 / 145, steal=40 / 145))
+    assert shares.describe() == "busy 59%, idle 14%, steal 28%"
+    assert hostcpu.between(before, before) is None and hostcpu.between(None, after) is None
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  160 0 70 815 15 0 10 75 0 0\ncpu0 80 0 35 400 7 0 5 37 0 0\n")
+    assert hostcpu.read_times(stat) == after
+    stat.write_text("cpu  160 0 70 815 15 0 10\n")  # a kernel before steal was counted
+    assert hostcpu.read_times(stat) == (*after[:7], 0)
+    assert hostcpu.read_times(tmp_path / "absent") is None
+
+
+def test_host_cpu_meter_sees_this_machine_work() -> None:
+    if hostcpu.read_times() is None:
+        pytest.skip("no /proc/stat here")
+    with hostcpu.HostCpuMeter() as meter:
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:  # one CPU busy for 0.3 s
+            pass
+    assert meter.result is not None and meter.result.busy > 0
+    assert sum(meter.result.as_dict().values()) == pytest.approx(1, abs=0.01)
 
 
 def test_goal_missed_and_goal_unmeasured() -> None:

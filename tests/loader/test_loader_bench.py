@@ -47,6 +47,13 @@ def test_report_checks_correctness_and_names_the_ratio(s3: S3Server, tmp_path: P
     for kind in ("ceiling", "fill"):
         assert cpu[kind]["client"] > 0 and cpu[kind]["server"] > 0, cpu
     assert cpu["disk"]["client"] > 0 and cpu["disk"]["server"] < cpu["fill"]["server"], cpu
+    host = report["host_cpu"]
+    assert set(host) == {"ceiling", "disk", "fill"}
+    for shares in host.values():  # each run's shares of the machine's CPU time, where a run
+        if shares is not None:  # lasted a clock tick (this tiny disk probe may not)
+            assert set(shares) == {"busy", "idle", "steal"}
+            assert sum(shares.values()) == pytest.approx(1, abs=0.01)
+    assert host["fill"]["busy"] > 0  # a fill works for far longer than a tick
 
 
 def test_a_fill_that_publishes_wrong_bytes_is_reported_as_incorrect(
