@@ -35,9 +35,14 @@ def fsync_file(path: Path) -> None:
 
 
 def remove_tree(path: Path) -> None:
-    """Remove a directory tree that may already be gone."""
-    with contextlib.suppress(FileNotFoundError):
+    """Remove a directory tree that may already be gone, or a file found in its place."""
+    try:
         shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
+    except NotADirectoryError:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def free_bytes(path: Path) -> int:

@@ -191,6 +191,10 @@ class Manifest:
         allowed = {"schema_version", "kind", "entry_id", "identity", "files", "tensor_count",
                    "content_digest", "producer", "created_at"}
         _reject_unknown(data, allowed, "manifest")
+        for key, kind in (("kind", str), ("entry_id", str), ("identity", dict)):
+            if not isinstance(data.get(key), kind):
+                raise CacheCorruptError(f"manifest {key!r} is missing or not a {kind.__name__}: "
+                                        f"{data.get(key)!r}")
         files = data.get("files")
         if not isinstance(files, list):
             raise CacheCorruptError("manifest 'files' is not a list")
@@ -210,9 +214,19 @@ class Manifest:
 
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
-    """Parse one manifest file; `FileNotFoundError` passes through (no manifest = no entry)."""
-    with open(path, encoding="utf-8") as handle:
-        return Manifest.from_json(handle.read())
+    """Parse one manifest file; `FileNotFoundError` passes through (no manifest = no entry).
+    Whatever else makes it unreadable (bytes that are not UTF-8, a directory in its place) is
+    `CacheCorruptError`: the entry is invalid, and listing, eviction and the next fill go on."""
+    try:
+        with open(path, "rb") as handle:
+            text = handle.read().decode("utf-8")
+    except FileNotFoundError:
+        raise
+    except UnicodeDecodeError as exc:
+        raise CacheCorruptError(f"manifest {path} is not UTF-8 text: {exc}") from exc
+    except OSError as exc:
+        raise CacheCorruptError(f"manifest {path} cannot be read: {exc}") from exc
+    return Manifest.from_json(text)
 
 
 def _reject_unknown(data: dict[str, Any], allowed: set[str], what: str) -> None:
