@@ -28,6 +28,7 @@ from dlo_loader.fill import TRANSFER_MODULES, FillRequest, fill
 from dlo_loader.group_source import resolve_placement
 from dlo_loader.metrics import Endpoint
 from dlo_loader.progress import RankPrefixFilter
+from dlo_contract.cache import EntryHandle, open_entry
 from dlo_contract.documents import FillStatus, FillSummary
 from dlo_contract.errors import DloError
 from dlo_contract.names import (
@@ -94,13 +95,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "whose start is the way to the first request, while the fill mostly waits on the "
              "network")
     add("--keep-running", action="store_true",
-        help="after the entry is published, stay up (serving /metrics) until SIGTERM or SIGINT: "
-             "a pod's native sidecar, which the kubelet would restart if it exited")
+        help="after the entry is published, stay up (serving /metrics) until SIGTERM or SIGINT, "
+             "holding the entry in use so that no fill on the node evicts it: a pod's native "
+             "sidecar, which the kubelet would restart if it exited")
 
 
 def run(args: argparse.Namespace) -> int:
     rank: int | None = None
     endpoint: Endpoint | None = None
+    entry: EntryHandle | None = None
     if args.yield_cpu:
         _yield_cpu()
     preload_transfer_modules()
@@ -119,8 +122,16 @@ def run(args: argparse.Namespace) -> int:
             emit=_print_line,
         )
         result = fill(request)
+        # [Note: the pod holds its entry] Opening the entry records its last use (eviction
+        # goes least recently used first, and the server's own open may be on a read-only
+        # mount that cannot record it) and holds `.use` shared: the pod's server maps the
+        # entry minutes later, after its imports, and a fill of another model on the node must
+        # not evict it in between. The sidecar holds it for the pod's life.
+        entry = open_entry(result.root, result.entry_id)
         _write_atomically(Path(args.entry_file), result.entry_document().to_json() + "\n")
     except Exception as exc:  # every failure becomes the one-line summary and exit status 1
+        if entry is not None:
+            entry.close()
         if endpoint is not None:
             endpoint.close()
         return _report_failure(args, rank, exc)
@@ -130,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         endpoint.publish_summary(summary.to_json())
     if args.keep_running:
         _stay_up()
+    entry.close()
     if endpoint is not None:
         endpoint.close()
     return 0
@@ -157,7 +169,8 @@ def _stay_up() -> None:
     gc.collect()  # what the fill left in reference cycles goes before the long idle
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    log.info("entry published; staying up as the pod's sidecar until SIGTERM")
+    log.info("entry published; staying up as the pod's sidecar, holding it in use, until "
+             "SIGTERM")
     while not stop.wait(3600):
         pass
     log.info("stopping: the pod is shutting down")

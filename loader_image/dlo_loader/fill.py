@@ -173,13 +173,14 @@ class _Fill:
         if existing is not None and not self._in_group():
             log.info("entry %s is cached already at %s; nothing to read", eid, existing)
             return self._result(eid, existing, self.loader.mode, cached=True)
-        if existing is None:
-            self._make_room(eid, total)
         lock_timeout_s = max(self.deadline - time.monotonic(), 1.0)
         self.progress.phase = "waiting"  # metrics: phase
+        # Room is made as the publication's lock owner: a loader that waits for another one
+        # publishing the same entry joins it, and must not evict for a second copy.
         publication = begin_publication(self.root, eid, expected_bytes=total,
                                         lock_timeout_s=lock_timeout_s,
-                                        min_free_bytes=self.cache.min_free_bytes)
+                                        min_free_bytes=self.cache.min_free_bytes,
+                                        prepare=lambda: self._make_room(eid, total))
         with contextlib.ExitStack() as held:
             # Taking the lock waits while another loader on this node publishes the entry.
             with repeating(self.request.emit or log.info, lambda waited: self._publication_line(

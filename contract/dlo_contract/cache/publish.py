@@ -5,7 +5,8 @@ entry if one is there → else, as lock owner, remove stale tmp dirs of this id 
 the caller writes into a fresh tmp dir → `commit` checks the files, fsyncs, writes the manifest,
 renames tmp to `entries/<id>` and fsyncs the parent. Leaving without commit removes the tmp dir.
 Called by the loader (checkpoint entries) and the runtime cache (runtime entries). Must not evict
-other entries or read entries it does not publish (beyond the join check).
+other entries itself (a caller's `prepare`, run as lock owner, may) or read entries it does not
+publish (beyond the join check).
 
 [Note: publication order] The manifest is written after every file is fsynced and the rename
 happens after the manifest is fsynced, so after any crash an `entries/<id>` directory either
@@ -40,6 +41,7 @@ class Publication:
     def __init__(
         self, root: RootLike, entry_id: str, *, expected_bytes: int, lock_timeout_s: float,
         min_free_bytes: int = 0, verify: VerifyMode = "sizes",
+        prepare: Callable[[], None] | None = None,
     ) -> None:
         self.root = CacheRoot.of(root)
         self.entry_id = check_entry_id(entry_id)
@@ -47,6 +49,10 @@ class Publication:
         self.min_free_bytes = min_free_bytes
         self.lock_timeout_s = lock_timeout_s
         self.verify = verify
+        self.prepare = prepare
+        """Run as lock owner when there is no valid entry to join, before the space check: where
+        the loader makes room. A second writer of the same id waits for the lock and joins, so it
+        never evicts for a copy it will not write."""
         self.existing: Path | None = None
         self.tmp_dir: Path | None = None
         self.committed: Path | None = None
@@ -68,6 +74,8 @@ class Publication:
             self.existing = find_entry(self.root, self.entry_id, self.verify)
             if self.existing is None:
                 self._clear_leftovers()
+                if self.prepare is not None:
+                    self.prepare()
                 self._check_space()
                 tmp = self.root.new_tmp_dir_path(self.entry_id)
                 tmp.mkdir(mode=0o755)
@@ -169,11 +177,13 @@ class Publication:
 def begin_publication(
     root: RootLike, entry_id: str, *, expected_bytes: int, lock_timeout_s: float,
     min_free_bytes: int = 0, verify: VerifyMode = "sizes",
+    prepare: Callable[[], None] | None = None,
 ) -> Publication:
-    """Start publishing `entry_id`; use as `with begin_publication(...) as pub:`."""
+    """Start publishing `entry_id`; use as `with begin_publication(...) as pub:`. `prepare`
+    runs as lock owner before the space check when there is nothing to join."""
     return Publication(
         root, entry_id, expected_bytes=expected_bytes, lock_timeout_s=lock_timeout_s,
-        min_free_bytes=min_free_bytes, verify=verify,
+        min_free_bytes=min_free_bytes, verify=verify, prepare=prepare,
     )
 
 
