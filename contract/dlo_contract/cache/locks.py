@@ -60,9 +60,29 @@ def _open_lock_file(path: Path, create: bool) -> int:
     except OSError as exc:
         if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise
+        refused = exc
     # Readers on a read-only mount or without write permission still lock: flock works on an
     # O_RDONLY descriptor, and the publisher created the file for them.
-    return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if not create:
+            raise
+        raise _cannot_create(path, refused) from refused
+
+
+def _cannot_create(path: Path, refused: OSError) -> CacheError:
+    """A lock file this process had to create and was not allowed to: say who owns the place."""
+    try:
+        owner = os.stat(path.parent).st_uid
+    except OSError:
+        owner = None
+    return CacheError(
+        f"cannot create lock file {path}: {refused.strerror} ({path.parent} is owned by uid "
+        f"{owner}, this process runs as uid {os.geteuid()})",
+        hint="a writer of this cache (a runtime cache publisher) needs a writable root it may "
+             "create files in: run it as the owner of the cache root, or give it its own root",
+    )
 
 
 def _lock_once(path: Path, shared: bool, create: bool) -> FileLock | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -150,3 +151,27 @@ def test_waiting_for_a_held_publish_lock_is_bounded(
     assert Workers.result(holder) == {"held": True}
     with begin_publication(root, entry, expected_bytes=1, lock_timeout_s=1) as pub:
         assert pub.tmp_dir is not None
+
+
+def test_a_publisher_not_allowed_to_create_its_lock_is_told_who_owns_the_root(
+        root: CacheRoot, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runtime-cache publisher running as another user than the loader that laid the root
+    out: the error says permission was refused and whose the directory is, not that a file is
+    missing."""
+    real_open = os.open
+
+    def refused(path: str, flags: int, *args: int) -> int:
+        if flags & os.O_CREAT:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_open(path, flags, *args)
+
+    root.ensure()
+    monkeypatch.setattr(os, "open", refused)
+    entry = entry_id(identity_for("not mine"))
+    with pytest.raises(CacheError) as info:
+        with begin_publication(root, entry, expected_bytes=10, lock_timeout_s=1):
+            pass
+    assert str(info.value) == (
+        f"cannot create lock file {root.publish_lock(entry)}: Permission denied ({root.locks} is "
+        f"owned by uid {os.stat(root.locks).st_uid}, this process runs as uid {os.geteuid()})")
+    assert "run it as the owner of the cache root, or give it its own root" in info.value.hint
