@@ -1,11 +1,13 @@
-"""`dlo cache gc [--max-bytes N] [--min-free-bytes N] [--incoming-bytes N]`: evict least recently
-used entries, optionally making room for an entry of N bytes about to be written (what the loader
-does before every fill).
+"""`dlo cache gc [--max-bytes N] [--min-free-bytes N] [--incoming-bytes N] [--remove ID ...]`:
+evict least recently used entries, optionally making room for an entry of N bytes about to be
+written (what the loader does before every fill), and remove named entries (a damaged one that
+errors tell a person to remove).
 
 Owns the gc command: limits default to the settings document's `cache.max_bytes` and
-`cache.min_free_bytes` (0 = no limit), removes leftovers of dead writers, evicts, prints what it
-removed, and exits 1 when the limits still do not hold (everything left is in use). Called by the
-`dlo` entry point. Must not remove an entry in use (that rule lives in `evict`).
+`cache.min_free_bytes` (0 = no limit), removes the named entries, removes leftovers of dead
+writers, evicts, prints what it removed, and exits 1 when a named entry could not be removed or
+the limits still do not hold (everything left is in use). Called by the `dlo` entry point. Must
+not remove an entry in use (that rule lives in `evict`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from __future__ import annotations
 import argparse
 
 from dlo_cli.cache_common import add_root_argument, resolve_root, settings_cache_config
-from dlo_contract.cache.evict import evict, list_entries
+from dlo_contract.cache.evict import evict, list_entries, remove_entry
+from dlo_contract.cache.layout import CacheRoot, is_entry_id
 from dlo_contract.cache.fsutil import free_bytes
 
 
@@ -38,6 +41,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--incoming-bytes", type=_byte_count, default=0, metavar="N",
         help="count an entry of N bytes about to be written, as the loader does before a fill",
     )
+    parser.add_argument(
+        "--remove", action="append", type=_entry_id, default=[], metavar="ID",
+        help="also remove this entry, whatever its last use, unless it is in use (repeatable)",
+    )
+
+
+def _entry_id(text: str) -> str:
+    if not is_entry_id(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an entry id (the first column of "
+                                          "`dlo cache ls`)")
+    return text
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         max_bytes = config.max_bytes if max_bytes is None else max_bytes
         min_free = config.min_free_bytes if min_free is None else min_free
     incoming = args.incoming_bytes
+    refused = [entry for entry in args.remove if not _remove(root, entry)]
     removed = evict(root, max_bytes=max_bytes, min_free_bytes=min_free, incoming_bytes=incoming)
     for entry in removed:
         print(f"evicted {entry}")
@@ -66,4 +81,16 @@ def run(args: argparse.Namespace) -> int:
             "or the space is taken outside the cache"
         )
         return 1
-    return 0
+    return 1 if refused else 0
+
+
+def _remove(root: CacheRoot, entry: str) -> bool:
+    """Remove one named entry; False (said why) when it is absent or in use."""
+    if entry not in root.entry_ids():
+        print(f"no entry {entry} in {root.path}")
+        return False
+    if not remove_entry(root, entry):
+        print(f"not removed: {entry} is in use (or being published); stop the pods that map it")
+        return False
+    print(f"removed {entry}")
+    return True

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from dlo_contract.cache import (
-    FileRecord, begin_publication, entry_id, open_entry, runtime_identity,
+    FileRecord, begin_publication, entry_id, open_entry, remove_command, runtime_identity,
 )
 from dlo_contract.errors import DloError, PermanentError
 from dlo_runtime.host_weight_plan import BackingKind, HostWeightPlan, TensorBinding, runtime_tensors
@@ -206,7 +206,8 @@ def _map_back(settings: Settings, eid: str, tensors: dict[str, torch.Tensor],
             raise RuntimeCacheMismatch(
                 f"runtime cache entry {eid} does not hold this process's tensors (content digest "
                 "mismatch after mapping)",
-                hint=f"remove the damaged entry: dlo cache gc --root {settings.runtime_cache_root}",
+                hint="remove the damaged entry: "
+                     + remove_command(eid, settings.runtime_cache_root),
             )
     except BaseException:
         source.close()

@@ -32,6 +32,7 @@ from dlo_contract.cache.errors import (
     CacheError,
     CacheLockTimeout,
     CacheSpaceError,
+    remove_command,
 )
 from dlo_contract.cache.evict import EntryInfo, evict, list_entries, make_room, remove_entry
 from dlo_contract.cache.identity import (
@@ -81,6 +82,7 @@ __all__ = [
     "open_entry",
     "publish_entry",
     "read_manifest",
+    "remove_command",
     "remove_entry",
     "runtime_identity",
     "safe_relpath",

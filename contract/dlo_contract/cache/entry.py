@@ -16,7 +16,7 @@ from typing import Literal
 
 from dlo_contract.cache import locks
 from dlo_contract.cache.check import Problem, check_files, check_manifest
-from dlo_contract.cache.errors import CacheCorruptError, CacheError
+from dlo_contract.cache.errors import CacheCorruptError, CacheError, remove_command
 from dlo_contract.cache.layout import MANIFEST_NAME, CacheRoot, safe_relpath
 from dlo_contract.cache.manifest import Manifest, read_manifest
 
@@ -127,7 +127,8 @@ def open_entry(
         if problems or manifest is None:
             raise CacheCorruptError(
                 f"cache entry {entry_id} is corrupt: {problems[0]}",
-                hint=f"run: dlo cache verify --full {entry_id}; remove it with dlo cache gc",
+                hint=f"run: dlo cache verify --full {entry_id}; remove it with: "
+                     f"{remove_command(entry_id, cache.path)}",
             )
     except BaseException:
         lock.release()

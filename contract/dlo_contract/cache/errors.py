@@ -9,6 +9,8 @@ error base.
 
 from __future__ import annotations
 
+import os
+
 from dlo_contract.errors import PermanentError, TransientError
 
 
@@ -33,3 +35,10 @@ class CacheSpaceError(CacheError):
 
 class CacheCorruptError(CacheError):
     """An entry's manifest or files do not match what was published."""
+
+
+def remove_command(entry_id: str, root: str | os.PathLike[str] | None = None) -> str:
+    """The command that removes one entry unless it is in use: what errors about a damaged or
+    unreadable entry tell a person to run."""
+    where = f" --root {root}" if root is not None else ""
+    return f"dlo cache gc{where} --remove {entry_id}"

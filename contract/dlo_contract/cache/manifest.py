@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from dlo_contract.cache.errors import CacheCorruptError
+from dlo_contract.cache.errors import CacheCorruptError, remove_command
 from dlo_contract.cache.layout import relpath_problem
 
 MANIFEST_SCHEMA_VERSION = 1
@@ -144,7 +144,7 @@ class Manifest:
             raise CacheCorruptError(
                 f"manifest schema_version {self.schema_version!r} is not supported; this reader "
                 f"knows {MANIFEST_SCHEMA_VERSION}",
-                hint="upgrade dlo, or remove the entry with dlo cache gc",
+                hint=f"upgrade dlo, or remove the entry with: {remove_command(self.entry_id)}",
             )
         if self.kind not in KINDS:
             raise CacheCorruptError(f"manifest kind {self.kind!r} is not one of {KINDS}")
@@ -186,7 +186,8 @@ class Manifest:
             raise CacheCorruptError(
                 f"manifest schema_version {version!r} is not supported; this reader "
                 f"knows {MANIFEST_SCHEMA_VERSION}",
-                hint="upgrade dlo, or remove the entry with dlo cache gc",
+                hint="upgrade dlo, or remove the entry with: "
+                     + remove_command(str(data.get("entry_id", "ENTRY_ID"))),
             )
         allowed = {"schema_version", "kind", "entry_id", "identity", "files", "tensor_count",
                    "content_digest", "producer", "created_at"}

@@ -12,6 +12,7 @@ import pytest
 from support.cache_helpers import Workers, dlo, publish_files
 from support.cache_worker import identity_for
 from dlo_contract.cache import (
+    CacheError,
     CacheRoot,
     FileRecord,
     begin_publication,
@@ -126,3 +127,32 @@ def test_gc_and_ls_commands(root: CacheRoot, workers: Workers, tmp_path: Path) -
     )
     assert (done.returncode, done.stdout.splitlines()[0]) == (0, f"evicted {held}")
     assert root.entry_ids() == []
+
+
+def test_gc_removes_a_named_entry_unless_it_is_in_use(
+        root: CacheRoot, workers: Workers, tmp_path: Path) -> None:
+    """A damaged entry whose manifest still reads is neither invalid nor old: errors about it
+    name `dlo cache gc --remove`, which takes it out whatever its last use."""
+    damaged = publish_files(root, "s3://b/damaged/", {"w.bin": b"d" * 600})
+    (root.entry_dir(damaged) / "w.bin").chmod(0o644)
+    (root.entry_dir(damaged) / "w.bin").write_bytes(b"d" * 599)  # a short file
+    with pytest.raises(CacheError) as opening:
+        open_entry(root, damaged)
+    assert opening.value.hint.endswith(f"dlo cache gc --root {root.path} --remove {damaged}")
+    held = _publish_runtime(root, "held")
+    holder = workers.start("hold-use", str(root.path), "held", "--marker", str(tmp_path / "hold"))
+    workers.wait_for(tmp_path / "hold", holder)
+
+    done = dlo("cache", "gc", "--root", str(root.path), "--remove", damaged, "--remove", held,
+               "--remove", "f" * 64, "--max-bytes", "0", "--min-free-bytes", "0")
+
+    assert done.returncode == 1  # not everything named could go
+    assert done.stdout.splitlines()[:3] == [
+        f"removed {damaged}",
+        f"not removed: {held} is in use (or being published); stop the pods that map it",
+        f"no entry {'f' * 64} in {root.path}",
+    ]
+    assert root.entry_ids() == [held]
+    refused = dlo("cache", "gc", "--root", str(root.path), "--remove", "../x")
+    assert refused.returncode == 2 and "'../x' is not an entry id" in refused.stderr
+    assert Workers.result(holder) == {"held": True}

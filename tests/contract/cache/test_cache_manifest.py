@@ -50,7 +50,8 @@ def test_a_newer_schema_version_is_refused_with_a_hint() -> None:
     with pytest.raises(CacheCorruptError) as info:
         Manifest.from_dict(data)
     assert str(info.value) == "manifest schema_version 2 is not supported; this reader knows 1"
-    assert info.value.hint == "upgrade dlo, or remove the entry with dlo cache gc"
+    assert info.value.hint == ("upgrade dlo, or remove the entry with: dlo cache gc --remove "
+                               + data["entry_id"])
 
 
 def test_file_records_must_describe_their_chunks_consistently() -> None:
