@@ -23,11 +23,10 @@ def fill_group(owner: Owner, spec: DeploymentSpec, ordinals: range) -> FillGroup
     """The group of the workload pods `ordinals` (a create or a scale-up)."""
     if len(ordinals) < 2:
         return FillGroup()
-    first = f"{owner.statefulset_name}-{ordinals[0]}"
     return FillGroup(
         revision=revision(spec),
-        members={f"{owner.statefulset_name}-{o}": rank for rank, o in enumerate(ordinals)},
-        master_addr=owner.pod_address(first, owner.service_name),
+        members={owner.pod_name(o): rank for rank, o in enumerate(ordinals)},
+        master_addr=owner.pod_address(owner.pod_name(ordinals[0]), owner.service_name),
         master_port=spec.loader.port)
 
 

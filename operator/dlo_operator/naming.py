@@ -107,6 +107,10 @@ class Owner:
     def statefulset_name(self) -> str:
         return self.name
 
+    def pod_name(self, ordinal: int) -> str:
+        """The StatefulSet's pod of `ordinal`."""
+        return f"{self.statefulset_name}-{ordinal}"
+
     @property
     def inference_service_name(self) -> str:
         """ClusterIP Service of the inference ports (clients address `<name>.<namespace>`)."""
@@ -118,7 +122,7 @@ class Owner:
 
     def master_addr(self) -> str:
         """Pod 0's DNS name (the rendezvous of a create's fill group)."""
-        return self.pod_address(f"{self.statefulset_name}-0", self.service_name)
+        return self.pod_address(self.pod_name(0), self.service_name)
 
     def pod_address(self, pod: str, service: str) -> str:
         """A pod's DNS name under a headless Service, relative to the pod's search domains

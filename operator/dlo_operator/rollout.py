@@ -6,7 +6,8 @@ drifted), what to delete, the new prefill record and the Events to post. Stages:
 
     Creating     no StatefulSet: create it with every pod in one fill group
     Serving      the StatefulSet serves the desired revision; scale by stepping `replicas`, new
-                 pods in a fresh fill group (no existing pod restarts), close finished groups
+                 pods in a fresh fill group (no existing pod restarts), one group at a time;
+                 close a group once its members finished or one of them was scaled away
     Restarting   the settings changed but not the entry: roll the pods, no prefill
     Prefilling   the entry changed: a prefill Job fills it on every serving node while the old
                  pods keep serving; the StatefulSet is left as it is until the Job succeeds
@@ -116,6 +117,9 @@ def decide(owner: Owner, spec: DeploymentSpec, seen: Observed,
         decision.prefill = dict(seen.prefill)
     else:
         decision = _prefill(owner, spec, seen, backoff)
+        live = _live_replicas(seen.statefulset)
+        if live != spec.replicas:  # the StatefulSet is left as it is until the prefill ends
+            decision.message += "; " + _scale_waits(live, spec.replicas, "the prefill")
     decision.revision = rev
     decision.apply += optional_children(owner, spec)
     decision.delete += _stale_jobs(owner, rev, seen.jobs)
@@ -125,15 +129,18 @@ def decide(owner: Owner, spec: DeploymentSpec, seen: Observed,
 
 def _serve(owner: Owner, spec: DeploymentSpec, seen: Observed) -> Decision:
     """Steady state: children as the spec says; a scale-up fills its new pods as one group."""
-    assert seen.statefulset is not None
-    live = int((seen.statefulset.get("spec") or {}).get("replicas") or 0)
+    live = _live_replicas(seen.statefulset)
     group = seen.group if seen.group is not None else FillGroup()
-    if group.members and (group.revision != revision(spec) or _finished(group, seen.pods)):
-        group = FillGroup()  # every member finished: a pod recreated later fills alone
+    if group.members and (group.revision != revision(spec) or _over(owner, spec, group,
+                                                                     seen.pods)):
+        group = FillGroup()  # a pod recreated later, or a member left, fills alone
     replicas, message = spec.replicas, f"serving revision {revision(spec)}"
     if spec.replicas > live:
         if group.members:
             replicas = live  # one group at a time: the next one waits for this one to finish
+            message += "; " + _scale_waits(live, spec.replicas, (
+                f"the fill group of {', '.join(sorted(group.members))} to finish "
+                "(one group at a time)"))
         else:
             group = fill_group(owner, spec, range(live, spec.replicas))
             message = (f"scaling {live} -> {spec.replicas}: new pods fill as a group of "
@@ -231,8 +238,24 @@ def _serving_nodes(pods: Sequence[Mapping[str, Any]]) -> list[str]:
                    and not (p.get("metadata") or {}).get("deletionTimestamp")})
 
 
-def _finished(group: FillGroup, pods: Sequence[Mapping[str, Any]]) -> bool:
-    """Every member's loader finished (cached, or failed for good)."""
+def _live_replicas(statefulset: Mapping[str, Any] | None) -> int:
+    return int(((statefulset or {}).get("spec") or {}).get("replicas") or 0)
+
+
+def _scale_waits(live: int, wanted: int, why: str) -> str:
+    return f"scaling {live} -> {wanted} waits for {why}"
+
+
+def _over(owner: Owner, spec: DeploymentSpec, group: FillGroup,
+          pods: Sequence[Mapping[str, Any]]) -> bool:
+    """The group is over: every member's loader finished (cached, or failed for good), or a
+    member was scaled away (a scale-up cancelled, or cut short, before its pods filled). A group
+    missing a member can never meet: the members left fill alone (a loader already waiting for
+    it falls back when its rendezvous times out, as `loader.onRendezvousTimeout` says).
+    A member without a pod is not over: the StatefulSet has yet to create it."""
+    wanted = {owner.pod_name(ordinal) for ordinal in range(spec.replicas)}
+    if any(member not in wanted for member in group.members):
+        return True
     by_name = {(p.get("metadata") or {}).get("name"): p for p in pods}
     states = [node_entry(by_name[m])["loader"] if m in by_name else None for m in group.members]
     return all(s in (LoaderState.CACHED.value, LoaderState.FAILED.value) for s in states)

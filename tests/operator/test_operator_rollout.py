@@ -1,5 +1,6 @@
-"""The rollout decision for a finished prefill: its record is final once the pods restart, so the
-operator waits for the loaders' summaries that arrive after the Job's success."""
+"""The rollout decision: a finished prefill's record is final once the pods restart, so the
+operator waits for the loaders' summaries that arrive after the Job's success; a scale-up fills
+its new pods as one group, one group at a time, and a group cut short by a scale-down is over."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import datetime
 from typing import Any
 
 from dlo_contract.documents import FillStatus, FillSummary
+from dlo_contract.fill_group import FILL_GROUP_KEY, FillGroup
 from dlo_operator.configmap import revision
-from dlo_operator.manifests import build_children
+from dlo_operator.manifests import build_children, fill_group
 from dlo_operator.naming import LABEL_JOB_INDEX, LABEL_REVISION, LOADER_CONTAINER, Owner
 from dlo_operator.rollout import SUMMARY_GRACE_S, BackoffConfig, Observed, Stage, decide
-from dlo_operator.spec import parse_spec
+from dlo_operator.spec import DeploymentSpec, parse_spec
+from dlo_operator.statefulset import build_statefulset
 
 OWNER = Owner(name="flux", namespace="ml", uid="uid-1")
 OLD = parse_spec({"model": {"source": "s3://models/flux-v1/"}, "inference": {"image": "s:1"},
@@ -85,3 +88,64 @@ def test_a_failed_prefill_keeps_its_reason_on_show_through_the_backoff() -> None
     assert decision.stage is Stage.BACKOFF
     assert decision.message.startswith(
         f"prefill of revision {revision(NEW)} failed (attempt 1): {why}; old pods keep serving")
+
+
+def scaled(replicas: int) -> DeploymentSpec:
+    return parse_spec({"model": {"source": "s3://models/flux-v1/"},
+                       "inference": {"image": "s:1"}, "replicas": replicas})
+
+
+def cached_pod(index: int) -> dict[str, Any]:
+    return {"metadata": {"name": f"flux-{index}", "labels": {}},
+            "spec": {"nodeName": f"gpu-{index}"},
+            "status": {"initContainerStatuses": [{"name": LOADER_CONTAINER, "ready": True,
+                                                  "state": {"running": {}}}]}}
+
+
+def serving(spec: DeploymentSpec, live: int, pods: list[dict[str, Any]],
+            group: FillGroup) -> Observed:
+    return Observed(statefulset=build_statefulset(OWNER, spec, live), pods=pods, group=group,
+                    jobs=[], job_pods=[], settings_configmaps=[], prefill={}, now=NOW)
+
+
+def applied(decision: Any, kind: str, name: str = "flux") -> dict[str, Any]:
+    return next(m for m in decision.apply if (m["kind"], m["metadata"]["name"]) == (kind, name))
+
+
+def published_group(decision: Any) -> FillGroup:
+    return FillGroup.from_json(applied(decision, "ConfigMap", OWNER.fill_group_name)["data"][
+        FILL_GROUP_KEY])
+
+
+def test_a_scale_up_cancelled_before_its_pods_filled_closes_its_group() -> None:
+    """2 -> 4 opened the group {flux-2, flux-3}; back to 2 before they filled, the group can
+    never meet: it is closed, and the next scale-up is not held back by it."""
+    opened = fill_group(OWNER, scaled(4), range(2, 4))
+    pods = [cached_pod(0), cached_pod(1)]
+    back = decide(OWNER, scaled(2), serving(scaled(2), 4, pods, opened), BackoffConfig())
+    assert (back.stage, back.message) == (Stage.SERVING, "scaling 4 -> 2: removing pods, no "
+                                                         "other pod restarts")
+    assert published_group(back) == FillGroup()
+    again = decide(OWNER, scaled(3), serving(scaled(2), 2, pods, opened), BackoffConfig())
+    assert applied(again, "StatefulSet")["spec"]["replicas"] == 3
+
+
+def test_a_scale_up_waits_for_the_open_group_and_says_so() -> None:
+    opened = fill_group(OWNER, scaled(4), range(2, 4))
+    filling = {"metadata": {"name": "flux-2", "labels": {}}, "spec": {"nodeName": "gpu-2"}}
+    pods = [cached_pod(0), cached_pod(1), filling]
+    decision = decide(OWNER, scaled(6), serving(scaled(4), 4, pods, opened), BackoffConfig())
+    assert applied(decision, "StatefulSet")["spec"]["replicas"] == 4
+    assert decision.message == (
+        f"serving revision {revision(scaled(6))}; scaling 4 -> 6 waits for the fill group of "
+        "flux-2, flux-3 to finish (one group at a time)")
+
+
+def test_a_scale_up_during_a_prefill_says_it_waits_for_the_prefill() -> None:
+    bigger = parse_spec({"model": {"source": "s3://models/flux-v2/"},
+                         "inference": {"image": "s:1"}, "replicas": 4})
+    started = Observed(**{**vars(seen([], completed_s_ago=None)), "jobs": [], "prefill": {}})
+    decision = decide(OWNER, bigger, started, BackoffConfig())
+    assert decision.stage is Stage.PREFILLING
+    assert decision.message == (f"prefilling revision {revision(bigger)} on 2 nodes while the "
+                                "old pods serve; scaling 2 -> 4 waits for the prefill")
