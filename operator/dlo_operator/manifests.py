@@ -2,8 +2,9 @@
 
 The settings ConfigMap, the fill-group document and the Service come before the StatefulSet so
 that its pods never start without their settings, their group or their DNS names. On create the
-group holds every pod: the first fill is one cooperative group. The inference Service and the PodDisruptionBudget, where the spec asks
-for them, follow. Pure; called by `rollout` and by `dlo render`.
+group holds every pod: the first fill is one cooperative group. The inference Service and the
+PodDisruptionBudget, where the spec asks for them, follow. Pure; called by `rollout`, `reconcile`
+(the names of the optional children it looks for) and `dlo render`.
 """
 
 from __future__ import annotations
@@ -32,9 +33,16 @@ def fill_group(owner: Owner, spec: DeploymentSpec, ordinals: range) -> FillGroup
 
 def optional_children(owner: Owner, spec: DeploymentSpec) -> list[dict[str, Any]]:
     """The inference Service and the PodDisruptionBudget, where the spec asks for them; they
-    never restart a pod, so every stage of a rollout applies them as the spec says."""
+    never restart a pod, so every stage of a rollout applies them as the spec says (and deletes
+    the ones it turns off, `optional_child_names`)."""
     optional = (build_inference_service(owner, spec), build_disruption_budget(owner, spec))
     return [child for child in optional if child is not None]
+
+
+def optional_child_names(owner: Owner) -> tuple[tuple[str, str], ...]:
+    """(kind, name) of each child `optional_children` may build, on or off."""
+    return (("Service", owner.inference_service_name),
+            ("PodDisruptionBudget", owner.disruption_budget_name))
 
 
 def build_children(owner: Owner, spec: DeploymentSpec) -> list[dict[str, Any]]:

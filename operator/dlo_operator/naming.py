@@ -159,3 +159,10 @@ def child_metadata(owner: Owner, name: str, **labels: str) -> dict[str, Any]:
             "blockOwnerDeletion": True,
         }]
     return meta
+
+
+def owns(owner: Owner, child: Mapping[str, Any] | None) -> bool:
+    """Whether `child` (None: absent) carries `owner`'s owner reference: an object of the same
+    name that someone else made is never the operator's to delete."""
+    refs = ((child or {}).get("metadata") or {}).get("ownerReferences") or ()
+    return owner.uid is not None and any(ref.get("uid") == owner.uid for ref in refs)

@@ -39,7 +39,8 @@ from dlo_operator.conditions import (
 from dlo_operator.errors import KubeError, KubeTransientError, SpecError
 from dlo_operator.host_paths import DEFAULT_ALLOWED_HOST_PATHS
 from dlo_operator.kube import KubeClient, backoff_delay
-from dlo_operator.naming import LABEL_DEPLOYMENT, LABEL_ROLE, Owner, selector_labels
+from dlo_operator.manifests import optional_child_names
+from dlo_operator.naming import LABEL_DEPLOYMENT, LABEL_ROLE, Owner, owns, selector_labels
 from dlo_operator.rollout import BackoffConfig, Decision, Observed, PrefillState, Stage, decide
 from dlo_operator.spec import DEFAULT_LOADER_IMAGE
 from dlo_operator.status import (
@@ -181,7 +182,9 @@ def _observe(kube: KubeClient, owner: Owner, pods: list[dict[str, Any]],
         job_pods=[p for p in pods if _labels(p).get(LABEL_ROLE) == "prefill"],
         settings_configmaps=kube.list("ConfigMap", owner.namespace,
                                       {**mine, LABEL_ROLE: "settings"}),
-        prefill=previous.get("prefill") or {}, now=now)
+        prefill=previous.get("prefill") or {}, now=now,
+        optional=[(kind, name) for kind, name in optional_child_names(owner)
+                  if owns(owner, kube.get(kind, owner.namespace, name))])
 
 
 def _converge(kube: KubeClient, owner: Owner, decision: Decision) -> None:

@@ -2,7 +2,8 @@
 
 Pure: the reconciler passes the observed children and pods, the previous prefill record and the
 clock; `decide` returns the manifests that should exist (the reconciler applies only those that
-drifted), what to delete, the new prefill record and the Events to post. Stages:
+drifted), what to delete (superseded prefill Jobs and settings, the optional children the spec
+turned off), the new prefill record and the Events to post. Stages:
 
     Creating     no StatefulSet: create it with every pod in one fill group
     Serving      the StatefulSet serves the desired revision; scale by stepping `replicas`, new
@@ -80,6 +81,9 @@ class Observed:
     prefill: Mapping[str, Any]
     """The previous `status.prefill` record ({} when none)."""
     now: datetime.datetime
+    optional: Sequence[tuple[str, str]] = ()
+    """(kind, name) of the optional children (`manifests.optional_child_names`) that exist and
+    this DOD owns."""
 
 
 @dataclass(kw_only=True)
@@ -121,7 +125,9 @@ def decide(owner: Owner, spec: DeploymentSpec, seen: Observed,
         if live != spec.replicas:  # the StatefulSet is left as it is until the prefill ends
             decision.message += "; " + _scale_waits(live, spec.replicas, "the prefill")
     decision.revision = rev
-    decision.apply += optional_children(owner, spec)
+    optional = optional_children(owner, spec)
+    decision.apply += optional
+    decision.delete += _turned_off(optional, seen.optional)
     decision.delete += _stale_jobs(owner, rev, seen.jobs)
     decision.delete += _unused_settings(owner, rev, serving, seen)
     return decision
@@ -302,6 +308,14 @@ def _failure(nodes: Sequence[Mapping[str, Any]], job: Mapping[str, Any]) -> str:
         if condition.get("type") == "Failed":
             return f"Job {condition.get('reason', 'Failed')}: {condition.get('message', '')}"
     return "the prefill Job failed"
+
+
+def _turned_off(wanted: Sequence[Mapping[str, Any]],
+                existing: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Optional children the spec no longer asks for (`disruptionBudget.enabled: false`, no
+    `inference.ports`)."""
+    keep = {(child["kind"], child["metadata"]["name"]) for child in wanted}
+    return [child for child in existing if child not in keep]
 
 
 def _stale_jobs(owner: Owner, rev: str, jobs: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:

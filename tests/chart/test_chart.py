@@ -138,7 +138,7 @@ def test_rbac_grants_only_what_the_operator_uses() -> None:
         ("", "configmaps"): ["delete", "get", "list", "patch", "watch"],
         ("", "services"): ["delete", "get", "list", "patch", "watch"],
         ("apps", "statefulsets"): ["get", "list", "patch", "watch"],
-        ("policy", "poddisruptionbudgets"): ["get", "list", "patch", "watch"],
+        ("policy", "poddisruptionbudgets"): ["delete", "get", "list", "patch", "watch"],
         ("batch", "jobs"): ["delete", "get", "list", "patch", "watch"],
         ("", "events"): ["create"],
     }

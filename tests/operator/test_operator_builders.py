@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from dlo_operator.errors import SpecError
-from dlo_operator.manifests import build_children
-from dlo_operator.naming import Owner
+from dlo_operator.manifests import build_children, optional_child_names, optional_children
+from dlo_operator.naming import Owner, owns
 from dlo_operator.prefill import build_prefill_job
 from dlo_operator.render import render_file
 from dlo_operator.spec import parse_spec
@@ -54,6 +54,18 @@ def test_children_are_owned_and_applied_in_dependency_order() -> None:
     for child in children:
         assert child["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
         assert child["metadata"]["labels"]["dlo.dev/deployment"] == "flux"
+
+
+def test_the_optional_children_are_looked_for_by_their_names_and_owner() -> None:
+    everything = parse_spec({**MINIMAL, "disruptionBudget": {"enabled": True},
+                             "inference": {"image": "server:1", "ports": [{"containerPort": 80}]}})
+    built = optional_children(OWNER, everything)
+    assert optional_child_names(OWNER) == tuple(
+        (c["kind"], c["metadata"]["name"]) for c in built)
+    assert [owns(OWNER, c) for c in built] == [True, True]
+    theirs = {"metadata": {"name": "flux", "ownerReferences": [{"uid": "uid-2"}]}}
+    assert [owns(OWNER, theirs), owns(OWNER, {"metadata": {"name": "flux"}}),
+            owns(OWNER, None)] == [False, False, False]
 
 
 def test_configmap_holds_the_normalized_settings_document() -> None:

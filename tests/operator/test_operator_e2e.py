@@ -28,6 +28,7 @@ from support.operator_harness import (
 CONFIGMAPS = "v1/configmaps"
 SERVICES = "v1/services"
 STATEFULSETS = "apps/v1/statefulsets"
+BUDGETS = "policy/v1/poddisruptionbudgets"
 
 
 def dod(name: str = "flux", **spec: Any) -> dict[str, Any]:
@@ -185,6 +186,21 @@ async def test_update_rolls_the_statefulset(cluster: ClusterEmulator, operator: 
         False, 2)
     await eventually(lambda: live(cluster, DOD_RESOURCE, "flux")["status"][
         "observedGeneration"] == 2)
+
+
+async def test_optional_children_the_spec_turns_off_are_deleted(
+        cluster: ClusterEmulator, operator: Operator) -> None:
+    await request(cluster, "POST", DOD_PATH, dod(
+        disruptionBudget={"enabled": True},
+        inference={"image": "server:1", "ports": [{"containerPort": 8000, "name": "http"}]}))
+    await eventually(lambda: live(cluster, BUDGETS, "flux") and live(cluster, SERVICES, "flux"))
+
+    await request(cluster, "PATCH", f"{DOD_PATH}/flux", {"spec": {
+        "disruptionBudget": {"enabled": False}, "inference": {"ports": None}}})
+
+    await eventually(lambda: live(cluster, BUDGETS, "flux") is None
+                     and live(cluster, SERVICES, "flux") is None)
+    assert all(children(cluster, "flux"))
 
 
 async def test_restart_resumes_without_duplicates(

@@ -1,6 +1,6 @@
 """The operator's RBAC is exactly what it uses: the verbs are derived from every request the
-operator makes to the API emulator over a DOD's life (create, pods reporting, an update, a
-refused spec, an API error, deletion), and compared with the chart's rules."""
+operator makes to the API emulator over a DOD's life (create, pods reporting, optional children
+turned off, a refused spec, an API error, deletion), and compared with the chart's rules."""
 
 from __future__ import annotations
 
@@ -31,11 +31,11 @@ _VERBS = {kmock.action.FETCH: "get", kmock.action.LIST: "list", kmock.action.WAT
 NOT_OBSERVABLE = {("dlo.dev", "diffusionoffloaddeployments/finalizers"): {"update"}}
 """Checked by the API server's OwnerReferencesPermissionEnforcement admission plugin when a
 child's owner reference sets blockOwnerDeletion; an emulator sees no request for it."""
-AFTER_A_MODEL_CHANGE = {("", "configmaps"): {"delete"}, ("", "services"): {"delete"},
+AFTER_A_MODEL_CHANGE = {("", "configmaps"): {"delete"},
                         ("batch", "jobs"): {"get", "patch", "delete"}}
-"""Used only by a model change (the prefill Job and its Service, created and then removed with
-the superseded settings ConfigMap once the new revision serves); tests/operator/
-test_operator_lifecycle.py drives that life, with stand-in Job and StatefulSet controllers."""
+"""Used only by a model change (the prefill Job, created and then removed with the superseded
+settings ConfigMap once the new revision serves); tests/operator/test_operator_lifecycle.py
+drives that life, with stand-in Job and StatefulSet controllers."""
 
 
 def chart_rules() -> dict[tuple[str, str], set[str]]:
@@ -80,6 +80,10 @@ async def test_the_chart_grants_exactly_the_verbs_the_operator_uses(
         "initContainerStatuses": [{"name": "loader", "restartCount": 0,
                                    "state": {"running": {}}}]}})
     await eventually(lambda: live(cluster, DOD_RESOURCE, "flux")["status"]["phase"] == "Loading")
+    await request(cluster, "PATCH", f"{DOD_PATH}/flux", {"spec": {
+        "disruptionBudget": {"enabled": False}, "inference": {"ports": None}}})
+    await eventually(lambda: live(cluster, "policy/v1/poddisruptionbudgets", "flux") is None
+                     and live(cluster, "v1/services", "flux") is None)
     await request(cluster, "PATCH", f"{DOD_PATH}/flux", {"spec": {"parallel": {"hsdp": True}}})
     await eventually(lambda: live(cluster, DOD_RESOURCE, "flux")["status"]["phase"] == "Failed")
     await request(cluster, "DELETE", f"{DOD_PATH}/flux")

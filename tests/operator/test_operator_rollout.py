@@ -149,3 +149,18 @@ def test_a_scale_up_during_a_prefill_says_it_waits_for_the_prefill() -> None:
     assert decision.stage is Stage.PREFILLING
     assert decision.message == (f"prefilling revision {revision(bigger)} on 2 nodes while the "
                                 "old pods serve; scaling 2 -> 4 waits for the prefill")
+
+
+def test_optional_children_the_spec_turns_off_are_deleted() -> None:
+    """`disruptionBudget.enabled: false` and no `inference.ports`: the PodDisruptionBudget and
+    the inference Service this DOD made go; while the spec asks for them they stay."""
+    made = (("Service", OWNER.inference_service_name),
+            ("PodDisruptionBudget", OWNER.disruption_budget_name))
+    pods = [cached_pod(0), cached_pod(1)]
+    off = Observed(**{**vars(serving(scaled(2), 2, pods, FillGroup())), "optional": made})
+    assert [d for d in decide(OWNER, scaled(2), off, BackoffConfig()).delete
+            if d in made] == list(made)
+    on = parse_spec({"model": {"source": "s3://models/flux-v1/"}, "replicas": 2,
+                     "inference": {"image": "s:1", "ports": [{"containerPort": 8000}]},
+                     "disruptionBudget": {"enabled": True}})
+    assert not [d for d in decide(OWNER, on, off, BackoffConfig()).delete if d in made]

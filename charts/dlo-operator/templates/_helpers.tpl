@@ -32,7 +32,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 them from the requests the operator makes): watch and patch its CR (kopf's finalizer and
 annotations) and the CR's status; read one CR when a pod or child changes; list and watch its
 pods and children (drift correction); read a child before applying it; annotate a workload pod with its sidecar loader's fill summary; server-side apply (patch)
-its children; delete superseded settings ConfigMaps, prefill Jobs and Services; post events. `update` on the finalizers
+its children; delete superseded settings ConfigMaps and prefill Jobs, and the inference Service
+and PodDisruptionBudget once the spec turns them off; post events. `update` on the finalizers
 subresource lets the children's owner references block the DOD's deletion where the API server
 enforces OwnerReferencesPermissionEnforcement. */}}
 {{- define "dlo-operator.rules" -}}
@@ -56,7 +57,7 @@ enforces OwnerReferencesPermissionEnforcement. */}}
   verbs: ["get", "list", "watch", "patch"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["get", "list", "watch", "patch", "delete"]
 - apiGroups: ["batch"]
   resources: ["jobs"]
   verbs: ["get", "list", "watch", "patch", "delete"]
