@@ -47,8 +47,10 @@ from dlo_operator.status import (
     APPLIED,
     APPLY_RETRYING,
     PREFILLED,
+    PROGRESSING,
     READY,
     TROUBLE_REASONS,
+    UPDATING,
     VALID,
     status_from_pods,
 )
@@ -110,7 +112,7 @@ def reconcile(kube: KubeClient, dod: Mapping[str, Any], config: ReconcileConfig,
         post_event(dod, report)
     status = status_from_pods(workload, replicas=spec.replicas, previous=previous,
                               now=_stamp(now), generation=generation,
-                              problems=[problem] if problem else [])
+                              problems=[problem] if problem else [], revision=decision.revision)
     status.update(_rollout_status(owner, decision, status, previous, _stamp(now), generation))
     _report_new(dod, previous, status, (READY,))
     _write_status(kube, owner, dod, previous, status)
@@ -218,31 +220,36 @@ def _rollout_status(owner: Owner, decision: Decision, status: Mapping[str, Any],
                     previous: Mapping[str, Any], now: str,
                     generation: int | None) -> dict[str, Any]:
     """The lifecycle fields: stage, revision, prefill record, `Prefilled` condition, selector
-    (for the scale subresource)."""
-    prefill = decision.prefill
-    state = prefill.get("state")
-    if not prefill:
-        prefilled = Condition(PREFILLED, TRUE, "NotNeeded", "no prefill has been needed")
-    elif state == PrefillState.FAILED.value:
-        prefilled = Condition(PREFILLED, FALSE, "PrefillFailed", decision.message)
-    elif state == PrefillState.RUNNING.value:
-        prefilled = Condition(PREFILLED, FALSE, "Prefilling", decision.message)
-    else:
-        prefilled = Condition(PREFILLED, TRUE, "PrefillSucceeded",
-                              str(prefill.get("message", "")))
-    stamped = merge_conditions(previous.get("conditions"), [prefilled], generation=generation,
-                               now=now)[0]
-    conditions = [c for c in status["conditions"] if c.get("type") != PREFILLED] + [stamped]
+    (for the scale subresource). While old pods serve because a stage other than Serving holds
+    the rollout (a prefill, its backoff, the restart), `Ready` and `Progressing` name the stage."""
+    current = [_prefilled(decision)]
     fields: dict[str, Any] = {
         "stage": decision.stage.value, "stageMessage": decision.message,
         "revision": decision.revision,
-        "conditions": conditions,
         "selector": ",".join(f"{k}={v}" for k, v in selector_labels(owner).items()),
     }
-    if decision.stage in (Stage.PREFILLING, Stage.BACKOFF):
-        fields["phase"] = "Updating" if status["phase"] == "Ready" else status["phase"]
-    fields["prefill"] = prefill or None
+    if status["phase"] == UPDATING and decision.stage is not Stage.SERVING:
+        fields["message"] = decision.message
+        current += [Condition(kind, value, decision.stage.value, decision.message)
+                    for kind, value in ((PROGRESSING, TRUE), (READY, FALSE))]
+    stamped = {c["type"]: c for c in merge_conditions(  # `current` first, stamped
+        previous.get("conditions"), current, generation=generation, now=now)[:len(current)]}
+    fields["conditions"] = [stamped.pop(c["type"], c) for c in status["conditions"]] + list(
+        stamped.values())
+    fields["prefill"] = decision.prefill or None
     return fields
+
+
+def _prefilled(decision: Decision) -> Condition:
+    prefill = decision.prefill
+    state = prefill.get("state")
+    if not prefill:
+        return Condition(PREFILLED, TRUE, "NotNeeded", "no prefill has been needed")
+    if state == PrefillState.FAILED.value:
+        return Condition(PREFILLED, FALSE, "PrefillFailed", decision.message)
+    if state == PrefillState.RUNNING.value:
+        return Condition(PREFILLED, FALSE, "Prefilling", decision.message)
+    return Condition(PREFILLED, TRUE, "PrefillSucceeded", str(prefill.get("message", "")))
 
 
 def _write_status(kube: KubeClient, owner: Owner, dod: Mapping[str, Any],

@@ -12,11 +12,14 @@ Phases, first match wins:
     Pending    an API error is being retried, or a pod is Unschedulable
     Degraded   a pod is in trouble (`pod_troubles`: a loader failing, ImagePullBackOff,
                OOMKilled, a crash-looping inference container)
-    Ready      every replica's pod is Ready
+    Updating   a pod of an older revision is left: a rollout to the spec's revision runs while
+               the old pods serve (`reconcile` names its stage in the reason)
+    Ready      every replica's pod is Ready at the spec's revision
     Loading    a loader or an inference server has started
     Pending    no loader has started yet
 The `Ready` condition carries the reason and message of the phase, so `kubectl wait
---for=condition=Ready dod/NAME` works and says why not.
+--for=condition=Ready dod/NAME` returns once the spec's revision serves on every replica and
+says why not until then; `Available` says whether every replica serves, whatever its revision.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dlo_contract.documents import DocumentError, FillSummary
 from dlo_operator.conditions import FALSE, TRUE, Condition, merge_conditions
 from dlo_operator.naming import (
     ANNOTATION_FILL_SUMMARY,
+    ANNOTATION_REVISION,
     LABEL_JOB_INDEX,
     LABEL_POD_INDEX,
     LOADER_CONTAINER,
@@ -43,7 +47,12 @@ APPLY_RETRYING = "ApplyRetrying"
 TROUBLE_REASONS = frozenset(reason.value for reason in TroubleReason)
 """Reasons of the `Ready` condition that mean a pod is in trouble (a Warning Event each)."""
 PREFILLED = "Prefilled"
-CONDITION_TYPES = (VALID, APPLIED, "CacheReady", "Available", "Progressing", READY, PREFILLED)
+PROGRESSING = "Progressing"
+UPDATING = "Updating"
+"""The phase of a rollout: pods of an older revision serve while the spec's arrives."""
+ROLLING_UPDATE = "RollingUpdate"
+"""The reason of `Ready` and `Progressing` while the StatefulSet replaces outdated pods."""
+CONDITION_TYPES = (VALID, APPLIED, "CacheReady", "Available", PROGRESSING, READY, PREFILLED)
 """Every condition type the operator writes (`Prefilled` comes from the rollout, in `reconcile`)."""
 _FAILING_WAIT_REASONS = frozenset({
     "CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
@@ -119,24 +128,33 @@ def status_from_pods(
     now: str,
     generation: int | None = None,
     problems: Sequence[Condition] = (),
+    revision: str | None = None,
 ) -> dict[str, Any]:
     """The status fields this operator owns. `problems` are failed conditions found outside the
     pods (`Valid` for a refused spec, `Applied` for a refused or retried apply); they decide the
-    phase before the pods do."""
+    phase before the pods do. `revision` is the spec's: a pod whose revision annotation differs
+    is outdated (None, for a refused spec, counts every pod as current)."""
     live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
     nodes = sorted((node_entry(p) for p in live), key=lambda n: (n["rank"], n["pod"]))
     ready = sum(1 for n in nodes if n["ready"])
     cached = sum(1 for n in nodes if n["loader"] == LoaderState.CACHED.value)
+    updated = sum(1 for p in live if revision is None or _revision(p) == revision)
     loader_errors = {n["pod"]: n["message"] for n in nodes
                      if n["loader"] == LoaderState.FAILED.value and n.get("message")}
     troubles = pod_troubles(live, loader_errors)
-    phase, reason, message = _phase(nodes, ready, cached, replicas, troubles, problems)
+    if problems or troubles or updated == len(live):
+        phase, reason, message = _phase(nodes, ready, cached, replicas, troubles, problems)
+    else:  # pods of an older revision are left: a rollout runs while they serve
+        phase, reason, message = UPDATING, ROLLING_UPDATE, (
+            f"rolling update to revision {revision}: {updated}/{replicas} pods updated, "
+            f"{ready}/{replicas} replicas ready")
     conditions = _conditions(phase, reason, message, ready, cached, replicas, troubles, problems)
     return {
         "phase": phase,
         "message": message,
         "replicas": replicas,
         "readyReplicas": ready,
+        "updatedReplicas": updated,
         "cachedReplicas": cached,
         "ready": f"{ready}/{replicas}",
         "cache": f"{cached}/{replicas}",
@@ -185,11 +203,12 @@ def _conditions(phase: str, reason: str, message: str, ready: int, cached: int, 
                           "ReplicasReady" if ready >= replicas else "ReplicasNotReady",
                           f"{ready}/{replicas} replicas ready")
     progressing = {
-        "Failed": Condition("Progressing", FALSE, reason, message),
-        "Degraded": Condition("Progressing", FALSE, reason, message),
-        "Ready": Condition("Progressing", FALSE, "Complete", message),
-        "Loading": Condition("Progressing", TRUE, "Loading", message),
-        "Pending": Condition("Progressing", TRUE, reason, message),
+        "Failed": Condition(PROGRESSING, FALSE, reason, message),
+        "Degraded": Condition(PROGRESSING, FALSE, reason, message),
+        "Ready": Condition(PROGRESSING, FALSE, "Complete", message),
+        UPDATING: Condition(PROGRESSING, TRUE, reason, message),
+        "Loading": Condition(PROGRESSING, TRUE, "Loading", message),
+        "Pending": Condition(PROGRESSING, TRUE, reason, message),
     }[phase]
     ready_condition = Condition(READY, TRUE if phase == "Ready" else FALSE, reason, message)
     return [valid, applied, cache, available, progressing, ready_condition]
@@ -254,6 +273,10 @@ def _container_status(statuses: Any, name: str) -> Mapping[str, Any] | None:
 def _pod_ready(pod: Mapping[str, Any]) -> bool:
     conditions = (pod.get("status") or {}).get("conditions") or ()
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def _revision(pod: Mapping[str, Any]) -> str | None:
+    return ((pod.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_REVISION)
 
 
 def _rank(meta: Mapping[str, Any]) -> int:

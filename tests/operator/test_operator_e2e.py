@@ -74,7 +74,8 @@ async def test_create_makes_owned_children_and_pods_drive_the_status(
 
     # The StatefulSet controller creates the pods; the kubelet reports the loaders' progress.
     for index in (0, 1):
-        await request(cluster, "POST", PODS_PATH, workload_pod("flux", index, f"gpu-{index}"))
+        await request(cluster, "POST", PODS_PATH,
+                      workload_pod(cluster, "flux", index, f"gpu-{index}"))
     await _loader(cluster, "flux-0", {"state": {"running": {}}})
     await eventually(lambda: live(cluster, DOD_RESOURCE, "flux")["status"]["phase"] == "Loading")
 
@@ -259,7 +260,7 @@ async def test_delete_is_not_held_by_a_timer_in_flight(
         await request(cluster, "POST", DOD_PATH, dod(
             replicas=1, loader={"metricsPort": slow.server_address[1]}))
         await eventually(lambda: live(cluster, DOD_RESOURCE, "flux")["metadata"].get("finalizers"))
-        await request(cluster, "POST", PODS_PATH, workload_pod("flux", 0, "gpu-0"))
+        await request(cluster, "POST", PODS_PATH, workload_pod(cluster, "flux", 0, "gpu-0"))
         await request(cluster, "PATCH", f"{PODS_PATH}/flux-0/status", {"status": {
             "podIP": "127.0.0.1", "initContainerStatuses": [
                 {"name": "loader", "restartCount": 0, "state": {"running": {}}}]}})

@@ -102,24 +102,27 @@ def settings_maps(cluster: ClusterEmulator) -> list[str]:
                   and key[2].startswith("flux-settings-"))
 
 
-async def ready(cluster: ClusterEmulator, standin: KubeStandIn, pods: int, revision: str = "",
+async def ready(cluster: ClusterEmulator, pods: int, revision: str = "",
                 timeout: float = TIMEOUT) -> dict[str, Any]:
-    """Ready with `pods` Ready pods, all of the spec's revision (when given)."""
+    """The status says `pods` Ready pods, all of the spec's revision (`revision`, when given)."""
     def check() -> dict[str, Any] | None:
         s = _status(cluster)
-        current = [p for p in standin.pods() if p["metadata"]["labels"].get(
-            "dlo.dev/role") is None]
-        same = all(p["metadata"]["annotations"]["dlo.dev/revision"] == (revision or
-                   s.get("revision")) for p in current)
-        return s if (s.get("phase") == "Ready" and s.get("readyReplicas") == pods
-                     and len(current) == pods and same and s.get("stage") == "Serving") else None
+        return s if (s.get("phase") == "Ready" and s.get("stage") == "Serving"
+                     and s.get("readyReplicas") == s.get("updatedReplicas") == pods
+                     and s.get("revision") == (revision or s.get("revision"))) else None
     return await eventually(check, timeout=timeout)
+
+
+def revisions(standin: KubeStandIn) -> list[str]:
+    """The revision of each workload pod, as the stand-in's StatefulSet controller made it."""
+    return [p["metadata"]["annotations"]["dlo.dev/revision"] for p in standin.pods()
+            if p["metadata"]["labels"].get("dlo.dev/role") is None]
 
 
 async def create(cluster: ClusterEmulator, standin: KubeStandIn,
                  replicas: int = 2) -> dict[str, Any]:
     await request(cluster, "POST", DOD_PATH, dod(replicas))
-    return await ready(cluster, standin, replicas)
+    return await ready(cluster, replicas)
 
 
 async def patch_spec(cluster: ClusterEmulator, spec: dict[str, Any]) -> None:
@@ -156,13 +159,18 @@ async def test_model_change_prefills_while_old_pods_serve_then_restarts_cached(
         "Running", "Running"] and _status(cluster), timeout=TIMEOUT)
     kubectl_get_dod(cluster, "model change, prefilling")
     assert prefilling["phase"] == "Updating"
+    # The old pods serve; the spec's revision is not Ready, and the rollout says where it is.
+    assert {c["type"]: (c["status"], c["reason"]) for c in prefilling["conditions"]
+            if c["type"] in ("Available", "Progressing", "Ready")} == {
+        "Available": ("True", "ReplicasReady"), "Progressing": ("True", "Prefilling"),
+        "Ready": ("False", "Prefilling")}
     assert [(n["node"], n["loader"]) for n in prefilling["prefill"]["nodes"]] == [
         ("gpu-0", "Running"), ("gpu-1", "Running")]
     assert uids(standin, "flux-0", "flux-1") == old
     assert template_revision(cluster) == first["revision"]
 
     standin.hold_prefill = False
-    s = await ready(cluster, standin, 2, revision=prefilling["revision"])
+    s = await ready(cluster, 2, revision=prefilling["revision"])
     kubectl_get_dod(cluster, "model change, rolled")
 
     prefill_fills = [f for f in standin.fills if f.pod.startswith("flux-prefill-")]
@@ -216,7 +224,7 @@ async def test_failed_prefill_keeps_old_pods_reports_and_retries(
     await eventually(lambda: (_status(cluster).get("prefill") or {}).get("attempt", 0) >= 2,
                      timeout=TIMEOUT)
     del standin.failing[V2]
-    s = await ready(cluster, standin, 2, revision=failed["revision"])
+    s = await ready(cluster, 2, revision=failed["revision"])
     kubectl_get_dod(cluster, "prefill retried")
     assert s["prefill"]["state"] == "Succeeded" and s["prefill"]["attempt"] >= 2
     assert next(c for c in s["conditions"] if c["type"] == "Prefilled")["status"] == "True"
@@ -226,14 +234,14 @@ async def test_rollback_to_a_cached_entry_reads_nothing_from_the_store(
         cluster: ClusterEmulator, standin: KubeStandIn) -> None:
     first = await create(cluster, standin)
     await patch_spec(cluster, {"model": {"source": V2}})
-    await ready(cluster, standin, 2, revision=await eventually(
+    await ready(cluster, 2, revision=await eventually(
         lambda: _status(cluster).get("revision") != first["revision"]
         and _status(cluster)["revision"]))
     before, fills = standin.store_bytes, len(standin.fills)
 
     await patch_spec(cluster, {"model": {"source": V1}})
 
-    s = await ready(cluster, standin, 2, revision=first["revision"])
+    s = await ready(cluster, 2, revision=first["revision"])
     kubectl_get_dod(cluster, "rollback")
     assert standin.store_bytes == before
     assert all(f.cached and f.bytes_from_store == 0 for f in standin.fills[fills:])
@@ -252,9 +260,11 @@ async def test_settings_change_that_keeps_the_entry_restarts_without_prefill(
 
     await patch_spec(cluster, {"offload": {"useAllgather": False, "residentLayers": 2}})
 
-    s = await ready(cluster, standin, 2, revision=await eventually(
+    s = await ready(cluster, 2, revision=await eventually(
         lambda: _status(cluster).get("revision") != first["revision"]
         and _status(cluster)["revision"]))
+    # Ready at the new revision only once every pod restarted into it, not while old pods serve.
+    assert revisions(standin) == [s["revision"]] * 2
     assert s.get("prefill") is None and standin.store_bytes == before
     assert not [f for f in standin.fills if f.pod.startswith("flux-prefill-")]
 
@@ -265,7 +275,7 @@ async def test_scale_up_and_down_restarts_no_serving_pod(
     serving = uids(standin, "flux-0", "flux-1")
 
     await patch_spec(cluster, {"replicas": 4})
-    s = await ready(cluster, standin, 4)
+    s = await ready(cluster, 4)
     kubectl_get_dod(cluster, "scaled to 4")
     assert uids(standin, "flux-0", "flux-1") == serving
     assert [(f.pod, f.rank, f.world, f.bytes_from_store) for f in standin.fills[2:]] == [
@@ -273,7 +283,7 @@ async def test_scale_up_and_down_restarts_no_serving_pod(
     assert (s["ready"], s["cache"]) == ("4/4", "4/4")
 
     await patch_spec(cluster, {"replicas": 2})
-    await ready(cluster, standin, 2)
+    await ready(cluster, 2)
     kubectl_get_dod(cluster, "scaled to 2")
     assert uids(standin, "flux-0", "flux-1") == serving
 
@@ -282,7 +292,7 @@ async def test_scale_up_and_down_restarts_no_serving_pod(
     await request(cluster, "DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/flux-1")
     await eventually(lambda: standin.fills[-1].pod == "flux-1" and len(standin.fills) == 5,
                      timeout=TIMEOUT)
-    await ready(cluster, standin, 2)
+    await ready(cluster, 2)
     assert (standin.fills[-1].world, standin.fills[-1].bytes_from_store) == (1, STORE[V1])
     assert standin.rendezvous_timeouts == []
     assert uids(standin, "flux-0") == {"flux-0": serving["flux-0"]}
@@ -295,7 +305,7 @@ async def test_deleted_and_hand_scaled_statefulset_are_restored(
     await request(cluster, "PATCH", f"{STS_PATH}/flux", {"spec": {"replicas": 5}})
     await eventually(lambda: live(cluster, "apps/v1/statefulsets", "flux")["spec"][
         "replicas"] == 2, timeout=10)
-    await ready(cluster, standin, 2)
+    await ready(cluster, 2)
 
     # Fields another controller owns are not fought over.
     await request(cluster, "PATCH", f"{STS_PATH}/flux", {"metadata": {"annotations": {
@@ -309,7 +319,7 @@ async def test_deleted_and_hand_scaled_statefulset_are_restored(
     await request(cluster, "DELETE", f"{STS_PATH}/flux")
     await eventually(lambda: live(cluster, "apps/v1/statefulsets", "flux") is not None,
                      timeout=10)
-    await ready(cluster, standin, 2)
+    await ready(cluster, 2)
     kubectl_get_dod(cluster, "statefulset restored")
     assert standin.rendezvous_timeouts == []
 

@@ -67,7 +67,7 @@ async def test_live_progress_from_the_loader_endpoint_and_operator_metrics(
                                                 outcome="applied")
 
     await eventually(reconciled)  # pods come after the create handler, as in a cluster
-    await request(cluster, "POST", PODS_PATH, workload_pod("flux", 0, "gpu-0"))
+    await request(cluster, "POST", PODS_PATH, workload_pod(cluster, "flux", 0, "gpu-0"))
     await request(cluster, "PATCH", f"{PODS_PATH}/flux-0/status", {"status": {
         "podIP": "127.0.0.1", "initContainerStatuses": [
             {"name": "loader", "restartCount": 0, "state": {"running": {}}}]}})

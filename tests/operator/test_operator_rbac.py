@@ -75,7 +75,7 @@ async def test_the_chart_grants_exactly_the_verbs_the_operator_uses(
         "status"] == "True")  # Applied, once the retried apply went through
     assert live(cluster, "policy/v1/poddisruptionbudgets", "flux")
     assert live(cluster, "v1/services", "flux")
-    await request(cluster, "POST", PODS_PATH, workload_pod("flux", 0, "gpu-0"))
+    await request(cluster, "POST", PODS_PATH, workload_pod(cluster, "flux", 0, "gpu-0"))
     await request(cluster, "PATCH", f"{PODS_PATH}/flux-0/status", {"status": {
         "initContainerStatuses": [{"name": "loader", "restartCount": 0,
                                    "state": {"running": {}}}]}})

@@ -16,15 +16,16 @@ SUMMARY = {"status": "ok", "entry_id": "ab" * 32, "mode": "multi-reader", "rank"
 
 
 def pod(index: int, loader: dict[str, Any] | None = None, *, ready: bool = False,
-        inference: dict[str, Any] | None = None) -> dict[str, Any]:
+        inference: dict[str, Any] | None = None, revision: str = "") -> dict[str, Any]:
     status: dict[str, Any] = {"conditions": [{"type": "Ready", "status": str(ready)}]}
     if loader is not None:
         status["initContainerStatuses"] = [{"name": "loader", "restartCount": 0, **loader}]
     if inference is not None:
         status["containerStatuses"] = [{"name": "inference", **inference}]
     return {"metadata": {"name": f"flux-{index}", "labels": {
-        "apps.kubernetes.io/pod-index": str(index)}}, "spec": {"nodeName": f"node-{index}"},
-        "status": status}
+        "apps.kubernetes.io/pod-index": str(index)},
+        "annotations": {"dlo.dev/revision": revision} if revision else {}},
+        "spec": {"nodeName": f"node-{index}"}, "status": status}
 
 
 def done(summary: dict[str, Any] = SUMMARY) -> dict[str, Any]:
@@ -64,6 +65,24 @@ def test_finished_loaders_report_their_summary_and_ready_pods_make_it_ready() ->
         "pod": "flux-1", "node": "node-1", "rank": 1, "loader": "Cached", "restarts": 0,
         "ready": True, "entryId": "ab" * 32, "mode": "multi-reader", "bytesFromStore": 10,
         "bytesFromPeers": 30, "seconds": 1.5, "cached": False}
+
+
+def test_pods_of_an_older_revision_serve_but_the_spec_s_revision_is_not_ready() -> None:
+    """Right after a spec change only old pods exist: they serve (`Available`), but `Ready`
+    waits for every pod at the spec's revision, so `kubectl wait` does not return early."""
+    old = [pod(0, done(), ready=True, revision="r1"), pod(1, done(), ready=True, revision="r2")]
+    status = status_from_pods(old, replicas=2, previous=None, now=NOW, generation=7,
+                              revision="r2")
+    assert (status["phase"], status["message"]) == (
+        "Updating", "rolling update to revision r2: 1/2 pods updated, 2/2 replicas ready")
+    assert (status["readyReplicas"], status["updatedReplicas"]) == (2, 1)
+    assert {kind: conditions(status)[kind] for kind in ("Available", "Progressing", "Ready")} == {
+        "Available": ("True", "ReplicasReady"), "Progressing": ("True", "RollingUpdate"),
+        "Ready": ("False", "RollingUpdate")}
+    rolled = [pod(i, done(), ready=True, revision="r2") for i in range(2)]
+    status = status_from_pods(rolled, replicas=2, previous=status, now=LATER, revision="r2")
+    assert (status["phase"], conditions(status)["Progressing"], status["updatedReplicas"]) == (
+        "Ready", ("False", "Complete"), 2)
 
 
 def test_a_sidecar_loader_is_cached_once_ready_with_the_summary_kept_on_its_pod() -> None:

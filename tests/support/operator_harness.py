@@ -233,11 +233,15 @@ async def request(cluster: ClusterEmulator, method: str, path: str, body: Any = 
         return await response.json()
 
 
-def workload_pod(dod: str, index: int, node: str) -> dict[str, Any]:
-    """A pod as the StatefulSet controller creates it (labels only; the status comes later)."""
+def workload_pod(cluster: ClusterEmulator, dod: str, index: int, node: str) -> dict[str, Any]:
+    """A pod as the StatefulSet controller creates it: its labels and the annotations of the
+    StatefulSet's template (its revision among them); the status comes later."""
+    sts = live(cluster, "apps/v1/statefulsets", dod) or {}
+    template = (sts.get("spec") or {}).get("template") or {}
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": f"{dod}-{index}", "namespace": NAMESPACE, "labels": {
-            LABEL_DEPLOYMENT: dod, LABEL_POD_INDEX: str(index)}},
+            LABEL_DEPLOYMENT: dod, LABEL_POD_INDEX: str(index)},
+            "annotations": dict((template.get("metadata") or {}).get("annotations") or {})},
         "spec": {"nodeName": node},
     }
