@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 PHASES = ("Pending", "Loading", "Updating", "Ready", "Degraded", "Failed")
 RECONCILE_OUTCOMES = ("applied", "invalid", "retried", "failed")
 FILL_OUTCOMES = ("ok", "cached", "error")
-PREFILL_OUTCOMES = ("started", "succeeded", "failed")
+PREFILL_OUTCOMES = ("started", "succeeded", "failed", "superseded")
 API_ERROR_KINDS = ("conflict", "throttled", "unavailable", "forbidden", "not_found", "invalid",
                    "other")
 
@@ -65,7 +65,7 @@ for _outcome in FILL_OUTCOMES:
 for _outcome in PREFILL_OUTCOMES:
     PREFILLS.labels(outcome=_outcome)
 _PREFILL_REASONS = {"PrefillStarted": "started", "PrefillSucceeded": "succeeded",
-                    "PrefillFailed": "failed"}
+                    "PrefillFailed": "failed", "PrefillSuperseded": "superseded"}
 
 
 def api_error_kind(status: int | None) -> str:

@@ -249,6 +249,8 @@ def _prefilled(decision: Decision) -> Condition:
         return Condition(PREFILLED, FALSE, "PrefillFailed", decision.message)
     if state == PrefillState.RUNNING.value:
         return Condition(PREFILLED, FALSE, "Prefilling", decision.message)
+    if state == PrefillState.SUPERSEDED.value:
+        return Condition(PREFILLED, TRUE, PrefillState.SUPERSEDED.value, str(prefill["message"]))
     return Condition(PREFILLED, TRUE, "PrefillSucceeded", str(prefill.get("message", "")))
 
 
@@ -256,7 +258,21 @@ def _write_status(kube: KubeClient, owner: Owner, dod: Mapping[str, Any],
                   previous: Mapping[str, Any], status: dict[str, Any]) -> None:
     status["observedGeneration"] = (dod.get("metadata") or {}).get("generation")
     if any(previous.get(key) != value for key, value in status.items()):
-        kube.patch_deployment_status(owner.namespace, owner.name, status)
+        kube.patch_deployment_status(owner.namespace, owner.name, _merge_patch(previous, status))
+
+
+def _merge_patch(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
+    """`after` as a JSON merge patch over `before`: a field of a nested object that `after`
+    drops is set to null (a merge patch keeps every field it does not name, so a superseded
+    prefill record would keep its `retryAt`). Top-level fields it does not name stay: other
+    writers own them (`progress`)."""
+    patch = dict(after)
+    for key, value in after.items():
+        old = before.get(key)
+        if isinstance(value, Mapping) and isinstance(old, Mapping):
+            patch[key] = {**{gone: None for gone in old if gone not in value},
+                          **_merge_patch(old, value)}
+    return patch
 
 
 def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:

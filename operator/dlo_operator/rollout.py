@@ -14,6 +14,8 @@ turned off), the new prefill record and the Events to post. Stages:
                  pods keep serving; the StatefulSet is left as it is until the Job succeeds
     Backoff      the prefill failed: old pods keep serving; the next attempt waits out a
                  doubling delay
+A prefill left unfinished when the spec stops asking for it (the model reverted during the
+prefill or its backoff) is superseded: its record ends there, and no retry follows.
 
 Must not call the cluster (that is `reconcile`), nor compute the pods' status (`status`).
 """
@@ -55,6 +57,8 @@ class PrefillState(str, enum.Enum):
     RUNNING = "Running"
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
+    SUPERSEDED = "Superseded"
+    """Ended unfinished: the spec no longer needs it (e.g. the model was reverted)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,7 +113,7 @@ def decide(owner: Owner, spec: DeploymentSpec, seen: Observed,
         decision.apply = [build_configmap(owner, spec), build_fill_group_configmap(
             owner, fill_group(owner, spec, range(spec.replicas))), build_service(owner, spec),
             build_statefulset(owner, spec)]
-        decision.prefill = dict(seen.prefill)
+        _carry(seen.prefill, rev, decision)
     elif serving[0] == rev:
         decision = _serve(owner, spec, seen)
     elif serving[1] == key or not _serving_nodes(seen.pods):
@@ -118,7 +122,7 @@ def decide(owner: Owner, spec: DeploymentSpec, seen: Observed,
         decision.apply = [build_configmap(owner, spec),
                           build_fill_group_configmap(owner, FillGroup()),
                           build_service(owner, spec), build_statefulset(owner, spec)]
-        decision.prefill = dict(seen.prefill)
+        _carry(seen.prefill, rev, decision)
     else:
         decision = _prefill(owner, spec, seen, backoff)
         live = _live_replicas(seen.statefulset)
@@ -156,8 +160,27 @@ def _serve(owner: Owner, spec: DeploymentSpec, seen: Observed) -> Decision:
     decision = Decision(stage=Stage.SERVING, message=message)
     decision.apply = [build_configmap(owner, spec), build_fill_group_configmap(owner, group),
                       build_service(owner, spec), build_statefulset(owner, spec, replicas)]
-    decision.prefill = dict(seen.prefill)
+    _carry(seen.prefill, revision(spec), decision)
     return decision
+
+
+def _carry(record: Mapping[str, Any], rev: str, decision: Decision) -> None:
+    """Outside a prefill the previous record stays as it is, unless it is unfinished (running,
+    or failed and waiting for its retry): no attempt of it follows any more (the model was
+    reverted, or no pod serves an older entry), so it is superseded, kept as history without
+    its retry time, with a Normal Event."""
+    decision.prefill = dict(record)
+    state = record.get("state")
+    if state not in (PrefillState.RUNNING.value, PrefillState.FAILED.value):
+        return
+    why = (f"the spec asks for revision {rev} now" if record.get("revision") != rev else
+           f"no pod serves an older revision, so the pods of revision {rev} fill it themselves")
+    message = (f"prefill of revision {record.get('revision')} (attempt {record.get('attempt')}, "
+               f"{str(state).lower()}) superseded: {why}")
+    decision.prefill = {**{key: value for key, value in record.items() if key != "retryAt"},
+                        "state": PrefillState.SUPERSEDED.value, "message": message}
+    decision.reports.append(Report(type=EventType.NORMAL, reason="PrefillSuperseded",
+                                   message=message))
 
 
 def _prefill(owner: Owner, spec: DeploymentSpec, seen: Observed,

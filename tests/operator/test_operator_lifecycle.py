@@ -230,6 +230,31 @@ async def test_failed_prefill_keeps_old_pods_reports_and_retries(
     assert next(c for c in s["conditions"] if c["type"] == "Prefilled")["status"] == "True"
 
 
+async def test_reverting_the_model_after_a_failed_prefill_supersedes_it(
+        cluster: ClusterEmulator, standin: KubeStandIn) -> None:
+    first = await create(cluster, standin)
+    old = uids(standin, "flux-0", "flux-1")
+    standin.failing[V2] = "s3://models/flux-v2/ not readable: 403 AccessDenied"
+    await patch_spec(cluster, {"model": {"source": V2}})
+    failed = await eventually(lambda: (_status(cluster).get("prefill") or {}).get(
+        "state") == "Failed" and _status(cluster), timeout=TIMEOUT)
+
+    await patch_spec(cluster, {"model": {"source": V1}})
+
+    s = await eventually(lambda: (_status(cluster).get("prefill") or {}).get(
+        "state") == "Superseded" and _status(cluster), timeout=TIMEOUT)
+    kubectl_get_dod(cluster, "model reverted after a failed prefill")
+    prefilled = next(c for c in s["conditions"] if c["type"] == "Prefilled")
+    assert (prefilled["status"], prefilled["reason"]) == ("True", "Superseded")
+    assert prefilled["message"].startswith(f"prefill of revision {failed['revision']} (attempt ")
+    assert prefilled["message"].endswith(
+        f"superseded: the spec asks for revision {first['revision']} now")
+    assert "retryAt" not in s["prefill"]
+    await ready(cluster, 2, revision=first["revision"])
+    assert uids(standin, "flux-0", "flux-1") == old
+    await eventually(lambda: [e["reason"] for e in events(cluster)][-1] == "PrefillSuperseded")
+
+
 async def test_rollback_to_a_cached_entry_reads_nothing_from_the_store(
         cluster: ClusterEmulator, standin: KubeStandIn) -> None:
     first = await create(cluster, standin)

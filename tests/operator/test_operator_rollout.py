@@ -7,6 +7,8 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+import pytest
+
 from dlo_contract.documents import FillStatus, FillSummary
 from dlo_contract.fill_group import FILL_GROUP_KEY, FillGroup
 from dlo_operator.configmap import revision
@@ -164,3 +166,24 @@ def test_optional_children_the_spec_turns_off_are_deleted() -> None:
                      "inference": {"image": "s:1", "ports": [{"containerPort": 8000}]},
                      "disruptionBudget": {"enabled": True}})
     assert not [d for d in decide(OWNER, on, off, BackoffConfig()).delete if d in made]
+
+
+@pytest.mark.parametrize("state", ["Failed", "Running"])
+def test_a_prefill_the_spec_no_longer_asks_for_is_superseded(state: str) -> None:
+    """The model reverted during a prefill or its backoff: the old revision serves on, and the
+    record of the abandoned prefill ends, once, without a retry time."""
+    abandoned = {"revision": revision(NEW), "attempt": 2, "state": state, "nodes": [],
+                 "message": "loader on gpu-0: 403 AccessDenied", "retryAt": "2026-12-01T09:05:00Z"}
+    reverted = Observed(**{**vars(serving(OLD, 2, [cached_pod(0), cached_pod(1)], FillGroup())),
+                           "prefill": abandoned})
+    decision = decide(OWNER, OLD, reverted, BackoffConfig())
+    message = (f"prefill of revision {revision(NEW)} (attempt 2, {state.lower()}) superseded: "
+               f"the spec asks for revision {revision(OLD)} now")
+    assert decision.stage is Stage.SERVING
+    assert decision.prefill == {"revision": revision(NEW), "attempt": 2, "nodes": [],
+                                "state": "Superseded", "message": message}
+    assert [(r.type.value, r.reason, r.message) for r in decision.reports] == [
+        ("Normal", "PrefillSuperseded", message)]
+    later = Observed(**{**vars(reverted), "prefill": decision.prefill})
+    again = decide(OWNER, OLD, later, BackoffConfig())
+    assert (again.prefill, again.reports) == (decision.prefill, [])
