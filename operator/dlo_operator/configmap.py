@@ -7,7 +7,8 @@ CR's fields as the user wrote them. Its revision is a digest of the document: a 
 its revision, which never changes, so a pod never reads settings that do not match its entry, and
 a rollback finds the settings of the revision it goes back to. `entry_key` digests only what
 decides the cache entry (source, include globs, endpoint, cache root): when it changes, the new
-entry is prefilled before any pod restarts. Pure; called by `manifests`, `prefill` and `rollout`.
+entry is prefilled before any pod restarts. Pure; called by `manifests`, `prefill`, `rollout`
+and `prefill_stage`.
 """
 
 from __future__ import annotations

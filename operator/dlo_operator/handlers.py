@@ -31,7 +31,7 @@ from dlo_operator.host_paths import DEFAULT_ALLOWED_HOST_PATHS
 from dlo_operator.kube import KubeClient
 from dlo_operator.naming import ANNOTATION_FILL_SUMMARY, GROUP, LABEL_DEPLOYMENT, PLURAL, VERSION
 from dlo_operator.reconcile import ReconcileConfig, reconcile
-from dlo_operator.rollout import BackoffConfig
+from dlo_operator.prefill_stage import BackoffConfig
 from dlo_operator.spec import DEFAULT_LOADER_IMAGE, parse_spec
 
 registry = kopf.OperatorRegistry()

@@ -8,7 +8,7 @@ names, required anti-affinity between the Job's pods), each a `dlo cache fill` o
 Service. The Job carries its own fill group in its environment: it is one fill, so its size is
 fixed when the operator creates it. Any pod's failure fails the Job (`backoffLimit: 0`, the
 loaders fail together anyway); the operator reports it and retries with backoff. Pure; called by
-`rollout`.
+`prefill_stage`.
 """
 
 from __future__ import annotations

@@ -36,12 +36,14 @@ from dlo_operator.conditions import (
     post_event,
     report_event,
 )
+from dlo_operator.decision import Decision, Observed, Stage
 from dlo_operator.errors import KubeError, KubeTransientError, SpecError
 from dlo_operator.host_paths import DEFAULT_ALLOWED_HOST_PATHS
 from dlo_operator.kube import KubeClient, backoff_delay
 from dlo_operator.manifests import optional_child_names
 from dlo_operator.naming import LABEL_DEPLOYMENT, LABEL_ROLE, Owner, owns, selector_labels
-from dlo_operator.rollout import BackoffConfig, Decision, Observed, PrefillState, Stage, decide
+from dlo_operator.prefill_stage import BackoffConfig, PrefillState
+from dlo_operator.rollout import decide
 from dlo_operator.spec import DEFAULT_LOADER_IMAGE
 from dlo_operator.status import (
     APPLIED,

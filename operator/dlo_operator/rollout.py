@@ -14,6 +14,7 @@ turned off), the new prefill record and the Events to post. Stages:
                  pods keep serving; the StatefulSet is left as it is until the Job succeeds
     Backoff      the prefill failed: old pods keep serving; the next attempt waits out a
                  doubling delay
+Prefilling and Backoff are `prefill_stage`'s; the types of a step live in `decision`.
 A prefill left unfinished when the spec stops asking for it (the model reverted during the
 prefill or its backoff) is superseded: its record ends there, and no retry follows.
 
@@ -22,10 +23,7 @@ Must not call the cluster (that is `reconcile`), nor compute the pods' status (`
 
 from __future__ import annotations
 
-import datetime
-import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from dlo_contract.fill_group import FillGroup
@@ -36,71 +34,14 @@ from dlo_operator.configmap import (
     entry_key,
     revision,
 )
+from dlo_operator.decision import Decision, Observed, Stage
 from dlo_operator.manifests import fill_group, optional_children
-from dlo_operator.naming import LABEL_REVISION, Owner
-from dlo_operator.prefill import build_prefill_job, build_prefill_service
+from dlo_operator.naming import Owner
+from dlo_operator.prefill_stage import BackoffConfig, PrefillState, prefill_step, serving_nodes
 from dlo_operator.service import build_service
 from dlo_operator.spec import DeploymentSpec
 from dlo_operator.statefulset import build_statefulset, template_revision
-from dlo_operator.status import LoaderState, node_entry, prefill_node
-
-
-class Stage(str, enum.Enum):
-    CREATING = "Creating"
-    SERVING = "Serving"
-    RESTARTING = "Restarting"
-    PREFILLING = "Prefilling"
-    BACKOFF = "Backoff"
-
-
-class PrefillState(str, enum.Enum):
-    RUNNING = "Running"
-    SUCCEEDED = "Succeeded"
-    FAILED = "Failed"
-    SUPERSEDED = "Superseded"
-    """Ended unfinished: the spec no longer needs it (e.g. the model was reverted)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class BackoffConfig:
-    """Delay before the next prefill attempt: `base_s * 2^(attempt-1)`, at most `max_s`."""
-
-    base_s: float = 10.0
-    max_s: float = 600.0
-
-    def delay_s(self, attempt: int) -> float:
-        return min(self.base_s * 2 ** max(attempt - 1, 0), self.max_s)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Observed:
-    statefulset: Mapping[str, Any] | None
-    pods: Sequence[Mapping[str, Any]]
-    """Workload pods of the DOD (deleting ones included)."""
-    group: FillGroup | None
-    """The published fill-group document; None when its ConfigMap is missing."""
-    jobs: Sequence[Mapping[str, Any]]
-    job_pods: Sequence[Mapping[str, Any]]
-    settings_configmaps: Sequence[Mapping[str, Any]]
-    prefill: Mapping[str, Any]
-    """The previous `status.prefill` record ({} when none)."""
-    now: datetime.datetime
-    optional: Sequence[tuple[str, str]] = ()
-    """(kind, name) of the optional children (`manifests.optional_child_names`) that exist and
-    this DOD owns."""
-
-
-@dataclass(kw_only=True)
-class Decision:
-    stage: Stage
-    message: str
-    revision: str = ""
-    """The revision the spec asks for."""
-    apply: list[dict[str, Any]] = field(default_factory=list)
-    delete: list[tuple[str, str]] = field(default_factory=list)
-    """(kind, name) of children to delete."""
-    prefill: dict[str, Any] = field(default_factory=dict)
-    reports: list[Report] = field(default_factory=list)
+from dlo_operator.status import LoaderState, node_entry
 
 
 def decide(owner: Owner, spec: DeploymentSpec, seen: Observed,
@@ -116,7 +57,7 @@ def decide(owner: Owner, spec: DeploymentSpec, seen: Observed,
         _carry(seen.prefill, rev, decision)
     elif serving[0] == rev:
         decision = _serve(owner, spec, seen)
-    elif serving[1] == key or not _serving_nodes(seen.pods):
+    elif serving[1] == key or not serving_nodes(seen.pods):
         decision = Decision(stage=Stage.RESTARTING, message=(
             f"restarting pods into revision {rev}: the cache entry is unchanged, no prefill"))
         decision.apply = [build_configmap(owner, spec),
@@ -124,7 +65,7 @@ def decide(owner: Owner, spec: DeploymentSpec, seen: Observed,
                           build_service(owner, spec), build_statefulset(owner, spec)]
         _carry(seen.prefill, rev, decision)
     else:
-        decision = _prefill(owner, spec, seen, backoff)
+        decision = prefill_step(owner, spec, seen, backoff)
         live = _live_replicas(seen.statefulset)
         if live != spec.replicas:  # the StatefulSet is left as it is until the prefill ends
             decision.message += "; " + _scale_waits(live, spec.replicas, "the prefill")
@@ -183,90 +124,6 @@ def _carry(record: Mapping[str, Any], rev: str, decision: Decision) -> None:
                                    message=message))
 
 
-def _prefill(owner: Owner, spec: DeploymentSpec, seen: Observed,
-             backoff: BackoffConfig) -> Decision:
-    """The entry changed: fill it on the serving nodes first; roll only once all hold it."""
-    rev = revision(spec)
-    name = owner.prefill_name(rev)
-    job = next((j for j in seen.jobs if j["metadata"]["name"] == name), None)
-    previous = dict(seen.prefill) if seen.prefill.get("revision") == rev else {}
-    attempt = int(previous.get("attempt", 0))
-    keep = [build_configmap(owner, spec), build_prefill_service(owner, spec)]
-    if job is None:
-        retry_at = _parse_time(previous.get("retryAt"))
-        if previous.get("state") == PrefillState.FAILED.value and retry_at and (
-                seen.now < retry_at):
-            decision = Decision(stage=Stage.BACKOFF, message=(  # the reason stays on show
-                f"prefill of revision {rev} failed (attempt {attempt}): {previous.get('message')}"
-                f"; old pods keep serving; next attempt at {previous['retryAt']}"), apply=keep)
-            decision.prefill = previous
-            return decision
-        nodes = _serving_nodes(seen.pods)
-        decision = Decision(stage=Stage.PREFILLING, message=(
-            f"prefilling revision {rev} on {len(nodes)} nodes while the old pods serve"))
-        decision.apply = keep + [build_prefill_job(owner, spec, nodes)]
-        decision.prefill = {"revision": rev, "state": PrefillState.RUNNING.value,
-                            "attempt": attempt + 1, "nodes": [], "bytesFromStore": 0,
-                            "message": f"filling on {', '.join(nodes)}"}
-        decision.reports.append(Report(type=EventType.NORMAL, reason="PrefillStarted", message=(
-            f"prefilling the cache entry of revision {rev} on {len(nodes)} nodes "
-            f"({', '.join(nodes)}), attempt {attempt + 1}; the old pods keep serving")))
-        return decision
-    pods = [p for p in seen.job_pods if _labels(p).get(LABEL_REVISION) == rev]
-    nodes = sorted((prefill_node(p) for p in pods), key=lambda n: (n["rank"], n["pod"]))
-    record = {"revision": rev, "attempt": max(attempt, 1), "nodes": nodes,
-              "bytesFromStore": sum(int(n.get("bytesFromStore", 0)) for n in nodes)}
-    state = _job_state(job)
-    if state is PrefillState.SUCCEEDED and _summaries_pending(nodes, job, seen.now):
-        # The Job's success and its pods' termination messages arrive as separate events: the
-        # record is final once the pods restart, so wait for the loaders' figures.
-        decision = Decision(stage=Stage.PREFILLING, message=(
-            f"prefill of revision {rev} succeeded; waiting for the loaders' summaries "
-            f"({_cached(nodes)}/{_completions(job, nodes)})"), apply=keep)
-        decision.prefill = {**record, "state": PrefillState.RUNNING.value,
-                            "message": decision.message}
-        return decision
-    if state is PrefillState.SUCCEEDED:
-        decision = Decision(stage=Stage.RESTARTING, message=(
-            f"every node holds the entry of revision {rev}; restarting pods"))
-        decision.apply = [build_configmap(owner, spec),
-                          build_fill_group_configmap(owner, FillGroup()),
-                          build_service(owner, spec), build_statefulset(owner, spec)]
-        decision.delete = [("Job", name)]
-        decision.prefill = {**record, "state": state.value, "message": (
-            f"{len(nodes)}/{len(nodes)} nodes hold the entry, "
-            f"{record['bytesFromStore']} bytes read from the store")}
-        decision.reports.append(Report(type=EventType.NORMAL, reason="PrefillSucceeded",
-                                       message=f"revision {rev}: {decision.prefill['message']}; "
-                                               "restarting pods"))
-        return decision
-    if state is PrefillState.FAILED:
-        delay = backoff.delay_s(record["attempt"])
-        retry_at = _format_time(seen.now + datetime.timedelta(seconds=delay))
-        why = _failure(nodes, job)
-        decision = Decision(stage=Stage.BACKOFF, message=(
-            f"prefill of revision {rev} failed: {why}; old pods keep serving"), apply=keep)
-        decision.delete = [("Job", name)]
-        decision.prefill = {**record, "state": state.value, "message": why,
-                            "retryAt": retry_at}
-        decision.reports.append(Report(type=EventType.WARNING, reason="PrefillFailed", message=(
-            f"prefill of revision {rev} (attempt {record['attempt']}) failed: {why}; the old "
-            f"pods keep serving; retrying in {delay:.0f} s")))
-        return decision
-    decision = Decision(stage=Stage.PREFILLING, message=(
-        f"prefilling revision {rev}: {_cached(nodes)}/{_completions(job, nodes)} nodes "
-        "hold the entry; the old pods keep serving"), apply=keep)
-    decision.prefill = {**record, "state": PrefillState.RUNNING.value,
-                        "message": decision.message}
-    return decision
-
-
-def _serving_nodes(pods: Sequence[Mapping[str, Any]]) -> list[str]:
-    return sorted({str((p.get("spec") or {}).get("nodeName")) for p in pods
-                   if (p.get("spec") or {}).get("nodeName")
-                   and not (p.get("metadata") or {}).get("deletionTimestamp")})
-
-
 def _live_replicas(statefulset: Mapping[str, Any] | None) -> int:
     return int(((statefulset or {}).get("spec") or {}).get("replicas") or 0)
 
@@ -288,49 +145,6 @@ def _over(owner: Owner, spec: DeploymentSpec, group: FillGroup,
     by_name = {(p.get("metadata") or {}).get("name"): p for p in pods}
     states = [node_entry(by_name[m])["loader"] if m in by_name else None for m in group.members]
     return all(s in (LoaderState.CACHED.value, LoaderState.FAILED.value) for s in states)
-
-
-SUMMARY_GRACE_S = 60.0
-"""How long after a prefill Job completed the operator waits for its pods' summaries before it
-records the prefill without them (pods removed by the pod garbage collector never report)."""
-
-
-def _cached(nodes: Sequence[Mapping[str, Any]]) -> int:
-    return sum(1 for n in nodes if n["loader"] == LoaderState.CACHED.value)
-
-
-def _completions(job: Mapping[str, Any], nodes: Sequence[Mapping[str, Any]]) -> int:
-    return int((job.get("spec") or {}).get("completions") or len(nodes))
-
-
-def _summaries_pending(nodes: Sequence[Mapping[str, Any]], job: Mapping[str, Any],
-                       now: datetime.datetime) -> bool:
-    """A completed Job whose pods' summaries this view does not all show yet, within the grace
-    period after its `completionTime` (no such time: wait)."""
-    if _cached(nodes) >= _completions(job, nodes):
-        return False
-    done_at = _parse_time((job.get("status") or {}).get("completionTime"))
-    return done_at is None or now < done_at + datetime.timedelta(seconds=SUMMARY_GRACE_S)
-
-
-def _job_state(job: Mapping[str, Any]) -> PrefillState:
-    for condition in (job.get("status") or {}).get("conditions") or ():
-        if condition.get("status") == "True" and condition.get("type") == "Complete":
-            return PrefillState.SUCCEEDED
-        if condition.get("status") == "True" and condition.get("type") == "Failed":
-            return PrefillState.FAILED
-    return PrefillState.RUNNING
-
-
-def _failure(nodes: Sequence[Mapping[str, Any]], job: Mapping[str, Any]) -> str:
-    for node in nodes:
-        if node["loader"] == LoaderState.FAILED.value:
-            return (f"loader on {node['node'] or 'an unscheduled node'} (pod {node['pod']}): "
-                    f"{node.get('message', 'no message')}")
-    for condition in (job.get("status") or {}).get("conditions") or ():
-        if condition.get("type") == "Failed":
-            return f"Job {condition.get('reason', 'Failed')}: {condition.get('message', '')}"
-    return "the prefill Job failed"
 
 
 def _turned_off(wanted: Sequence[Mapping[str, Any]],
@@ -359,21 +173,3 @@ def _unused_settings(owner: Owner, rev: str, serving: tuple[str, str] | None,
                 used.add(volume["configMap"].get("name"))
     return [("ConfigMap", c["metadata"]["name"]) for c in seen.settings_configmaps
             if c["metadata"]["name"] not in used]
-
-
-def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
-    return (obj.get("metadata") or {}).get("labels") or {}
-
-
-def _format_time(moment: datetime.datetime) -> str:
-    return moment.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _parse_time(text: Any) -> datetime.datetime | None:
-    if not isinstance(text, str):
-        return None
-    try:
-        return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(
-            tzinfo=datetime.timezone.utc)
-    except ValueError:
-        return None

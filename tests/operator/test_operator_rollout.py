@@ -12,9 +12,11 @@ import pytest
 from dlo_contract.documents import FillStatus, FillSummary
 from dlo_contract.fill_group import FILL_GROUP_KEY, FillGroup
 from dlo_operator.configmap import revision
+from dlo_operator.decision import Observed, Stage
 from dlo_operator.manifests import build_children, fill_group
 from dlo_operator.naming import LABEL_JOB_INDEX, LABEL_REVISION, LOADER_CONTAINER, Owner
-from dlo_operator.rollout import SUMMARY_GRACE_S, BackoffConfig, Observed, Stage, decide
+from dlo_operator.prefill_stage import SUMMARY_GRACE_S, BackoffConfig
+from dlo_operator.rollout import decide
 from dlo_operator.spec import DeploymentSpec, parse_spec
 from dlo_operator.statefulset import build_statefulset
 

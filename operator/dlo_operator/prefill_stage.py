@@ -1,0 +1,193 @@
+"""The Prefilling and Backoff stages of `rollout.decide`: a new cache entry is filled on every
+serving node by a prefill Job while the old pods serve, and only then do the pods restart.
+
+`prefill_step` reads the prefill Job, its pods and the previous `status.prefill` record and
+says what to keep applied, the new record and the Events: the Job started (`PrefillStarted`),
+running (its pods' rows), succeeded (restart the pods, once the loaders' summaries are in),
+failed (delete it; retry after a doubling delay, `BackoffConfig`). Pure; called by `rollout`
+only. The Job and its Service are built by `prefill`; must not call the cluster.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dlo_contract.fill_group import FillGroup
+from dlo_operator.conditions import EventType, Report
+from dlo_operator.configmap import build_configmap, build_fill_group_configmap, revision
+from dlo_operator.decision import Decision, Observed, Stage
+from dlo_operator.naming import LABEL_REVISION, Owner
+from dlo_operator.prefill import build_prefill_job, build_prefill_service
+from dlo_operator.service import build_service
+from dlo_operator.spec import DeploymentSpec
+from dlo_operator.statefulset import build_statefulset
+from dlo_operator.status import LoaderState, prefill_node
+
+
+class PrefillState(str, enum.Enum):
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    SUPERSEDED = "Superseded"
+    """Ended unfinished: the spec no longer needs it (e.g. the model was reverted)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackoffConfig:
+    """Delay before the next prefill attempt: `base_s * 2^(attempt-1)`, at most `max_s`."""
+
+    base_s: float = 10.0
+    max_s: float = 600.0
+
+    def delay_s(self, attempt: int) -> float:
+        return min(self.base_s * 2 ** max(attempt - 1, 0), self.max_s)
+
+
+def prefill_step(owner: Owner, spec: DeploymentSpec, seen: Observed,
+             backoff: BackoffConfig) -> Decision:
+    """The entry changed: fill it on the serving nodes first; roll only once all hold it."""
+    rev = revision(spec)
+    name = owner.prefill_name(rev)
+    job = next((j for j in seen.jobs if j["metadata"]["name"] == name), None)
+    previous = dict(seen.prefill) if seen.prefill.get("revision") == rev else {}
+    attempt = int(previous.get("attempt", 0))
+    keep = [build_configmap(owner, spec), build_prefill_service(owner, spec)]
+    if job is None:
+        retry_at = _parse_time(previous.get("retryAt"))
+        if previous.get("state") == PrefillState.FAILED.value and retry_at and (
+                seen.now < retry_at):
+            decision = Decision(stage=Stage.BACKOFF, message=(  # the reason stays on show
+                f"prefill of revision {rev} failed (attempt {attempt}): {previous.get('message')}"
+                f"; old pods keep serving; next attempt at {previous['retryAt']}"), apply=keep)
+            decision.prefill = previous
+            return decision
+        nodes = serving_nodes(seen.pods)
+        decision = Decision(stage=Stage.PREFILLING, message=(
+            f"prefilling revision {rev} on {len(nodes)} nodes while the old pods serve"))
+        decision.apply = keep + [build_prefill_job(owner, spec, nodes)]
+        decision.prefill = {"revision": rev, "state": PrefillState.RUNNING.value,
+                            "attempt": attempt + 1, "nodes": [], "bytesFromStore": 0,
+                            "message": f"filling on {', '.join(nodes)}"}
+        decision.reports.append(Report(type=EventType.NORMAL, reason="PrefillStarted", message=(
+            f"prefilling the cache entry of revision {rev} on {len(nodes)} nodes "
+            f"({', '.join(nodes)}), attempt {attempt + 1}; the old pods keep serving")))
+        return decision
+    pods = [p for p in seen.job_pods if _labels(p).get(LABEL_REVISION) == rev]
+    nodes = sorted((prefill_node(p) for p in pods), key=lambda n: (n["rank"], n["pod"]))
+    record = {"revision": rev, "attempt": max(attempt, 1), "nodes": nodes,
+              "bytesFromStore": sum(int(n.get("bytesFromStore", 0)) for n in nodes)}
+    state = _job_state(job)
+    if state is PrefillState.SUCCEEDED and _summaries_pending(nodes, job, seen.now):
+        # The Job's success and its pods' termination messages arrive as separate events: the
+        # record is final once the pods restart, so wait for the loaders' figures.
+        decision = Decision(stage=Stage.PREFILLING, message=(
+            f"prefill of revision {rev} succeeded; waiting for the loaders' summaries "
+            f"({_cached(nodes)}/{_completions(job, nodes)})"), apply=keep)
+        decision.prefill = {**record, "state": PrefillState.RUNNING.value,
+                            "message": decision.message}
+        return decision
+    if state is PrefillState.SUCCEEDED:
+        decision = Decision(stage=Stage.RESTARTING, message=(
+            f"every node holds the entry of revision {rev}; restarting pods"))
+        decision.apply = [build_configmap(owner, spec),
+                          build_fill_group_configmap(owner, FillGroup()),
+                          build_service(owner, spec), build_statefulset(owner, spec)]
+        decision.delete = [("Job", name)]
+        decision.prefill = {**record, "state": state.value, "message": (
+            f"{len(nodes)}/{len(nodes)} nodes hold the entry, "
+            f"{record['bytesFromStore']} bytes read from the store")}
+        decision.reports.append(Report(type=EventType.NORMAL, reason="PrefillSucceeded",
+                                       message=f"revision {rev}: {decision.prefill['message']}; "
+                                               "restarting pods"))
+        return decision
+    if state is PrefillState.FAILED:
+        delay = backoff.delay_s(record["attempt"])
+        retry_at = _format_time(seen.now + datetime.timedelta(seconds=delay))
+        why = _failure(nodes, job)
+        decision = Decision(stage=Stage.BACKOFF, message=(
+            f"prefill of revision {rev} failed: {why}; old pods keep serving"), apply=keep)
+        decision.delete = [("Job", name)]
+        decision.prefill = {**record, "state": state.value, "message": why,
+                            "retryAt": retry_at}
+        decision.reports.append(Report(type=EventType.WARNING, reason="PrefillFailed", message=(
+            f"prefill of revision {rev} (attempt {record['attempt']}) failed: {why}; the old "
+            f"pods keep serving; retrying in {delay:.0f} s")))
+        return decision
+    decision = Decision(stage=Stage.PREFILLING, message=(
+        f"prefilling revision {rev}: {_cached(nodes)}/{_completions(job, nodes)} nodes "
+        "hold the entry; the old pods keep serving"), apply=keep)
+    decision.prefill = {**record, "state": PrefillState.RUNNING.value,
+                        "message": decision.message}
+    return decision
+
+
+def serving_nodes(pods: Sequence[Mapping[str, Any]]) -> list[str]:
+    return sorted({str((p.get("spec") or {}).get("nodeName")) for p in pods
+                   if (p.get("spec") or {}).get("nodeName")
+                   and not (p.get("metadata") or {}).get("deletionTimestamp")})
+
+
+
+SUMMARY_GRACE_S = 60.0
+"""How long after a prefill Job completed the operator waits for its pods' summaries before it
+records the prefill without them (pods removed by the pod garbage collector never report)."""
+
+
+def _cached(nodes: Sequence[Mapping[str, Any]]) -> int:
+    return sum(1 for n in nodes if n["loader"] == LoaderState.CACHED.value)
+
+
+def _completions(job: Mapping[str, Any], nodes: Sequence[Mapping[str, Any]]) -> int:
+    return int((job.get("spec") or {}).get("completions") or len(nodes))
+
+
+def _summaries_pending(nodes: Sequence[Mapping[str, Any]], job: Mapping[str, Any],
+                       now: datetime.datetime) -> bool:
+    """A completed Job whose pods' summaries this view does not all show yet, within the grace
+    period after its `completionTime` (no such time: wait)."""
+    if _cached(nodes) >= _completions(job, nodes):
+        return False
+    done_at = _parse_time((job.get("status") or {}).get("completionTime"))
+    return done_at is None or now < done_at + datetime.timedelta(seconds=SUMMARY_GRACE_S)
+
+
+def _job_state(job: Mapping[str, Any]) -> PrefillState:
+    for condition in (job.get("status") or {}).get("conditions") or ():
+        if condition.get("status") == "True" and condition.get("type") == "Complete":
+            return PrefillState.SUCCEEDED
+        if condition.get("status") == "True" and condition.get("type") == "Failed":
+            return PrefillState.FAILED
+    return PrefillState.RUNNING
+
+
+def _failure(nodes: Sequence[Mapping[str, Any]], job: Mapping[str, Any]) -> str:
+    for node in nodes:
+        if node["loader"] == LoaderState.FAILED.value:
+            return (f"loader on {node['node'] or 'an unscheduled node'} (pod {node['pod']}): "
+                    f"{node.get('message', 'no message')}")
+    for condition in (job.get("status") or {}).get("conditions") or ():
+        if condition.get("type") == "Failed":
+            return f"Job {condition.get('reason', 'Failed')}: {condition.get('message', '')}"
+    return "the prefill Job failed"
+
+
+def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
+    return (obj.get("metadata") or {}).get("labels") or {}
+
+
+def _format_time(moment: datetime.datetime) -> str:
+    return moment.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _parse_time(text: Any) -> datetime.datetime | None:
+    if not isinstance(text, str):
+        return None
+    try:
+        return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(
+            tzinfo=datetime.timezone.utc)
+    except ValueError:
+        return None
