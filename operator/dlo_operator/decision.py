@@ -15,6 +15,7 @@ from typing import Any
 
 from dlo_contract.fill_group import FillGroup
 from dlo_operator.conditions import Report
+from dlo_operator.pod_troubles import Trouble
 
 
 class Stage(str, enum.Enum):
@@ -54,3 +55,6 @@ class Decision:
     """(kind, name) of children to delete."""
     prefill: dict[str, Any] = field(default_factory=dict)
     reports: list[Report] = field(default_factory=list)
+    stuck: Trouble | None = None
+    """A prefill pod that cannot start its loader (not schedulable, image not pulled, ...): the
+    prefill waits on it until someone acts, and `Prefilled` says so."""

@@ -1,10 +1,11 @@
 """Pod states that mean trouble, named as Kubernetes names them, with the pod and the node.
 
-`pod_troubles(pods)` reads each workload pod's scheduling condition and container statuses and
-returns one `Trouble` per pod in trouble, most telling first: `Unschedulable` (the scheduler's
-message), `ImagePullBackOff`, `OOMKilled`, `CrashLoopBackOff` of the inference container, and
-`LoaderFailed` (the loader's own one-line error, from its summary or its log tail). Pure; called
-by `status`.
+`pod_troubles(pods)` reads each pod's scheduling condition and container statuses and returns
+one `Trouble` per pod in trouble, most telling first: `Unschedulable` (the scheduler's message),
+`ImagePullBackOff`, `OOMKilled`, `CrashLoopBackOff` of the inference container, and
+`LoaderFailed` (the loader's own one-line error, from its summary or its log tail). The pods are
+workload pods (the loader a sidecar) or prefill Job pods (the loader their one container). Pure;
+called by `status` and `prefill_stage`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ class TroubleReason(str, enum.Enum):
     LOADER_FAILED = "LoaderFailed"
 
 
+NOT_STARTING = frozenset({TroubleReason.UNSCHEDULABLE, TroubleReason.IMAGE_PULL_BACK_OFF,
+                          TroubleReason.CONTAINER_CONFIG_ERROR})
+"""Troubles that keep a container from starting at all: they last until someone acts (a
+container that ran and failed has an end, which its pod or its Job reports)."""
 _IMAGE_PULL = frozenset({"ImagePullBackOff", "ErrImagePull", "InvalidImageName"})
 _CONFIG = frozenset({"CreateContainerConfigError", "CreateContainerError", "RunContainerError"})
 
@@ -65,6 +70,7 @@ def _trouble(pod: Mapping[str, Any], loader_errors: Mapping[str, str]) -> Troubl
             return Trouble(TroubleReason.UNSCHEDULABLE, name, "", "",
                            str(condition.get("message") or ""))
     for statuses, container in (("initContainerStatuses", LOADER_CONTAINER),
+                                ("containerStatuses", LOADER_CONTAINER),  # a prefill Job's
                                 ("containerStatuses", INFERENCE_CONTAINER)):
         found = _container_trouble(_find(status.get(statuses), container))
         if found is not None:

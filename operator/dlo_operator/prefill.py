@@ -14,7 +14,7 @@ loaders fail together anyway); the operator reports it and retries with backoff.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dlo_contract.names import MASTER_ADDR_ENV, MASTER_PORT_ENV, RANK_ENV, WORLD_SIZE_ENV
@@ -106,3 +106,14 @@ def build_prefill_job(owner: Owner, spec: DeploymentSpec,
             "template": {"metadata": {"labels": labels}, "spec": pod_spec},
         },
     }
+
+
+def pinned_nodes(job: Mapping[str, Any]) -> list[str]:
+    """The nodes a prefill Job's pods are pinned to (the node affinity `build_prefill_job` set)."""
+    try:
+        terms = job["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    except (KeyError, TypeError):
+        return []
+    return sorted({node for term in terms for match in term.get("matchFields") or ()
+                   for node in match.get("values") or ()})

@@ -3,9 +3,11 @@ serving node by a prefill Job while the old pods serve, and only then do the pod
 
 `prefill_step` reads the prefill Job, its pods and the previous `status.prefill` record and
 says what to keep applied, the new record and the Events: the Job started (`PrefillStarted`),
-running (its pods' rows), succeeded (restart the pods, once the loaders' summaries are in),
-failed (delete it; retry after a doubling delay, `BackoffConfig`). Pure; called by `rollout`
-only. The Job and its Service are built by `prefill`; must not call the cluster.
+running (its pods' rows; a pod that cannot start its loader is named, `Decision.stuck`, and one
+that can never be scheduled, pinned to a node no pod of the DOD runs on any more, fails the
+attempt), succeeded (restart the pods, once the loaders' summaries are in), failed (delete it;
+retry after a doubling delay, `BackoffConfig`). Pure; called by `rollout` only. The Job and
+its Service are built by `prefill`; must not call the cluster.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from dlo_operator.conditions import EventType, Report
 from dlo_operator.configmap import build_configmap, build_fill_group_configmap, revision
 from dlo_operator.decision import Decision, Observed, Stage
 from dlo_operator.naming import LABEL_REVISION, Owner
-from dlo_operator.prefill import build_prefill_job, build_prefill_service
+from dlo_operator.pod_troubles import NOT_STARTING, Trouble, TroubleReason, pod_troubles
+from dlo_operator.prefill import build_prefill_job, build_prefill_service, pinned_nodes
 from dlo_operator.service import build_service
 from dlo_operator.spec import DeploymentSpec
 from dlo_operator.statefulset import build_statefulset
@@ -80,7 +83,12 @@ def prefill_step(owner: Owner, spec: DeploymentSpec, seen: Observed,
     nodes = sorted((prefill_node(p) for p in pods), key=lambda n: (n["rank"], n["pod"]))
     record = {"revision": rev, "attempt": max(attempt, 1), "nodes": nodes,
               "bytesFromStore": sum(int(n.get("bytesFromStore", 0)) for n in nodes)}
-    state = _job_state(job)
+    state, why = _job_state(job), ""
+    stuck = _stuck(pods) if state is PrefillState.RUNNING else None
+    if stuck is not None and (gone := _gone(job, stuck, seen.pods)):
+        state, why = PrefillState.FAILED, (
+            f"{stuck.message}; the Job is pinned to {', '.join(gone)}, where no pod of this DOD "
+            "runs any more, so the next attempt fills the nodes that serve now")
     if state is PrefillState.SUCCEEDED and _summaries_pending(nodes, job, seen.now):
         # The Job's success and its pods' termination messages arrive as separate events: the
         # record is final once the pods restart, so wait for the loaders' figures.
@@ -107,7 +115,7 @@ def prefill_step(owner: Owner, spec: DeploymentSpec, seen: Observed,
     if state is PrefillState.FAILED:
         delay = backoff.delay_s(record["attempt"])
         retry_at = _format_time(seen.now + datetime.timedelta(seconds=delay))
-        why = _failure(nodes, job)
+        why = why or _failure(nodes, job)
         decision = Decision(stage=Stage.BACKOFF, message=(
             f"prefill of revision {rev} failed: {why}; old pods keep serving"), apply=keep)
         decision.delete = [("Job", name)]
@@ -117,12 +125,28 @@ def prefill_step(owner: Owner, spec: DeploymentSpec, seen: Observed,
             f"prefill of revision {rev} (attempt {record['attempt']}) failed: {why}; the old "
             f"pods keep serving; retrying in {delay:.0f} s")))
         return decision
-    decision = Decision(stage=Stage.PREFILLING, message=(
-        f"prefilling revision {rev}: {_cached(nodes)}/{_completions(job, nodes)} nodes "
-        "hold the entry; the old pods keep serving"), apply=keep)
+    where = (f"prefill of revision {rev} is stuck: {stuck.message}" if stuck else
+             f"prefilling revision {rev}: {_cached(nodes)}/{_completions(job, nodes)} nodes "
+             "hold the entry")
+    decision = Decision(stage=Stage.PREFILLING, stuck=stuck, apply=keep,
+                        message=f"{where}; the old pods keep serving")
     decision.prefill = {**record, "state": PrefillState.RUNNING.value,
                         "message": decision.message}
     return decision
+
+
+def _stuck(pods: Sequence[Mapping[str, Any]]) -> Trouble | None:
+    """The first prefill pod that cannot start its loader: the Job alone would wait for it
+    until its `activeDeadlineSeconds`."""
+    return next((t for t in pod_troubles(pods, {}) if t.reason in NOT_STARTING), None)
+
+
+def _gone(job: Mapping[str, Any], stuck: Trouble, pods: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Nodes the Job is pinned to where no pod of the DOD runs any more (a node replaced during
+    the prefill), when a prefill pod cannot be scheduled: it never will be."""
+    if stuck.reason is not TroubleReason.UNSCHEDULABLE:
+        return []
+    return sorted(set(pinned_nodes(job)) - set(serving_nodes(pods)))
 
 
 def serving_nodes(pods: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -10,7 +10,8 @@ pod rules); a refused spec gets `Valid=False` and one Warning Event, and its chi
 they are. An API error while applying gets `Applied=False` and a Warning Event per attempt:
 conflicts, throttling, 5xx and timeouts are retried after `backoff_delay` (`ApplyRetrying`),
 anything else (`ApplyFailed`) waits for the next change of the spec. A pod falling into
-trouble (the `Ready` condition's reason) gets one Warning Event per new message.
+trouble (the `Ready` condition's reason), or a prefill pod that cannot start (`PrefillStuck`),
+gets one Warning Event per new message.
 Called by `handlers` under a per-DOD lock; the only caller of `rollout`.
 """
 
@@ -58,6 +59,11 @@ from dlo_operator.status import (
 )
 
 log = logging.getLogger(__name__)
+PREFILL_STUCK = "PrefillStuck"
+"""The `Prefilled` reason (and Warning Event) of a prefill pod that cannot start its loader."""
+_REPORTED_REASONS = {READY: TROUBLE_REASONS, PREFILLED: frozenset({PREFILL_STUCK})}
+"""The failed reasons of these conditions that get an Event here (the others are reported
+elsewhere, or are steps of a rollout)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,7 +122,7 @@ def reconcile(kube: KubeClient, dod: Mapping[str, Any], config: ReconcileConfig,
                               now=_stamp(now), generation=generation,
                               problems=[problem] if problem else [], revision=decision.revision)
     status.update(_rollout_status(owner, decision, status, previous, _stamp(now), generation))
-    _report_new(dod, previous, status, (READY,))
+    _report_new(dod, previous, status, (READY, PREFILLED))
     _write_status(kube, owner, dod, previous, status)
     outcome = "applied" if problem is None else (
         "retried" if problem.reason == APPLY_RETRYING else "failed")
@@ -158,12 +164,13 @@ def _apply(kube: KubeClient, owner: Owner, dod: Mapping[str, Any], decision: Dec
 def _report_new(dod: Mapping[str, Any], previous: Mapping[str, Any], status: Mapping[str, Any],
                 kinds: Sequence[str]) -> None:
     """A Warning Event for each failed condition of `kinds` whose message is new (a refused
-    spec; a pod in trouble, named by the `Ready` condition's reason)."""
+    spec; a pod in trouble, named by the `Ready` condition's reason; a prefill pod that cannot
+    start, `Prefilled` reason `PrefillStuck`)."""
     for kind in kinds:
         now, before = find(status, kind), find(previous, kind)
         if now is None or not now.failed or (before is not None and before == now):
             continue
-        if kind == READY and now.reason not in TROUBLE_REASONS:
+        if kind in _REPORTED_REASONS and now.reason not in _REPORTED_REASONS[kind]:
             continue
         report_event(dod, now)
 
@@ -247,6 +254,8 @@ def _prefilled(decision: Decision) -> Condition:
     state = prefill.get("state")
     if not prefill:
         return Condition(PREFILLED, TRUE, "NotNeeded", "no prefill has been needed")
+    if decision.stuck is not None:
+        return Condition(PREFILLED, FALSE, PREFILL_STUCK, decision.message)
     if state == PrefillState.FAILED.value:
         return Condition(PREFILLED, FALSE, "PrefillFailed", decision.message)
     if state == PrefillState.RUNNING.value:

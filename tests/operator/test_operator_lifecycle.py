@@ -230,6 +230,37 @@ async def test_failed_prefill_keeps_old_pods_reports_and_retries(
     assert next(c for c in s["conditions"] if c["type"] == "Prefilled")["status"] == "True"
 
 
+async def test_a_prefill_pod_that_cannot_be_scheduled_is_reported_once_while_old_pods_serve(
+        cluster: ClusterEmulator, standin: KubeStandIn) -> None:
+    first = await create(cluster, standin)
+    old = uids(standin, "flux-0", "flux-1")
+    standin.unschedulable = "0/5 nodes are available: 2 Insufficient memory"
+
+    await patch_spec(cluster, {"model": {"source": V2}})
+
+    stuck = await eventually(lambda: (_status(cluster).get("prefill") or {}).get(
+        "message", "").startswith("prefill of revision") and _status(cluster), timeout=TIMEOUT)
+    kubectl_get_dod(cluster, "prefill pod unschedulable")
+    await eventually(lambda: any(e["reason"] == "PrefillStuck" for e in events(cluster)))
+    print_events(cluster, "prefill pod unschedulable")
+    pod = next(n["pod"] for n in stuck["prefill"]["nodes"] if n["rank"] == 0)
+    message = (f"prefill of revision {stuck['revision']} is stuck: pod {pod} (not scheduled): "
+               "Unschedulable: 0/5 nodes are available: 2 Insufficient memory; the old pods "
+               "keep serving")
+    assert (stuck["phase"], stuck["stage"], stuck["message"]) == (
+        "Updating", "Prefilling", message)
+    assert {c["type"]: (c["status"], c["reason"], c["message"]) for c in stuck["conditions"]
+            if c["type"] in ("Available", "Prefilled")} == {
+        "Available": ("True", "ReplicasReady", "2/2 replicas ready"),
+        "Prefilled": ("False", "PrefillStuck", message)}
+    reads = len(_sts_reads(cluster))
+    await eventually(lambda: len(_sts_reads(cluster)) >= reads + 2)  # reconciled twice more
+    assert [(e["type"], e["message"]) for e in events(cluster)
+            if e["reason"] == "PrefillStuck"] == [("Warning", message)]
+    assert uids(standin, "flux-0", "flux-1") == old
+    assert template_revision(cluster) == first["revision"]
+
+
 async def test_reverting_the_model_after_a_failed_prefill_supersedes_it(
         cluster: ClusterEmulator, standin: KubeStandIn) -> None:
     first = await create(cluster, standin)

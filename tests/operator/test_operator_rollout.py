@@ -15,6 +15,7 @@ from dlo_operator.configmap import revision
 from dlo_operator.decision import Observed, Stage
 from dlo_operator.manifests import build_children, fill_group
 from dlo_operator.naming import LABEL_JOB_INDEX, LABEL_REVISION, LOADER_CONTAINER, Owner
+from dlo_operator.prefill import build_prefill_job, pinned_nodes
 from dlo_operator.prefill_stage import SUMMARY_GRACE_S, BackoffConfig
 from dlo_operator.rollout import decide
 from dlo_operator.spec import DeploymentSpec, parse_spec
@@ -189,3 +190,75 @@ def test_a_prefill_the_spec_no_longer_asks_for_is_superseded(state: str) -> None
     later = Observed(**{**vars(reverted), "prefill": decision.prefill})
     again = decide(OWNER, OLD, later, BackoffConfig())
     assert (again.prefill, again.reports) == (decision.prefill, [])
+
+
+def running_prefill(serving_on: tuple[str, ...], stuck_pod: dict[str, Any]) -> Observed:
+    """A prefill Job pinned to gpu-0 and gpu-1, its pod 0 filling, `stuck_pod` its pod 1."""
+    job = {**build_prefill_job(OWNER, NEW, NODES), "status": {"active": 2}}
+    filling = {"metadata": {"name": "flux-prefill-0", "labels": {
+        LABEL_REVISION: revision(NEW), LABEL_JOB_INDEX: "0"}}, "spec": {"nodeName": "gpu-0"},
+        "status": {"containerStatuses": [{"name": LOADER_CONTAINER, "state": {"running": {}}}]}}
+    pods = [{"metadata": {"name": f"flux-{i}", "labels": {}}, "spec": {"nodeName": node}}
+            for i, node in enumerate(serving_on)]
+    return Observed(statefulset=build_children(OWNER, OLD)[3], pods=pods, group=None,
+                    jobs=[job], job_pods=[filling, stuck_pod], settings_configmaps=[],
+                    prefill={"revision": revision(NEW), "attempt": 1, "state": "Running"},
+                    now=NOW)
+
+
+def stuck_prefill_pod(node: str, status: dict[str, Any]) -> dict[str, Any]:
+    return {"metadata": {"name": "flux-prefill-1", "labels": {
+        LABEL_REVISION: revision(NEW), LABEL_JOB_INDEX: "1"}},
+        "spec": {"nodeName": node} if node else {}, "status": status}
+
+
+UNSCHEDULABLE = {"phase": "Pending", "conditions": [{
+    "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+    "message": "0/3 nodes are available: 1 Insufficient memory, 2 node(s) didn't match Pod's "
+               "node affinity/selector"}]}
+IMAGE_PULL = {"phase": "Pending", "containerStatuses": [{"name": LOADER_CONTAINER, "state": {
+    "waiting": {"reason": "ImagePullBackOff",
+                "message": 'Back-off pulling image "registry.example/dlo-loader:typo"'}}}]}
+
+
+@pytest.mark.parametrize(("node", "status", "trouble"), [
+    ("", UNSCHEDULABLE, "pod flux-prefill-1 (not scheduled): Unschedulable: 0/3 nodes are "
+                        "available: 1 Insufficient memory, 2 node(s) didn't match Pod's node "
+                        "affinity/selector"),
+    ("gpu-1", IMAGE_PULL, "loader container of pod flux-prefill-1 on node gpu-1: "
+                          'ImagePullBackOff: Back-off pulling image '
+                          '"registry.example/dlo-loader:typo"'),
+], ids=["unschedulable", "image-pull"])
+def test_a_prefill_pod_that_cannot_start_is_named_while_the_old_pods_serve(
+        node: str, status: dict[str, Any], trouble: str) -> None:
+    """The Job alone would wait for it until its deadline, an hour on: the stage says which pod
+    and why (the scheduler's or the kubelet's words), and the StatefulSet is not touched."""
+    decision = decide(OWNER, NEW, running_prefill(NODES, stuck_prefill_pod(node, status)),
+                      BackoffConfig())
+    message = f"prefill of revision {revision(NEW)} is stuck: {trouble}; the old pods keep serving"
+    assert (decision.stage, decision.message) == (Stage.PREFILLING, message)
+    assert decision.stuck is not None and decision.stuck.message == trouble
+    assert (decision.prefill["state"], decision.prefill["message"]) == ("Running", message)
+    assert not decision.reports and not [d for d in decision.delete if d[0] == "Job"]
+    assert "StatefulSet" not in [m["kind"] for m in decision.apply]
+
+
+def test_a_prefill_pod_pinned_to_a_node_that_left_fails_the_attempt_at_once() -> None:
+    """gpu-1 was replaced during the prefill (its pod now serves on gpu-2): the Job's pod pinned
+    there can never be scheduled, so the attempt ends now and the retry fills the serving nodes."""
+    seen_now = running_prefill(("gpu-0", "gpu-2"), stuck_prefill_pod("", UNSCHEDULABLE))
+    decision = decide(OWNER, NEW, seen_now, BackoffConfig())
+    why = ("pod flux-prefill-1 (not scheduled): Unschedulable: 0/3 nodes are available: 1 "
+           "Insufficient memory, 2 node(s) didn't match Pod's node affinity/selector; the Job is "
+           "pinned to gpu-1, where no pod of this DOD runs any more, so the next attempt fills "
+           "the nodes that serve now")
+    assert (decision.stage, decision.prefill["state"]) == (Stage.BACKOFF, "Failed")
+    assert (decision.prefill["message"], decision.prefill["retryAt"]) == (
+        why, "2026-12-01T09:00:10Z")
+    assert ("Job", OWNER.prefill_name(revision(NEW))) in decision.delete
+    assert [(r.type.value, r.reason) for r in decision.reports] == [("Warning", "PrefillFailed")]
+    retry = Observed(**{**vars(seen_now), "jobs": [], "job_pods": [],
+                        "prefill": {**decision.prefill, "retryAt": "2026-12-01T08:59:00Z"}})
+    job = applied(decide(OWNER, NEW, retry, BackoffConfig()), "Job",
+                  OWNER.prefill_name(revision(NEW)))
+    assert pinned_nodes(job) == ["gpu-0", "gpu-2"]

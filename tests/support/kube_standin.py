@@ -84,6 +84,9 @@ class KubeStandIn:
     """Source -> error of every fill of it (a store that refuses it)."""
     hold_prefill: bool = False
     """Keep prefill loaders running until cleared (to look at the cluster mid-prefill)."""
+    unschedulable: str = ""
+    """The scheduler's message for the prefill pods created while set: they stay Pending on no
+    node (the nodes they are pinned to are full)."""
     fills: list[Fill] = field(default_factory=list)
     store_bytes: int = 0
     rendezvous_timeouts: list[str] = field(default_factory=list)
@@ -157,10 +160,16 @@ class KubeStandIn:
                 "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
             nodes = terms[0]["matchFields"][0]["values"]
             for index in range(completions):
+                pod = f"{name}-{index}-{uid[:5]}"
                 await self._create_pod(
-                    f"{name}-{index}-{uid[:5]}", job["spec"]["template"],
+                    pod, job["spec"]["template"],
                     {"job-name": name, "controller-uid": uid, LABEL_JOB_INDEX: str(index)},
-                    {LABEL_JOB_INDEX: str(index)}, nodes[index])
+                    {LABEL_JOB_INDEX: str(index)}, "" if self.unschedulable else nodes[index])
+                if self.unschedulable:
+                    await request(self.cluster, "PATCH", f"{PODS_PATH}/{pod}/status", {
+                        "status": {"phase": "Pending", "conditions": [{
+                            "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                            "message": self.unschedulable}]}})
             return
         codes = [_exit_code(p, "containerStatuses") for p in pods]
         if None in codes:
@@ -201,8 +210,8 @@ class KubeStandIn:
     async def _kubelet(self) -> None:
         for pod in self.pods():
             name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
-            if uid in self._started:
-                continue
+            if uid in self._started or not pod["spec"].get("nodeName"):
+                continue  # started already, or not scheduled
             prefill = pod["metadata"]["labels"].get(LABEL_ROLE) == "prefill"
             container = "containerStatuses" if prefill else "initContainerStatuses"
             spec = pod["spec"]
