@@ -3,7 +3,8 @@
 The settings ConfigMap, the fill-group document and the Service come before the StatefulSet so
 that its pods never start without their settings, their group or their DNS names. On create the
 group holds every pod: the first fill is one cooperative group. The inference Service and the
-PodDisruptionBudget, where the spec asks for them, follow. Pure; called by `rollout`, `reconcile`
+PodDisruptionBudget, where the spec asks for them, follow. Pure; called by `rollout`,
+`prefill_stage`, `reconcile`
 (the names of the optional children it looks for) and `dlo render`.
 """
 
@@ -29,6 +30,15 @@ def fill_group(owner: Owner, spec: DeploymentSpec, ordinals: range) -> FillGroup
         members={owner.pod_name(o): rank for rank, o in enumerate(ordinals)},
         master_addr=owner.pod_address(owner.pod_name(ordinals[0]), owner.service_name),
         master_port=spec.loader.port)
+
+
+def restart_children(owner: Owner, spec: DeploymentSpec, live: int) -> list[dict[str, Any]]:
+    """The children that roll the pods into the spec's revision. No fill group: each restarted
+    pod finds its entry cached (prefilled, or unchanged) or fills alone. The StatefulSet keeps
+    its `live` replicas, or fewer (a scale-down never waits): a scale-up follows once the new
+    template is applied, so that its new pods fill as one group (`rollout` opens it)."""
+    return [build_configmap(owner, spec), build_fill_group_configmap(owner, FillGroup()),
+            build_service(owner, spec), build_statefulset(owner, spec, min(live, spec.replicas))]
 
 
 def optional_children(owner: Owner, spec: DeploymentSpec) -> list[dict[str, Any]]:

@@ -18,16 +18,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dlo_contract.fill_group import FillGroup
 from dlo_operator.conditions import EventType, Report
-from dlo_operator.configmap import build_configmap, build_fill_group_configmap, revision
+from dlo_operator.configmap import build_configmap, revision
 from dlo_operator.decision import Decision, Observed, Stage
+from dlo_operator.manifests import restart_children
 from dlo_operator.naming import LABEL_REVISION, Owner
 from dlo_operator.pod_troubles import NOT_STARTING, Trouble, TroubleReason, pod_troubles
 from dlo_operator.prefill import build_prefill_job, build_prefill_service, pinned_nodes
-from dlo_operator.service import build_service
 from dlo_operator.spec import DeploymentSpec
-from dlo_operator.statefulset import build_statefulset
+from dlo_operator.statefulset import live_replicas
 from dlo_operator.status import LoaderState, prefill_node
 
 
@@ -101,9 +100,7 @@ def prefill_step(owner: Owner, spec: DeploymentSpec, seen: Observed,
     if state is PrefillState.SUCCEEDED:
         decision = Decision(stage=Stage.RESTARTING, message=(
             f"every node holds the entry of revision {rev}; restarting pods"))
-        decision.apply = [build_configmap(owner, spec),
-                          build_fill_group_configmap(owner, FillGroup()),
-                          build_service(owner, spec), build_statefulset(owner, spec)]
+        decision.apply = restart_children(owner, spec, live_replicas(seen.statefulset))
         decision.delete = [("Job", name)]
         decision.prefill = {**record, "state": state.value, "message": (
             f"{len(nodes)}/{len(nodes)} nodes hold the entry, "

@@ -9,7 +9,9 @@ turned off), the new prefill record and the Events to post. Stages:
     Serving      the StatefulSet serves the desired revision; scale by stepping `replicas`, new
                  pods in a fresh fill group (no existing pod restarts), one group at a time;
                  close a group once its members finished or one of them was scaled away
-    Restarting   the settings changed but not the entry: roll the pods, no prefill
+    Restarting   the settings changed but not the entry, or the prefill succeeded: roll the
+                 pods at the live replica count; a scale-up waits one step, for Serving to
+                 give its new pods a group
     Prefilling   the entry changed: a prefill Job fills it on every serving node while the old
                  pods keep serving; the StatefulSet is left as it is until the Job succeeds
     Backoff      the prefill failed: old pods keep serving; the next attempt waits out a
@@ -35,12 +37,12 @@ from dlo_operator.configmap import (
     revision,
 )
 from dlo_operator.decision import Decision, Observed, Stage
-from dlo_operator.manifests import fill_group, optional_children
+from dlo_operator.manifests import fill_group, optional_children, restart_children
 from dlo_operator.naming import Owner
 from dlo_operator.prefill_stage import BackoffConfig, PrefillState, prefill_step, serving_nodes
 from dlo_operator.service import build_service
 from dlo_operator.spec import DeploymentSpec
-from dlo_operator.statefulset import build_statefulset, template_revision
+from dlo_operator.statefulset import build_statefulset, live_replicas, template_revision
 from dlo_operator.status import LoaderState, node_entry
 
 
@@ -60,15 +62,12 @@ def decide(owner: Owner, spec: DeploymentSpec, seen: Observed,
     elif serving[1] == key or not serving_nodes(seen.pods):
         decision = Decision(stage=Stage.RESTARTING, message=(
             f"restarting pods into revision {rev}: the cache entry is unchanged, no prefill"))
-        decision.apply = [build_configmap(owner, spec),
-                          build_fill_group_configmap(owner, FillGroup()),
-                          build_service(owner, spec), build_statefulset(owner, spec)]
+        decision.apply = restart_children(owner, spec, live_replicas(seen.statefulset))
         _carry(seen.prefill, rev, decision)
     else:
         decision = prefill_step(owner, spec, seen, backoff)
-        live = _live_replicas(seen.statefulset)
-        if live != spec.replicas:  # the StatefulSet is left as it is until the prefill ends
-            decision.message += "; " + _scale_waits(live, spec.replicas, "the prefill")
+    decision.message += _held_scale(decision.stage, live_replicas(seen.statefulset),
+                                    spec.replicas)
     decision.revision = rev
     optional = optional_children(owner, spec)
     decision.apply += optional
@@ -80,7 +79,7 @@ def decide(owner: Owner, spec: DeploymentSpec, seen: Observed,
 
 def _serve(owner: Owner, spec: DeploymentSpec, seen: Observed) -> Decision:
     """Steady state: children as the spec says; a scale-up fills its new pods as one group."""
-    live = _live_replicas(seen.statefulset)
+    live = live_replicas(seen.statefulset)
     group = seen.group if seen.group is not None else FillGroup()
     if group.members and (group.revision != revision(spec) or _over(owner, spec, group,
                                                                      seen.pods)):
@@ -124,8 +123,16 @@ def _carry(record: Mapping[str, Any], rev: str, decision: Decision) -> None:
                                    message=message))
 
 
-def _live_replicas(statefulset: Mapping[str, Any] | None) -> int:
-    return int(((statefulset or {}).get("spec") or {}).get("replicas") or 0)
+def _held_scale(stage: Stage, live: int, wanted: int) -> str:
+    """What a scale asked for outside Serving waits for, as a clause of the stage message: the
+    prefill leaves the StatefulSet as it is; a restart applies a scale-down at once and a
+    scale-up after it (`manifests.restart_children`)."""
+    if stage in (Stage.PREFILLING, Stage.BACKOFF) and wanted != live:
+        return "; " + _scale_waits(live, wanted, "the prefill")
+    if stage is Stage.RESTARTING and wanted > live:
+        return "; " + _scale_waits(live, wanted, (
+            "the restart to be applied (its new pods then fill as one group)"))
+    return ""
 
 
 def _scale_waits(live: int, wanted: int, why: str) -> str:

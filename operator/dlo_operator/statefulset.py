@@ -10,6 +10,7 @@ StatefulSet's spec, never in the template, so scaling restarts no pod. Pure; cal
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from dlo_operator.configmap import entry_key, revision, settings_hash
@@ -54,3 +55,8 @@ def template_revision(statefulset: dict[str, Any] | None) -> tuple[str, str] | N
     annotations = (((statefulset.get("spec") or {}).get("template") or {}).get("metadata")
                    or {}).get("annotations") or {}
     return annotations.get(ANNOTATION_REVISION, ""), annotations.get(ANNOTATION_ENTRY_KEY, "")
+
+
+def live_replicas(statefulset: Mapping[str, Any] | None) -> int:
+    """The replicas the live StatefulSet asks for (0 when there is none)."""
+    return int(((statefulset or {}).get("spec") or {}).get("replicas") or 0)

@@ -180,8 +180,10 @@ async def test_update_rolls_the_statefulset(cluster: ClusterEmulator, operator: 
     await request(cluster, "PATCH", f"{DOD_PATH}/flux", {"spec": {
         "offload": {"useAllgather": False, "residentLayers": 2}, "replicas": 3}})
 
-    after = await eventually(lambda: _rolled(cluster, old_hash))
-    assert after["spec"]["replicas"] == 3
+    # The restart rolls the live 2 pods; the scale-up follows one step later (its new pods
+    # fill as a group of their own), so wait for both.
+    after = await eventually(lambda: (sts := _rolled(cluster, old_hash)) and sts["spec"][
+        "replicas"] == 3 and sts)
     settings = json.loads(settings_configmap(cluster, "flux")["data"]["settings.json"])
     assert (settings["offload"]["use_allgather"], settings["offload"]["resident_layers"]) == (
         False, 2)

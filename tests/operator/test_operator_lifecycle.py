@@ -354,6 +354,28 @@ async def test_scale_up_and_down_restarts_no_serving_pod(
     assert uids(standin, "flux-0") == {"flux-0": serving["flux-0"]}
 
 
+async def test_a_scale_up_made_during_a_prefill_fills_its_new_pods_as_one_group(
+        cluster: ClusterEmulator, standin: KubeStandIn) -> None:
+    await create(cluster, standin)
+    standin.hold_prefill = True
+    await patch_spec(cluster, {"model": {"source": V2}})
+    await eventually(lambda: _status(cluster).get("stage") == "Prefilling", timeout=TIMEOUT)
+
+    await patch_spec(cluster, {"replicas": 4})
+    held = await eventually(lambda: "waits for the prefill" in _status(cluster).get(
+        "stageMessage", "") and _status(cluster), timeout=TIMEOUT)
+    kubectl_get_dod(cluster, "scale-up during a prefill")
+    standin.hold_prefill = False
+
+    s = await ready(cluster, 4, revision=held["revision"])
+    kubectl_get_dod(cluster, "prefilled, restarted and scaled")
+    new_pods = [(f.pod, f.rank, f.world, f.bytes_from_store) for f in standin.fills
+                if f.pod in ("flux-2", "flux-3")]
+    assert sorted(new_pods) == [("flux-2", 0, 2, 600), ("flux-3", 1, 2, 600)]
+    assert standin.rendezvous_timeouts == []
+    assert revisions(standin) == [s["revision"]] * 4
+
+
 async def test_deleted_and_hand_scaled_statefulset_are_restored(
         cluster: ClusterEmulator, standin: KubeStandIn) -> None:
     await create(cluster, standin)

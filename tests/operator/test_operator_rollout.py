@@ -262,3 +262,30 @@ def test_a_prefill_pod_pinned_to_a_node_that_left_fails_the_attempt_at_once() ->
     job = applied(decide(OWNER, NEW, retry, BackoffConfig()), "Job",
                   OWNER.prefill_name(revision(NEW)))
     assert pinned_nodes(job) == ["gpu-0", "gpu-2"]
+
+
+@pytest.mark.parametrize("restart", ["after a prefill", "entry unchanged"])
+def test_a_scale_up_held_through_a_restart_fills_its_new_pods_as_one_group(restart: str) -> None:
+    """2 -> 4 asked for during a prefill, or with a settings change that keeps the entry: the
+    restart rolls the 2 live pods and says the scale waits; the step after it scales to 4 with
+    flux-2 and flux-3 in one fill group, instead of each reading the whole model alone."""
+    if restart == "after a prefill":
+        bigger = parse_spec({"model": {"source": "s3://models/flux-v2/"},
+                             "inference": {"image": "s:1"}, "replicas": 4})
+        before = seen([job_pod(0, 600), job_pod(1, 600)], completed_s_ago=1)
+    else:
+        bigger = parse_spec({"model": {"source": "s3://models/flux-v1/"}, "replicas": 4,
+                             "inference": {"image": "s:1"},
+                             "offload": {"useAllgather": False, "residentLayers": 2}})
+        before = serving(OLD, 2, [cached_pod(0), cached_pod(1)], FillGroup())
+    restarting = decide(OWNER, bigger, before, BackoffConfig())
+    assert restarting.stage is Stage.RESTARTING
+    assert applied(restarting, "StatefulSet")["spec"]["replicas"] == 2
+    assert published_group(restarting) == FillGroup()
+    assert restarting.message.endswith(
+        "; scaling 2 -> 4 waits for the restart to be applied (its new pods then fill as one "
+        "group)")
+    restarted = serving(bigger, 2, [cached_pod(0), cached_pod(1)], FillGroup())
+    scaling = decide(OWNER, bigger, restarted, BackoffConfig())
+    assert applied(scaling, "StatefulSet")["spec"]["replicas"] == 4
+    assert published_group(scaling).members == {"flux-2": 0, "flux-3": 1}
