@@ -40,6 +40,12 @@ def cr_names(path: str) -> str:
     return f"spec.{CR_PATHS[path]}" if path in CR_PATHS else path
 
 
+def names_for(settings: Settings) -> Names:
+    """How messages about `settings` name fields: as the user wrote them, the CR path when the
+    operator rendered the document from a CR (`settings.origin`), else the document path."""
+    return cr_names if settings.origin else document_names
+
+
 @dataclass(frozen=True)
 class Rule:
     """One rejected combination: `check` returns True when `settings` violates it. `message`
@@ -204,7 +210,7 @@ def validate(settings: Settings, names: Names | None = None) -> Settings:
     """
     named: list[str] = []
     if names is None:
-        chosen: Names = cr_names if settings.origin else document_names
+        chosen = names_for(settings)
 
         def names(path: str) -> str:
             named.append(path)

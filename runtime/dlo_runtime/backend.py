@@ -40,7 +40,7 @@ from dlo_runtime.slots import DeviceSlots
 from dlo_runtime.streams import HostMemory, StreamSet
 from dlo_runtime.tensors import ModelTensors, OffloadError, restore_device
 from dlo_runtime.transfer import DirectSource, MappedSource, ShardStore, StagedSource
-from dlo_contract.validation import validate
+from dlo_contract.validation import names_for, validate
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +82,11 @@ class DistributedLayerwiseOffloadBackend:
         # group once for the whole process; a backend built directly decides both itself.
         self.settings = settings if placement is not None else validate(settings)
         if not self.settings.offload.enabled:
+            name = names_for(self.settings)("offload.enabled")
             raise SettingsError(
-                "offload.enabled=false: the DLO backend would have nothing to do",
-                hint="keep the model resident, or set offload.enabled=true",
+                f"{name}=false: the DLO backend would have nothing to do",
+                hint=f"keep the model resident (pod.enable does so when {name} is false), or "
+                f"set {name}=true",
             )
         self.device = torch.device(device)
         self.discovery = ModuleDiscovery(dit)

@@ -9,8 +9,8 @@ module and what to do:
   offloaders would move the same weights behind each other's back;
 - parameters or buffers are on the meta device, or empty, while no host weight plan backs them.
 Without these checks the failure comes later, deep inside the model's forward, with no frame of
-ours in the traceback. Called by the backend's `enable` and by `pod.enable`; it must not change
-the model.
+ours in the traceback. Called by the backend's `enable` and by `pod.enable` (only
+`refuse_unbacked` when offload is disabled); it must not change the model.
 """
 
 from __future__ import annotations
@@ -76,11 +76,13 @@ def refuse_misuse(dit: nn.Module, *, host_plan: bool) -> None:
                 "(accelerate.hooks.remove_hook_from_module(module, recurse=True))",
             )
     if not host_plan:
-        _refuse_unbacked(dit, name)
+        refuse_unbacked(dit)
 
 
-def _refuse_unbacked(dit: nn.Module, name: str) -> None:
-    """Meta or empty tensors with no host weight plan: there is nothing to stream from."""
+def refuse_unbacked(dit: nn.Module) -> None:
+    """Raise `OffloadError` for meta or empty tensors with no host weight plan: there is nothing
+    to stream from, or (`pod.enable` with offload disabled) to keep resident."""
+    name = type(dit).__name__
     for tensor_name, tensor in dit.state_dict(keep_vars=True).items():
         if tensor.is_meta:
             raise OffloadError(

@@ -14,7 +14,8 @@ default world) by `validation.select_group`, and enable `DistributedLayerwiseOff
 each DiT. `build_dit` starts warming the page cache with the entry (`prefetch`; a no-op when the
 server started it before its own imports). `OffloadHandle.close()` follows the shutdown order:
 synchronize, remove hooks, unregister, close mappings; the caller destroys its process groups
-afterwards.
+afterwards. With `offload.enabled=false` the same calls keep the DiTs resident: `build_dit` loads
+ordinarily and `enable` moves the DiTs to the device and returns a handle that offloads nothing.
 
 Must not create process groups, load pipeline components other than the DiT, or decide
 compatibility itself (the plan builders and `validation` do).
@@ -45,12 +46,12 @@ from dlo_runtime.entry_file import (  # noqa: F401 (re-exported: the pod API)
 )
 from dlo_runtime.host_registration import register_plan
 from dlo_runtime.host_weight_plan import BackingKind, HostWeightPlan
-from dlo_runtime.misuse import refuse_misuse
+from dlo_runtime.misuse import refuse_misuse, refuse_unbacked
 from dlo_runtime.placement import resolve_placement
-from dlo_runtime.run_stats import OffloadStats
+from dlo_runtime.run_stats import RESIDENT, OffloadStats
 from dlo_runtime.runtime_weight_cache import RuntimeLayout, load_runtime_plan
 from dlo_contract.settings import GIB, Settings, load_settings
-from dlo_contract.validation import validate
+from dlo_contract.validation import names_for, validate
 
 logger = logging.getLogger(__name__)
 
@@ -85,17 +86,22 @@ class _Offloaded:
 
 
 class OffloadHandle:
-    """What `enable()` returns: the enabled backends and the host plans they consume."""
+    """What `enable()` returns: the enabled backends and the host plans they consume, or the
+    DiTs kept resident (`offload.enabled=false`), which have neither."""
 
-    def __init__(self, device: torch.device, offloaded: list[_Offloaded]) -> None:
+    def __init__(self, device: torch.device, offloaded: list[_Offloaded],
+                 resident: tuple[str, ...] = ()) -> None:
         self.device = device
         self._offloaded = offloaded
+        self._resident = resident
 
     def backing(self, component: str = "transformer") -> BackingKind:
         """Host backing of one DiT (`ordinary` when it kept its loader tensors)."""
         for item in self._offloaded:
             if item.component == component:
                 return item.plan.backing_kind if item.plan else BackingKind.ORDINARY
+        if component in self._resident:
+            return BackingKind.ORDINARY
         raise KeyError(component)
 
     @property
@@ -117,6 +123,8 @@ class OffloadHandle:
         for item in self._offloaded:
             if item.component == component:
                 return item.backend.stats()
+        if component in self._resident:
+            return RESIDENT
         raise KeyError(component)
 
     def close(self) -> None:
@@ -140,11 +148,14 @@ def enable(target: Any, *, device: str | torch.device | None = None,
     `groups` maps "dp"/"sp" to the server's existing process groups; absent ones fall back to
     the default world. `layout` describes this rank for the runtime cache (TP coordinates, SP
     guards). A DiT built without weights whose plan cannot be consumed is a startup error.
+    With `offload.enabled=false` the DiTs stay resident (`_keep_resident`).
     """
     from dlo_runtime.backend import DistributedLayerwiseOffloadBackend
 
     settings = _validated(settings)
     torch_device = _device(device)
+    if not settings.offload.enabled:
+        return _keep_resident(target, settings, torch_device)
     placement = resolve_placement(settings, groups=groups)
     entry = wait_for_entry_file(entry_file)
     layout = layout or RuntimeLayout(tp_size=settings.parallel.tp, sp_size=settings.parallel.sp,
@@ -170,6 +181,25 @@ def enable(target: Any, *, device: str | torch.device | None = None,
         handle.close()
         raise
     return handle
+
+
+def _keep_resident(target: Any, settings: Settings, device: torch.device) -> OffloadHandle:
+    """Offload disabled: the DiTs move to `device` whole (unless the settings leave their
+    placement to the server's own CPU offload), no backend is built, and the handle's `close()`
+    has nothing to undo."""
+    dits = find_dits(target)
+    for _, dit in dits:
+        refuse_unbacked(dit)
+    offload = settings.offload
+    server_offloads = offload.model_cpu_offload or offload.layerwise_cpu_offload
+    if not server_offloads:
+        for _, dit in dits:
+            dit.to(device)
+    components = tuple(component for component, _ in dits)
+    logger.info("dlo: %s=false: %s %s, nothing streams", names_for(settings)("offload.enabled"),
+                ", ".join(components), "left to the server's CPU offload" if server_offloads
+                else f"resident on {device}")
+    return OffloadHandle(device, [], resident=components)
 
 
 def _validated(settings: Settings | None) -> Settings:

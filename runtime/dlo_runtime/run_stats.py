@@ -55,7 +55,12 @@ class OffloadStats:
     total: TransferStats
     streamed_blocks: int
     mode: str
-    """`rank-local` or `allgather`."""
+    """`rank-local` or `allgather`; `resident` for a DiT that nothing streams (`RESIDENT`)."""
+
+
+RESIDENT = OffloadStats(TransferStats(), TransferStats(), streamed_blocks=0, mode="resident")
+"""`stats()` of a DiT that `pod.enable` kept resident (`offload.enabled=false`): no hook counts
+its forwards, and it loads, copies and waits for nothing."""
 
 
 def load_bytes(layouts: Sequence[BlockLayout], source: object) -> tuple[list[int], list[int]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import gc
 import json
+import logging
 import threading
 from pathlib import Path
 
@@ -17,8 +18,9 @@ from torch import nn
 
 from dlo_bench.models import example_inputs
 from dlo_contract import names
-from dlo_runtime import pod
+from dlo_runtime import is_enabled, metrics, pod
 from dlo_runtime.host_weight_plan import BackingKind
+from dlo_runtime.run_stats import OffloadStats, TransferStats
 from dlo_runtime.tensors import OffloadError
 
 
@@ -80,6 +82,40 @@ def test_enabling_an_offloaded_dit_again_is_refused_and_the_handle_reports(
         assert 0.5 < handle.streamed_share < 1
     finally:
         handle.close()
+
+
+def test_offload_disabled_keeps_the_dit_resident_behind_a_handle_with_nothing_to_undo(
+        pod_files, flux: nn.Module, caplog: pytest.LogCaptureFixture) -> None:
+    """The documented server sequence (build_dit, enable, serve, close) runs unchanged when
+    `offload.enabled` is false: the DiT loads ordinarily, moves to the device whole, and the
+    handle's backing, stats, metrics and close work with nothing streamed."""
+    pod_files(**{"offload.enabled": False})
+    dit = pod.build_dit(FluxTransformer2DModel)
+    with caplog.at_level(logging.INFO, logger="dlo_runtime.pod"):
+        handle = pod.enable(dit, device="cpu")
+    try:
+        assert [r.getMessage() for r in caplog.records if r.name == "dlo_runtime.pod"] == [
+            "dlo: offload.enabled=false: transformer resident on cpu, nothing streams"]
+        assert not is_enabled(dit) and not dit._forward_hooks
+        assert torch.equal(offloaded_output(dit, flux), resident_output(flux))
+        assert handle.backing() is BackingKind.ORDINARY
+        assert (handle.slot_bytes, handle.streamed_share) == (0, 0.0)
+        assert handle.stats() == OffloadStats(TransferStats(), TransferStats(),
+                                              streamed_blocks=0, mode="resident")
+        series = {s.name: s.value for family in metrics.OffloadCollector(handle.stats).collect()
+                  for s in family.samples}
+        assert series["dlo_runtime_forwards_total"] == series["dlo_runtime_streamed_blocks"] == 0
+    finally:
+        handle.close()
+    handle.close()
+    assert torch.equal(offloaded_output(dit, flux), resident_output(flux))
+    moved = copy.deepcopy(flux)
+    pod.enable(moved, device="meta").close()  # the one device a CPU-only test can move it to
+    assert all(p.is_meta for p in moved.parameters())
+    pod_files(**{"offload.enabled": False, "offload.model_cpu_offload": True})
+    kept = copy.deepcopy(flux)
+    pod.enable(kept, device="meta").close()  # the server's CPU offload places it
+    assert not any(p.is_meta for p in kept.parameters())
 
 
 def test_runtime_cache_plan_matches_the_resident_model(pod_files, flux: nn.Module) -> None:
