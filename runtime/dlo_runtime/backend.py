@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from dlo_runtime.discovery import DiscoveredModel, ModuleDiscovery
 from dlo_runtime.execution_order import ExecutionOrder, OrderState, StepHooks
+from dlo_runtime.forward_gate import ForwardGate
 from dlo_runtime.hooks import BlockScheduler, DistributedLayerwiseOffloadHook
 from dlo_runtime.layout import BlockLayout, slot_sizes, views
 from dlo_runtime.misuse import MARK_ATTRIBUTE, OffloadMark, refuse_misuse
@@ -61,6 +62,7 @@ class DistributedLayerwiseOffloadBackend:
 
     In AllGather mode (a DLO group of G > 1 ranks) every rank must call `enable`, run the same
     forwards and call `disable` together: each of them issues collectives over `group`.
+    Forwards run one at a time (`dlo_runtime.forward_gate`).
     """
 
     def __init__(
@@ -109,6 +111,7 @@ class DistributedLayerwiseOffloadBackend:
         self._order: ExecutionOrder | None = None
         self._recorder: StatsRecorder | None = None
         self._step_hooks = StepHooks(self._step_end)
+        self._forward_gate = ForwardGate(type(self.dit).__name__)
         self.streamed_share = 0.0
         """Share of the DiT's weight bytes (parameters and persistent buffers) that streams
         through the slots, set by `enable`; the rest stays resident or comes in on demand."""
@@ -223,6 +226,8 @@ class DistributedLayerwiseOffloadBackend:
             stats=self._recorder,
         )
         self._step_hooks.attach(self.dit)
+        # After the step hook, so that the step end is recorded before the next forward enters.
+        self._forward_gate.attach(self.dit)
         self._hooks = []
         for position, block in enumerate(model.streamed):
             hook = DistributedLayerwiseOffloadHook(position, self._scheduler)
@@ -266,6 +271,7 @@ class DistributedLayerwiseOffloadBackend:
         for hook in self._hooks:
             hook.detach()
         self._step_hooks.detach()
+        self._forward_gate.detach()
         self._on_demand.detach()
         if restore:
             self._restore()

@@ -1,8 +1,9 @@
 """How DLO meets `torch.compile`: its hooks stay outside the compiled graphs.
 
-Owns the decorator that the per-block and on-demand hooks wear, and the unwrapping of a module
-that `torch.compile(module)` wrapped. Called by `dlo_runtime.hooks`, `dlo_runtime.on_demand` and
-`dlo_runtime.discovery`; it must not compile anything itself or change dynamo's configuration.
+Owns the decorator that the per-block, on-demand and forward-gate hooks wear, and the unwrapping
+of a module that `torch.compile(module)` wrapped. Called by `dlo_runtime.hooks`,
+`dlo_runtime.on_demand`, `dlo_runtime.forward_gate` and `dlo_runtime.discovery`; it must not
+compile anything itself or change dynamo's configuration.
 
 [Note: compiled graphs] A streamed block's weights change storage on every call: its pre-hook
 points them into a device slot, its post-hook back at an empty placeholder. Dynamo cannot trace

@@ -6,8 +6,9 @@ and its tensors repointed into it, and the transfer of the block that runs next 
 the last; see `dlo_runtime.execution_order`) is issued into the other slot, so that it overlaps
 block i's compute. After block i runs, its tensors are replaced by placeholders. Both hooks run
 eagerly inside compiled regions too (see [Note: compiled graphs] in `dlo_runtime.compiled`).
-Called by the model's own forward through the hooks; it must not allocate device memory, read
-settings or log above DEBUG.
+Called by the model's own forward through the hooks, one forward at a time (the scheduler's
+state belongs to the forward in flight; `dlo_runtime.forward_gate` admits the next one after it);
+it must not allocate device memory, read settings or log above DEBUG.
 
 [Note: collective order] In AllGather mode every load is a collective. Loads are issued only
 here and at `prime`, in the order the blocks run, so ranks that run the same forward issue the

@@ -1,0 +1,84 @@
+"""One forward of an offloaded DiT at a time.
+
+Owns `ForwardGate`, a pair of hooks on the DiT itself that the backend installs with the block
+hooks. The streamed blocks share one `BlockScheduler` (which slot holds which block, where every
+streamed tensor's `.data` points), so two forwards whose blocks interleave would release or
+overwrite each other's slots and compute with another block's weights, or with placeholders:
+- a forward from another thread waits until the one in flight has returned or raised (a
+  threaded server may send every request to one pipeline; they run one after the other);
+- a forward of the DiT from inside its own forward (a hook or callback that calls it again on
+  the same thread) is refused with `OffloadError`: waiting for itself would never end.
+Called by the backend (attach, detach); it must not touch slots, tensors or process groups.
+
+[Note: forward lock] The lock is taken by the DiT's first forward pre-hook and released by its
+forward hook registered with `always_call=True`, which torch calls when the forward returns and
+when anything in it raises, a pre-hook included: so a refused nested call reaches `_leave` too,
+on the thread that holds the lock, and must not release the outer forward's lock. In AllGather
+mode each rank serializes its own forwards; the lock adds no collective, and the ranks still
+issue their loads in the order their forwards run them (see [Note: collective order] in
+`dlo_runtime.hooks`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from dlo_runtime.compiled import outside_compiled_graphs
+from dlo_runtime.tensors import OffloadError
+
+
+class ForwardGate:
+    """Admits one forward of one offloaded DiT at a time; see the module docstring."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        """The DiT's class name, for messages."""
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        """Thread id of the forward holding the lock."""
+        self._refused = 0
+        """Nested calls refused on the owner's thread whose `_leave` has not run yet."""
+        self._handles: list[RemovableHandle] = []
+
+    def attach(self, dit: nn.Module) -> None:
+        """Install the hooks: the pre-hook before any other, the release after the DiT's other
+        forward hooks (the backend attaches its step hook first, so it runs under the lock)."""
+        self._handles = [
+            dit.register_forward_pre_hook(self._enter, prepend=True),
+            dit.register_forward_hook(self._leave, always_call=True),
+        ]
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @outside_compiled_graphs
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        here = threading.get_ident()
+        if self._owner == here:
+            self._refused += 1
+            raise OffloadError(
+                f"{self._name} was called from inside its own forward; DLO streams one forward "
+                "of a DiT at a time, and the nested one would take the device slots of the "
+                "blocks the outer one is running",
+                hint="call the DiT again after its forward has returned (forwards from other "
+                "threads wait for it; the same thread's cannot)",
+            )
+        # The scheduler's slots and the streamed tensors' storage belong to one forward.
+        self._lock.acquire()
+        self._owner = here
+
+    @outside_compiled_graphs
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._owner != threading.get_ident():
+            return  # refused before it took the lock; the lock is another forward's
+        if self._refused:
+            self._refused -= 1  # a nested call's refusal ends here (see [Note: forward lock])
+            return
+        self._owner = None
+        self._lock.release()
