@@ -260,7 +260,8 @@ class DistributedLayerwiseOffloadBackend:
         With `restore` every tensor gets its own storage back on the device it had before
         `enable` (the model runs resident again and can be enabled again); in AllGather mode
         that gathers every block once, so all ranks must call it. `restore=False` is for
-        shutdown: the streamed tensors stay empty placeholders.
+        shutdown: the streamed tensors stay empty placeholders (those of a block whose forward
+        raised get theirs back), so no slot stays allocated.
         """
         if not self.enabled:
             return
@@ -273,6 +274,9 @@ class DistributedLayerwiseOffloadBackend:
         self._step_hooks.detach()
         self._forward_gate.detach()
         self._on_demand.detach()
+        # A forward that raised inside a streamed block left its tensors in a slot; with their
+        # placeholders back, dropping the slots below frees them whatever `restore` says.
+        self._scheduler.release_in_use()
         if restore:
             self._restore()
             self._on_demand.restore()

@@ -98,6 +98,13 @@ class BlockScheduler:
         if slot is not None and slot.state is SlotState.IN_USE:
             self._release(slot)
 
+    def release_in_use(self) -> None:
+        """Release every slot still in use: a forward raised inside its block, before the
+        block's post-hook ran, so its tensors still point into the slot."""
+        for slot in self.slots.slots:
+            if slot.state is SlotState.IN_USE:
+                self._release(slot)
+
     def _release(self, slot: DeviceSlot) -> None:
         assert slot.block is not None
         # free: the next transfer into this slot waits until the kernels queued so far (this

@@ -3,6 +3,8 @@ resident model bit for bit, for the diffusers DiTs and for models that declare t
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -213,6 +215,28 @@ def test_disable_without_restore_leaves_placeholders() -> None:
     backend.disable(restore=False)
     assert all(p.numel() == 0 for p in model.blocks.parameters())
     assert all(not block._forward_hooks for block in model.blocks)
+
+
+def test_disable_without_restore_after_a_block_raised_frees_the_slots() -> None:
+    """A forward that raised inside block 1 left block 1's tensors in a slot; shutdown
+    (`OffloadHandle.close()`) still leaves only placeholders, so the slots are freed."""
+    model = tiny_model("wan")
+    inputs = example_inputs("wan", model)
+    backend = DistributedLayerwiseOffloadBackend(model, settings=RANK_LOCAL, device="cpu")
+    backend.enable()
+    slot_flats = [weakref.ref(flat) for slot in backend.slots.slots
+                  for flat in slot.flats.values()]
+
+    def fail(*_: Any) -> None:
+        raise RuntimeError("injected")
+
+    model.blocks[1].norm2.register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        forward(model, inputs)
+    backend.disable(restore=False)
+    gc.collect()
+    assert [name for name, p in model.blocks.named_parameters() if p.numel() > 0] == []
+    assert [ref() for ref in slot_flats] == [None] * len(slot_flats)
 
 
 def test_invalid_settings_fail_before_the_model_changes() -> None:
