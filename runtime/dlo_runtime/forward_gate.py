@@ -1,4 +1,4 @@
-"""One forward of an offloaded DiT at a time.
+"""Which forwards of an offloaded DiT run: one at a time, and none that needs a backward.
 
 Owns `ForwardGate`, a pair of hooks on the DiT itself that the backend installs with the block
 hooks. The streamed blocks share one `BlockScheduler` (which slot holds which block, where every
@@ -7,7 +7,12 @@ overwrite each other's slots and compute with another block's weights, or with p
 - a forward from another thread waits until the one in flight has returned or raised (a
   threaded server may send every request to one pipeline; they run one after the other);
 - a forward of the DiT from inside its own forward (a hook or callback that calls it again on
-  the same thread) is refused with `OffloadError`: waiting for itself would never end.
+  the same thread) is refused with `OffloadError`: waiting for itself would never end;
+- a forward with grad mode on whose inputs require grad (gradient-based guidance) is refused with
+  `OffloadError` before anything runs: DLO streams weights for inference only, and the post-hooks
+  point the weights autograd saved at empty placeholders, so its backward would fail with a
+  shape error far from the cause. Grad mode alone (no input requiring grad) is not refused:
+  diffusers pipelines may call the DiT that way, and no backward follows.
 Called by the backend (attach, detach); it must not touch slots, tensors or process groups.
 
 [Note: forward lock] The lock is taken by the DiT's first forward pre-hook and released by its
@@ -24,6 +29,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -48,7 +54,7 @@ class ForwardGate:
         """Install the hooks: the pre-hook before any other, the release after the DiT's other
         forward hooks (the backend attaches its step hook first, so it runs under the lock)."""
         self._handles = [
-            dit.register_forward_pre_hook(self._enter, prepend=True),
+            dit.register_forward_pre_hook(self._enter, prepend=True, with_kwargs=True),
             dit.register_forward_hook(self._leave, always_call=True),
         ]
 
@@ -58,7 +64,7 @@ class ForwardGate:
         self._handles = []
 
     @outside_compiled_graphs
-    def _enter(self, module: nn.Module, args: Any) -> None:
+    def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         here = threading.get_ident()
         if self._owner == here:
             self._refused += 1
@@ -69,6 +75,7 @@ class ForwardGate:
                 hint="call the DiT again after its forward has returned (forwards from other "
                 "threads wait for it; the same thread's cannot)",
             )
+        _refuse_backward(self._name, args, kwargs)
         # The scheduler's slots and the streamed tensors' storage belong to one forward.
         self._lock.acquire()
         self._owner = here
@@ -82,3 +89,31 @@ class ForwardGate:
             return
         self._owner = None
         self._lock.release()
+
+
+def _refuse_backward(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise `OffloadError` when grad mode is on and an input requires grad; see the module
+    docstring."""
+    if not torch.is_grad_enabled():
+        return
+    inputs = [(f"argument {i}", value) for i, value in enumerate(args)] + list(kwargs.items())
+    for where, value in inputs:
+        if any(tensor.requires_grad for tensor in _tensors(value)):
+            raise OffloadError(
+                f"{name} was called with grad enabled and its input {where} requires grad; DLO "
+                "streams weights for inference only (after each block they are empty "
+                "placeholders), so no backward through the DiT can run",
+                hint="run the forward under torch.no_grad() or torch.inference_mode(), or pass "
+                "detached inputs",
+            )
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in `value`, looking into tuples, lists and dicts (a call's nested inputs)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [tensor for item in value for tensor in _tensors(item)]
+    return []

@@ -1,5 +1,6 @@
 """Calls of one offloaded DiT: a forward from another thread waits for the one in flight, and
-both equal the resident model; a forward from inside the DiT's own forward is refused."""
+both equal the resident model; a forward from inside the DiT's own forward, and one that would
+need a backward, are refused."""
 
 from __future__ import annotations
 
@@ -106,3 +107,28 @@ def test_a_forward_from_inside_the_dits_own_forward_is_refused_and_the_outer_one
         assert str(caught.value) == NESTED
         hook.remove()
         assert torch.equal(forward(model, inputs), expected)
+
+
+def test_a_forward_that_would_need_a_backward_is_refused_and_grad_mode_alone_is_not() -> None:
+    """Gradient-based guidance takes d(output)/d(latents): refused before any block runs, naming
+    the input. Grad mode with no input requiring grad (as diffusers may call the DiT) runs."""
+    reference = tiny_model("wan")
+    inputs = example_inputs("wan", reference)
+    expected = forward(reference, inputs)
+    model = tiny_model("wan")
+    latents = inputs["hidden_states"].clone().requires_grad_(True)
+    with DistributedLayerwiseOffloadBackend(model, settings=RANK_LOCAL, device="cpu") as backend:
+        assert torch.is_grad_enabled()
+        assert torch.equal(model(**inputs)[0].detach(), expected)
+        with pytest.raises(OffloadError) as caught:
+            model(**inputs | {"hidden_states": latents})
+        assert str(caught.value) == (
+            "WanTransformer3DModel was called with grad enabled and its input hidden_states "
+            "requires grad; DLO streams weights for inference only (after each block they are "
+            "empty placeholders), so no backward through the DiT can run")
+        assert caught.value.hint == ("run the forward under torch.no_grad() or "
+                                     "torch.inference_mode(), or pass detached inputs")
+        with pytest.raises(OffloadError, match="its input argument 0 requires grad"):
+            model(latents, **{k: v for k, v in inputs.items() if k != "hidden_states"})
+        assert torch.equal(forward(model, inputs | {"hidden_states": latents}), expected)
+        assert backend.stats().total.forwards == 2
