@@ -125,7 +125,8 @@ class DistributedLayerwiseOffloadBackend:
         if self.enabled:
             raise OffloadError("DLO is already enabled on this model", hint="call disable() first")
         refuse_misuse(self.dit, host_plan=self.host_plan is not None)
-        model = self.discovery.discover(self.settings.offload.resident_layers)
+        model = self.discovery.discover(self.settings.offload.resident_layers,
+                                        names_for(self.settings))
         total_bytes = weight_bytes(self.dit)
         held_weights = any(not p.is_meta for p in self.dit.parameters())
         tensors = ModelTensors(model)

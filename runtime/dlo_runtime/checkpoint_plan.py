@@ -32,6 +32,7 @@ from dlo_runtime.host_weight_plan import (
 )
 from dlo_runtime.mapping import MappedEntry, StoredTensor, read_header
 from dlo_contract.settings import Settings
+from dlo_contract.validation import names_for
 
 logger = logging.getLogger(__name__)
 
@@ -48,19 +49,22 @@ class Preflight:
 
 
 def settings_reason(settings: Settings) -> str | None:
-    """Topology, quantization and runtime-cache reasons that rule out a checkpoint plan."""
+    """Topology, quantization and runtime-cache reasons that rule out a checkpoint plan, naming
+    the settings as the user wrote them."""
+    name = names_for(settings)
     if settings.parallel.tp > 1:
-        return (f"tensor parallelism is on (parallel.tp={settings.parallel.tp}); each rank "
-                "holds a slice, not the stored tensors")
+        return (f"tensor parallelism is on ({name('parallel.tp')}={settings.parallel.tp}); each "
+                "rank holds a slice, not the stored tensors")
     if settings.parallel.hsdp:
-        return "HSDP is on (parallel.hsdp=true); it owns parameter sharding"
+        return f"HSDP is on ({name('parallel.hsdp')}=true); it owns parameter sharding"
     if settings.quantization != "none":
-        return (f"online quantization is on (quantization={settings.quantization!r}); the "
-                "runtime tensors differ from the stored ones")
+        return (f"online quantization is on ({name('quantization')}={settings.quantization!r}); "
+                "the runtime tensors differ from the stored ones")
     offload = settings.offload
     if offload.runtime_cache_pin_limit_gib > 0 and not offload.use_allgather:
-        return (f"offload.runtime_cache_pin_limit_gib={offload.runtime_cache_pin_limit_gib:g} "
-                "selects the runtime cache, whose final tensors can be registered")
+        return (f"{name('offload.runtime_cache_pin_limit_gib')}="
+                f"{offload.runtime_cache_pin_limit_gib:g} selects the runtime cache, whose final "
+                "tensors can be registered")
     return None
 
 

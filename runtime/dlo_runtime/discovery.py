@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from dlo_contract.validation import Names, document_names
 from dlo_runtime.compiled import uncompiled
 from dlo_runtime.offload_plan import OffloadPlan, OffloadPlanError, plan_for
 
@@ -90,13 +91,16 @@ class ModuleDiscovery:
             )
         return found[0][1]
 
-    def discover(self, resident_layers: int = 0) -> DiscoveredModel:
-        """Blocks of the plan, the first `resident_layers` of them kept resident."""
+    def discover(self, resident_layers: int = 0,
+                 name: Names = document_names) -> DiscoveredModel:
+        """Blocks of the plan, the first `resident_layers` of them kept resident; errors name
+        the setting through `name` (`validation.names_for`: as the user wrote it)."""
         plan = plan_for(self.dit)
         blocks = self._blocks(plan)
+        field = name("offload.resident_layers")
         if resident_layers >= len(blocks):
             raise OffloadPlanError(
-                f"offload.resident_layers={resident_layers} leaves no block to stream: "
+                f"{field}={resident_layers} leaves no block to stream: "
                 f"{type(self.dit).__name__} has {len(blocks)} blocks; "
                 f"use at most {len(blocks) - 1}"
             )
@@ -104,9 +108,9 @@ class ModuleDiscovery:
         for block in blocks[:resident_layers]:
             if block.list_path not in eligible:
                 raise OffloadPlanError(
-                    f"offload.resident_layers={resident_layers} would keep {block.path} "
+                    f"{field}={resident_layers} would keep {block.path} "
                     f"resident, but the offload plan allows resident blocks only from "
-                    f"{', '.join(plan.resident_lists)}; lower offload.resident_layers"
+                    f"{', '.join(plan.resident_lists)}; lower {field}"
                 )
         return DiscoveredModel(
             dit=self.dit,

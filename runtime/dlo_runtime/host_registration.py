@@ -132,17 +132,20 @@ class LiveRegistration:
             ) from exc
 
 
-def register_plan(plan: HostWeightPlan, *, budget_bytes: int,
-                  backend: PlatformBackend) -> Outcome:
+def register_plan(plan: HostWeightPlan, *, budget_bytes: int, backend: PlatformBackend,
+                  budget_setting: str = "offload.runtime_cache_pin_limit_gib") -> Outcome:
     """Register every view of `plan` or none. On success the plan reports `sources_pinned`;
-    otherwise it keeps its staging path and `Outcome.reason` says why."""
+    otherwise it keeps its staging path and `Outcome.reason` says why (naming the budget's
+    setting as `budget_setting`, the way the user wrote it)."""
     views = plan.source_views()
     spans = [(b.file, views[b.name].data_ptr(), views[b.name].nbytes) for b in plan.bindings]
     ranges = plan_ranges(spans)
     total = sum(r.length for r in ranges)
     if total > budget_bytes:
         return _staged(total, 0, f"registration needs {total} bytes, more than the budget of "
-                                 f"{budget_bytes} bytes (offload.runtime_cache_pin_limit_gib)")
+                                 f"{budget_bytes} bytes ({budget_setting}); raise "
+                                 f"{budget_setting} to at least {-(-total // 2**30)} to register "
+                                 "it")
     reason = backend.unsupported_reason()
     if reason is not None:
         return _staged(total, 0, reason)

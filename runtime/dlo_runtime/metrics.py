@@ -7,7 +7,9 @@ by a protocol so this module stays torch-free: `OffloadHandle.stats`, `backend.s
 `lambda: handle.stats("transformer_2")` with `component="transformer_2"`): the totals since
 enable (forwards, blocks loaded, bytes copied host-to-device, bytes gathered, seconds compute
 waited for a slot) and the last complete forward. The record is read at scrape time, so nothing
-is counted twice and the hot path pays nothing. Must not import torch (the server may register it before loading).
+is counted twice and the hot path pays nothing. Once the handle is closed (a model swapped out,
+shutdown), `stats` raises `NoStatistics` and the collector reports nothing: the server's other
+metrics keep being scraped. Must not import torch (the server may register it before loading).
 """
 
 from __future__ import annotations
@@ -61,6 +63,11 @@ class StatsRecord(Protocol):
     streamed_blocks: int
 
 
+class NoStatistics(LookupError):
+    """What a `stats` callable raises once its source is gone (`OffloadHandle.close()`): the
+    collector then reports no series, where any other error would fail the whole scrape."""
+
+
 class OffloadCollector(Collector):
     """Calls `stats()` at each scrape; `component` labels every series."""
 
@@ -72,7 +79,10 @@ class OffloadCollector(Collector):
         return iter(())
 
     def collect(self) -> Iterator[Metric]:
-        record = self.stats()
+        try:
+            record = self.stats()
+        except NoStatistics:
+            return
         labels = [self.component]
         for name, field in _TOTALS.items():
             family = CounterMetricFamily(name, METRICS[f"{name}_total"][1], labels=["component"])

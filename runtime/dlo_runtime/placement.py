@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch.distributed as dist
 
 from dlo_contract.settings import Settings
-from dlo_contract.validation import select_group
+from dlo_contract.validation import names_for, select_group
 from dlo_runtime.tensors import OffloadError
 
 
@@ -45,6 +45,7 @@ def resolve_placement(settings: Settings, *, group: Any = None,
     """The placement the (validated) settings select, over `group`, else `groups[kind]`, else the
     default group when it is exactly the group the settings describe."""
     choice = select_group(settings)
+    name = names_for(settings)
     if group is None and groups and choice.kind != "none":
         group = groups.get(choice.kind)
     size = dist.get_world_size(group) if group is not None else 1
@@ -52,9 +53,10 @@ def resolve_placement(settings: Settings, *, group: Any = None,
         if group is not None and size > 1 and settings.offload.use_allgather:
             p = settings.parallel
             raise OffloadError(
-                f"the group passed has {size} ranks, but parallel.dp={p.dp} and "
-                f"parallel.sp={p.sp} select no DLO group",
-                hint="pass no group, or set parallel.dp (or parallel.sp) to the group size",
+                f"the group passed has {size} ranks, but {name('parallel.dp')}={p.dp} and "
+                f"{name('parallel.sp')}={p.sp} select no DLO group",
+                hint=f"pass no group, or set {name('parallel.dp')} (or {name('parallel.sp')}) "
+                     "to the group size",
             )
         return RANK_LOCAL
     if group is None:
@@ -63,14 +65,15 @@ def resolve_placement(settings: Settings, *, group: Any = None,
                 f"the settings select the existing {choice.kind.upper()} group of "
                 f"{choice.shard_size} ranks for DLO AllGather, but no group was passed and "
                 "the default group is not that group",
-                hint="pass the existing group as group=, or set offload.use_allgather=false",
+                hint=f"pass the existing group as group=, or set "
+                     f"{name('offload.use_allgather')}=false",
             )
         group = dist.group.WORLD
         size = dist.get_world_size()
     if size != choice.shard_size:
         raise OffloadError(
-            f"the group passed has {size} ranks, but parallel.{choice.kind}="
+            f"the group passed has {size} ranks, but {name(f'parallel.{choice.kind}')}="
             f"{choice.shard_size} selects a DLO group of {choice.shard_size}",
-            hint=f"pass the {choice.kind.upper()} group, or fix parallel.{choice.kind}",
+            hint=f"pass the {choice.kind.upper()} group, or fix {name(f'parallel.{choice.kind}')}",
         )
     return Placement(choice.kind, group, dist.get_rank(group), size)

@@ -35,6 +35,7 @@ from dlo_runtime import checkpoint_plan
 from dlo_contract.cache import open_entry
 from dlo_runtime import prefetch
 from dlo_runtime.discovery import find_dits
+from dlo_runtime.metrics import NoStatistics
 from dlo_runtime.entry_file import (  # noqa: F401 (re-exported: the pod API)
     DEFAULT_ENTRY_FILE,
     ENTRY_FILE_ENV,
@@ -94,6 +95,7 @@ class OffloadHandle:
         self.device = device
         self._offloaded = offloaded
         self._resident = resident
+        self._closed = False
 
     def backing(self, component: str = "transformer") -> BackingKind:
         """Host backing of one DiT (`ordinary` when it kept its loader tensors)."""
@@ -119,7 +121,12 @@ class OffloadHandle:
         return streamed / total if total else 0.0
 
     def stats(self, component: str = "transformer") -> OffloadStats:
-        """Run-time statistics of one DiT's backend (see `dlo_runtime.run_stats`)."""
+        """Run-time statistics of one DiT's backend (see `dlo_runtime.run_stats`); after
+        `close()`, `NoStatistics` (a collector registered with the server then reports nothing
+        instead of failing its scrapes)."""
+        if self._closed:
+            raise NoStatistics(f"the offload handle is closed: {component} has no statistics "
+                               "any more")
         for item in self._offloaded:
             if item.component == component:
                 return item.backend.stats()
@@ -130,6 +137,7 @@ class OffloadHandle:
     def close(self) -> None:
         """Shutdown order: synchronize device work, remove hooks, unregister host pages, close
         mappings. Process groups stay; the caller destroys them afterwards."""
+        self._closed = True
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # no copy may still read pages about to go
         while self._offloaded:
@@ -231,7 +239,8 @@ def _host_plan(component: str, dit: nn.Module, settings: Settings, entry: EntryR
         from dlo_runtime.cuda_registration import CudaRegistrationBackend
 
         register_plan(result.plan, budget_bytes=int(limit * GIB),
-                      backend=CudaRegistrationBackend(device.index or 0))
+                      backend=CudaRegistrationBackend(device.index or 0),
+                      budget_setting=names_for(settings)("offload.runtime_cache_pin_limit_gib"))
     return result.plan
 
 

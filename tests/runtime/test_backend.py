@@ -302,6 +302,26 @@ def test_too_many_resident_layers_are_refused_before_the_model_changes() -> None
     assert not backend.enabled and all(p.numel() > 0 for p in model.parameters())
 
 
+def test_settings_rendered_from_a_cr_are_named_as_the_cr_writes_them() -> None:
+    """The operator renders the settings from a DOD (`origin` names it): the runtime's own
+    errors name `spec.offload.residentLayers`, the field the user wrote, not the document's."""
+    from_cr = {"origin": "DiffusionOffloadDeployment default/wan"}
+    settings = offload_settings(use_allgather=False, resident_layers=3).model_copy(update=from_cr)
+    with pytest.raises(OffloadPlanError) as caught:
+        DistributedLayerwiseOffloadBackend(tiny_model("wan"), settings=settings,
+                                           device="cpu").enable()
+    assert str(caught.value).startswith("spec.offload.residentLayers=3 leaves no block to stream")
+    with pytest.raises(OffloadError) as caught:
+        DistributedLayerwiseOffloadBackend(
+            tiny_model("wan"), settings=offload_settings(dp=2).model_copy(update=from_cr),
+            device="cpu")
+    assert caught.value.hint.endswith("or set spec.offload.useAllgather=false")
+    from dlo_runtime.checkpoint_plan import settings_reason
+    reason = settings_reason(Settings.from_dict({"parallel": {"tp": 2}}).model_copy(
+        update=from_cr))
+    assert reason is not None and "(spec.parallel.tp=2)" in reason
+
+
 def test_resident_blocks_only_from_the_lists_the_plan_allows() -> None:
     settings = offload_settings(use_allgather=False, resident_layers=4)
     backend = DistributedLayerwiseOffloadBackend(

@@ -81,11 +81,13 @@ def test_registers_every_file_read_only_then_unregisters_before_unmapping(
 def test_over_budget_makes_no_platform_call_and_keeps_staging(
         flux_layout: Path, fake: FakeCudart) -> None:
     plan = mapped_plan(flux_layout, fake)
-    outcome = register_plan(plan, budget_bytes=PAGE, backend=backend(fake))
+    outcome = register_plan(plan, budget_bytes=PAGE, backend=backend(fake),
+                            budget_setting="spec.offload.runtimeCachePinLimitGiB")
     assert not outcome.registered
     assert outcome.reason == (
         f"registration needs {outcome.bytes} bytes, more than the budget of {PAGE} bytes "
-        "(offload.runtime_cache_pin_limit_gib)")
+        "(spec.offload.runtimeCachePinLimitGiB); raise spec.offload.runtimeCachePinLimitGiB to "
+        "at least 1 to register it")
     assert fake.calls == []
     assert not plan.sources_pinned
     plan.close()

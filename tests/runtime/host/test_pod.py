@@ -84,6 +84,25 @@ def test_enabling_an_offloaded_dit_again_is_refused_and_the_handle_reports(
         handle.close()
 
 
+def test_a_closed_handle_leaves_the_servers_other_metrics_scrapable(
+        pod_files, flux: nn.Module) -> None:
+    """A server registers the collector in its own registry; after `close()` (a model swapped
+    out, shutdown) its scrapes went on failing with the handle's KeyError, taking the server's
+    own metrics down with them. Now the collector reports nothing."""
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    registry = CollectorRegistry()
+    Counter("server_requests", "the server's own metric", registry=registry).inc()
+    handle = pod.enable(copy.deepcopy(flux), device="cpu")
+    registry.register(metrics.OffloadCollector(handle.stats))
+    assert b"dlo_runtime_forwards_total" in generate_latest(registry)
+    handle.close()
+    scraped = generate_latest(registry)
+    assert b"server_requests_total 1.0" in scraped and b"dlo_runtime_" not in scraped
+    with pytest.raises(metrics.NoStatistics, match="^the offload handle is closed: transformer "):
+        handle.stats()
+
+
 def test_offload_disabled_keeps_the_dit_resident_behind_a_handle_with_nothing_to_undo(
         pod_files, flux: nn.Module, caplog: pytest.LogCaptureFixture) -> None:
     """The documented server sequence (build_dit, enable, serve, close) runs unchanged when
