@@ -101,6 +101,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """`dlo cache fill`: its exit status. The rank prefix it puts on log lines goes again when
+    it returns (a process may call it more than once)."""
+    try:
+        return _fill_command(args)
+    finally:
+        _remove_log_filters()
+
+
+def _fill_command(args: argparse.Namespace) -> int:
     rank: int | None = None
     endpoint: Endpoint | None = None
     entry: EntryHandle | None = None
@@ -223,6 +232,12 @@ def _install_log_filters(rank: int, world_size: int) -> None:
     prefix = RankPrefixFilter(rank, world_size)
     for handler in logging.getLogger().handlers:
         handler.addFilter(prefix)
+
+
+def _remove_log_filters() -> None:
+    for handler in logging.getLogger().handlers:
+        for prefix in [f for f in handler.filters if isinstance(f, RankPrefixFilter)]:
+            handler.removeFilter(prefix)
 
 
 def _print_line(line: str) -> None:
