@@ -23,7 +23,7 @@ LOADER_BACKEND_MESSAGE = (
 
 def pod_problems(spec: DeploymentSpec) -> list[str]:
     found = (_gpu_limit(spec), _ranks(spec), _loader_memory(spec), _backend(spec),
-             _reserved_labels(spec), _volume_names(spec), _mounts(spec))
+             _reserved_labels(spec), _volume_names(spec), _mounts(spec), _ports(spec))
     return [problem for problem in found if problem]
 
 
@@ -103,6 +103,27 @@ def _mounts(spec: DeploymentSpec) -> str | None:
     names = ", ".join(map(repr, unknown))
     return (f"[volume-mounts-known] spec.inference.volumeMounts mounts {names}, which "
             "spec.volumes does not define; add the volume or remove the mount")
+
+
+def _ports(spec: DeploymentSpec) -> str | None:
+    """The pod's containers share one network namespace: a port the loader binds (its
+    rendezvous, its metrics) and the server's own ports must differ, or one of them fails to
+    start with "address already in use" and the pod crash-loops."""
+    taken: dict[int, list[str]] = {}
+    loader = spec.settings.loader
+    named = [("spec.loader.port", spec.loader.port),
+             ("spec.loader.metricsPort", loader.metrics_port)]
+    named += [(f"spec.inference.ports[{index}].containerPort", port.get("containerPort"))
+              for index, port in enumerate(spec.inference.ports)]
+    for field, port in named:
+        if isinstance(port, int) and port > 0:
+            taken.setdefault(port, []).append(field)
+    clashes = [(port, fields) for port, fields in taken.items() if len(fields) > 1]
+    if not clashes:
+        return None
+    port, fields = clashes[0]
+    return (f"[pod-ports-distinct] {' and '.join(fields)} are both {port}; the pod's containers "
+            "share one network, so one of them could not bind it: choose distinct ports")
 
 
 def _quantity(value: Any) -> Decimal | None:

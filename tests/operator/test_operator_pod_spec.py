@@ -123,6 +123,15 @@ def test_the_rendezvous_address_needs_no_cluster_domain() -> None:
     ({"inference": {"image": "s:1", "volumeMounts": [{"name": "x", "mountPath": "/x"}]}},
      "[volume-mounts-known] spec.inference.volumeMounts mounts 'x', which spec.volumes does "
      "not define; add the volume or remove the mount"),
+    ({"loader": {"port": 9400}},
+     "[pod-ports-distinct] spec.loader.port and spec.loader.metricsPort are both 9400; the "
+     "pod's containers share one network, so one of them could not bind it: choose distinct "
+     "ports"),
+    ({"inference": {"image": "s:1", "ports": [{"containerPort": 8000},
+                                              {"name": "m", "containerPort": 29500}]}},
+     "[pod-ports-distinct] spec.loader.port and spec.inference.ports[1].containerPort are both "
+     "29500; the pod's containers share one network, so one of them could not bind it: choose "
+     "distinct ports"),
     ({"volumes": [{"name": "x", "emptyDir": {}}], "inference": {
         "image": "s:1", "volumeMounts": [{"name": "x", "mountPath": "/var/lib/dlo"}]}},
      "spec.cache.hostPath='/var/lib/dlo/cache' overlaps the container mount path "
