@@ -41,7 +41,7 @@ class HostCpu:
         return {name: round(value, 3) for name, value in asdict(self).items()}
 
     def describe(self) -> str:
-        return (f"busy {self.busy:.0%}, idle {self.idle:.0%}, steal {self.steal:.0%}")
+        return f"busy {self.busy:.0%}, idle {self.idle:.0%}, steal {self.steal:.0%}"
 
 
 def read_times(stat: Path = _STAT) -> tuple[int, ...] | None:

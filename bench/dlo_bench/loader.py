@@ -157,17 +157,20 @@ class _Meter:
         self.seconds = 0.0
         self.cpu: dict[str, float] = {}
         self.host: hostcpu.HostCpu | None = None
-        self._started: tuple[float, dict[str, float], tuple[int, ...] | None] = (0.0, {}, None)
+        self._host = hostcpu.HostCpuMeter()
+        self._started: tuple[float, dict[str, float]] = (0.0, {})
 
     def __enter__(self) -> _Meter:
-        self._started = (time.perf_counter(), self._cpu_now(), hostcpu.read_times())
+        self._started = (time.perf_counter(), self._cpu_now())
+        self._host.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        began, before, host_before = self._started
+        began, before = self._started
         self.seconds = time.perf_counter() - began
         after = self._cpu_now()
-        self.host = hostcpu.between(host_before, hostcpu.read_times())
+        self._host.__exit__(*exc)
+        self.host = self._host.result
         self.cpu = {side: round(after[side] - before[side], 4) for side in after}
 
     def _cpu_now(self) -> dict[str, float]:

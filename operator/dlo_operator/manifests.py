@@ -4,8 +4,7 @@ The settings ConfigMap, the fill-group document and the Service come before the 
 that its pods never start without their settings, their group or their DNS names. On create the
 group holds every pod: the first fill is one cooperative group. The inference Service and the
 PodDisruptionBudget, where the spec asks for them, follow. Pure; called by `rollout`,
-`prefill_stage`, `reconcile`
-(the names of the optional children it looks for) and `dlo render`.
+`prefill_stage`, `reconcile` (the names of the optional children it looks for) and `dlo render`.
 """
 
 from __future__ import annotations

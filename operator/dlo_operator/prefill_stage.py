@@ -152,7 +152,6 @@ def serving_nodes(pods: Sequence[Mapping[str, Any]]) -> list[str]:
                    and not (p.get("metadata") or {}).get("deletionTimestamp")})
 
 
-
 SUMMARY_GRACE_S = 60.0
 """How long after a prefill Job completed the operator waits for its pods' summaries before it
 records the prefill without them (pods removed by the pod garbage collector never report)."""

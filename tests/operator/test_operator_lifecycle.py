@@ -196,14 +196,7 @@ async def test_model_change_prefills_while_old_pods_serve_then_restarts_cached(
 
 async def test_failed_prefill_keeps_old_pods_reports_and_retries(
         cluster: ClusterEmulator, standin: KubeStandIn) -> None:
-    first = await create(cluster, standin)
-    old = uids(standin, "flux-0", "flux-1")
-    standin.failing[V2] = "s3://models/flux-v2/ not readable: 403 AccessDenied"
-
-    await patch_spec(cluster, {"model": {"source": V2}})
-
-    failed = await eventually(lambda: (_status(cluster).get("prefill") or {}).get(
-        "state") == "Failed" and _status(cluster), timeout=TIMEOUT)
+    first, old, failed = await _fail_a_prefill(cluster, standin)
     kubectl_get_dod(cluster, "prefill failed")
     await eventually(lambda: any(e["reason"] == "PrefillFailed" for e in events(cluster)),
                      timeout=TIMEOUT)
@@ -263,12 +256,7 @@ async def test_a_prefill_pod_that_cannot_be_scheduled_is_reported_once_while_old
 
 async def test_reverting_the_model_after_a_failed_prefill_supersedes_it(
         cluster: ClusterEmulator, standin: KubeStandIn) -> None:
-    first = await create(cluster, standin)
-    old = uids(standin, "flux-0", "flux-1")
-    standin.failing[V2] = "s3://models/flux-v2/ not readable: 403 AccessDenied"
-    await patch_spec(cluster, {"model": {"source": V2}})
-    failed = await eventually(lambda: (_status(cluster).get("prefill") or {}).get(
-        "state") == "Failed" and _status(cluster), timeout=TIMEOUT)
+    first, old, failed = await _fail_a_prefill(cluster, standin)
 
     await patch_spec(cluster, {"model": {"source": V1}})
 
@@ -411,3 +399,16 @@ def _sts_writes(cluster: ClusterEmulator) -> int:
 def _sts_reads(cluster: ClusterEmulator) -> list[Any]:
     return [r for r in list(cluster) if r.resource is not None and r.method == "GET"
             and r.resource.plural == "statefulsets"]
+
+
+async def _fail_a_prefill(cluster: ClusterEmulator, standin: KubeStandIn
+                          ) -> tuple[dict[str, Any], Any, dict[str, Any]]:
+    """A serving DOD whose model change to V2 fails its prefill (the store refuses V2): the
+    first status, the serving pods' uids, and the status once the prefill failed."""
+    first = await create(cluster, standin)
+    old = uids(standin, "flux-0", "flux-1")
+    standin.failing[V2] = "s3://models/flux-v2/ not readable: 403 AccessDenied"
+    await patch_spec(cluster, {"model": {"source": V2}})
+    failed = await eventually(lambda: (_status(cluster).get("prefill") or {}).get(
+        "state") == "Failed" and _status(cluster), timeout=TIMEOUT)
+    return first, old, failed
