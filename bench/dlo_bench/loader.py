@@ -144,7 +144,8 @@ def measure(args: argparse.Namespace, server: S3Server, work: Path) -> dict[str,
         "stage_seconds_note": "per fill, thread-seconds summed over the loader's threads: GET "
                               f"({args.readers} readers at once, each hashing what it reads), "
                               "digest (the CRC of chunks received from peers), write (positioned, "
-                              "O_DIRECT, on a writer beside each reader), exchange (none alone)",
+                              "O_DIRECT; alone, by each reader once its piece is in), exchange "
+                              "(none alone)",
     }
 
 

@@ -143,8 +143,8 @@ class LoaderConfig(Section):
         description="Upper bound on in-flight chunk buffers (fetch plus exchange) per loader "
         "(bytes); with N loaders it must hold 2N + 1 chunks, and 3N + 4 to keep two exchange "
         "rounds in flight (each chunk with one 4 KiB page more, for its round state). A loader "
-        "reading alone holds no chunk buffer: it streams to disk through two "
-        f"{STREAM_PIECE_BYTES // MIB} MiB pieces per reader.")
+        "reading alone holds no chunk buffer: it streams to disk through one "
+        f"{STREAM_PIECE_BYTES // MIB} MiB piece per reader.")
     backend: DistBackend = setting(
         "gloo", crd="loader.backend",
         description="torch.distributed backend of the peer exchange; a DOD's loader is a "

@@ -54,7 +54,7 @@ for before it opens a chunk and the writer returns once the chunk is on disk (an
 A budget too small for two rounds in flight (3N + 4 slots: two chunks sent, two read ahead)
 runs one at a time (at least 2N + 1 slots). Readers open chunks in plan order, so the chunk
 the main thread waits for always holds a buffer or is done: no deadlock. Alone, no chunk buffer
-exists: each reader streams through two `stream.PIECE_BYTES` pieces.
+exists: each reader streams through one `stream.PIECE_BYTES` piece.
 
 [Note: reading before the group] The plan is a pure function of the listing and the settings, so a
 rank that will join a group builds it and starts reading its own chunks at once, then joins: the

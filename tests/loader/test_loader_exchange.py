@@ -72,11 +72,11 @@ def test_a_fallback_writes_the_chunks_read_for_the_group_and_reads_only_the_rest
                        for c in alone_plan.chunks]
 
 
-def test_alone_chunks_stream_to_disk_through_two_piece_buffers_per_reader(
+def test_alone_chunks_stream_to_disk_through_one_piece_buffer_per_reader(
         tmp_path: Path, monkeypatch) -> None:
     """Alone, no chunk is held whole: a buffer per chunk in flight (and per chunk queued for a
-    slow disk) is fresh memory the kernel zeroes first. Each reader keeps one buffer of two
-    pieces (one read into while the other is written)."""
+    slow disk) is fresh memory the kernel zeroes first. Each reader keeps one piece's buffer,
+    read into again once the piece is written."""
     from dlo_loader import fetch, sink as sink_module, stream
 
     made = []
@@ -108,48 +108,48 @@ def test_alone_chunks_stream_to_disk_through_two_piece_buffers_per_reader(
     assert (tmp_path / "big.bin").read_bytes() == expected
     assert digests == [chunk_digest(expected[c.offset:c.offset + c.length], ALGORITHM)
                        for c in plan.chunks]
-    assert made == [8 * KIB, 8 * KIB]  # two pieces per reader, no chunk buffer
+    assert made == [4 * KIB, 4 * KIB]  # one piece per reader, no chunk buffer
 
 
-def test_alone_a_reader_receives_its_next_piece_while_the_last_is_written(
+def test_alone_a_piece_is_on_disk_before_its_buffer_is_read_into_again(
         tmp_path: Path, monkeypatch) -> None:
-    """A reader's writes go beside its reads: the first piece's write is still running when the
-    second piece's read begins (a reader that wrote its own pieces would start that read only
-    after the write, and leave its connection idle meanwhile)."""
+    """A reader has one piece's buffer: the next piece's read must not begin while the last
+    piece's write still reads that buffer (the write would put the next piece's bytes on disk
+    at the last one's offset). A slow first write shows it: the disk holds every piece."""
     from dlo_loader import sink as sink_module, stream
 
     monkeypatch.setattr(stream, "PIECE_BYTES", 4 * KIB)
-    second_read = threading.Event()
-    seen_during_first_write: list[bool] = []
+    writing = threading.Event()
+    read_during_a_write: list[int] = []
     original_write = sink_module.FileSink.write_at
 
-    def first_write_waits(self, file, offset, data):
-        if offset == 0:
-            seen_during_first_write.append(second_read.wait(timeout=5))
+    def slow_write(self, file, offset, data):
+        writing.set()
+        time.sleep(0.05 if offset == 0 else 0)
         original_write(self, file, offset, data)
+        writing.clear()
 
     def read(file: int, offset: int, into: memoryview) -> int:
-        if offset == 4 * KIB:
-            second_read.set()
+        if writing.is_set():
+            read_during_a_write.append(offset)
         into[:] = bytes([offset // KIB]) * len(into)
         return extend(0, into, ALGORITHM)
 
-    monkeypatch.setattr(sink_module.FileSink, "write_at", first_write_waits)
+    monkeypatch.setattr(sink_module.FileSink, "write_at", slow_write)
     one = [ObjectIdentity("one.bin", 16 * KIB, "e")]
     plan = build_plan(one, mode="independent", world_size=1, chunk_bytes=16 * KIB)  # 1 reader
 
     digests = exchange(plan, read, tmp_path, grouped=False).run()
 
     expected = b"".join(bytes([n]) * 4 * KIB for n in range(0, 16, 4))
-    assert seen_during_first_write == [True]
+    assert read_during_a_write == []
     assert (tmp_path / "one.bin").read_bytes() == expected
     assert digests == [chunk_digest(expected, ALGORITHM)]
 
 
-def test_alone_a_failed_write_beside_the_reads_fails_the_exchange(
-        tmp_path: Path, monkeypatch) -> None:
-    """A write runs on the reader's writer thread; its error (a full disk) still ends the fill,
-    raised as itself, and the reader stops reading soon after."""
+def test_alone_a_failed_write_fails_the_exchange(tmp_path: Path, monkeypatch) -> None:
+    """A write runs on the reader's thread, between its reads; its error (a full disk) ends
+    the fill, raised as itself, and the reader reads nothing more."""
     import errno
 
     from dlo_loader import sink as sink_module, stream
@@ -173,4 +173,4 @@ def test_alone_a_failed_write_beside_the_reads_fails_the_exchange(
         assert exc.errno == errno.ENOSPC
     else:
         raise AssertionError("the exchange succeeded with a full disk")
-    assert len(reader.spans) <= 4  # the third piece's failure seen at the fourth's delivery
+    assert len(reader.spans) == 3  # the third piece's write failed: no fourth read
