@@ -10,8 +10,9 @@ fixed cost:
 
     store      M / (N * R)                 every byte crosses some node's store path once
     requests   (M / part) / GET_RATE       S3 serves GET_RATE GETs per second per prefix
-    exchange   current (broadcast from one root per chunk): (N - 1) * M / P
-               ring (every link busy every step):            (N - 1) / N * M / P
+    exchange   broadcast (from one root per chunk, the first design): (N - 1) * M / P
+               all-gather (each rank's chunk to every other rank,
+               what the loader does; a ring moves the same bytes):   (N - 1) / N * M / P
     nic        M / NIC                     every node takes in the whole model (store + peers)
 
 Shown beside them, not in the maximum: `local`, M over the node-local rate this machine measured
@@ -82,7 +83,7 @@ def terms(nodes: int, exchange: str, a: dict[str, Any], m: dict[str, float]) -> 
     peer = a["peer_gbit"] * GB / 8 * m["peer_link_efficiency"]
     nic = a["nic_gbit"] * GB / 8 * m["peer_link_efficiency"]
     gets = size / a["part_bytes"]
-    share = (nodes - 1) / nodes if exchange == "ring" else (nodes - 1)
+    share = (nodes - 1) / nodes if exchange == "all_gather" else (nodes - 1)
     return {
         "store": size / (nodes * store),
         "requests": gets / a["get_rate_per_prefix"],
@@ -93,7 +94,7 @@ def terms(nodes: int, exchange: str, a: dict[str, Any], m: dict[str, float]) -> 
 
 def row(nodes: int, a: dict[str, Any], m: dict[str, float]) -> dict[str, Any]:
     out: dict[str, Any] = {"nodes": nodes}
-    for exchange in ("current", "ring"):
+    for exchange in ("broadcast", "all_gather"):
         floors = terms(nodes, exchange, a, m)
         binding = max(floors, key=floors.get)
         out[f"{exchange}_s"] = round(floors[binding] + m["fixed_seconds"], 1)
@@ -109,11 +110,11 @@ def row(nodes: int, a: dict[str, Any], m: dict[str, float]) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| nodes | current exchange | ring exchange | independent | node-local floor |",
+    lines = ["| nodes | broadcast exchange | all-gather exchange | independent | node-local floor |",
              "|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['nodes']} | {r['current_s']} s ({r['current_bound_by']}) | "
-                     f"{r['ring_s']} s ({r['ring_bound_by']}) | "
+        lines.append(f"| {r['nodes']} | {r['broadcast_s']} s ({r['broadcast_bound_by']}) | "
+                     f"{r['all_gather_s']} s ({r['all_gather_bound_by']}) | "
                      f"{r['independent_s']} s ({r['independent_bound_by']}) | "
                      f"{r['local_s']} s |")
     return "\n".join(lines)

@@ -11,18 +11,18 @@ MEASURED = {"store_link_efficiency": 1.0, "peer_link_efficiency": 1.0, "fixed_se
             "fixed_seconds_at_nodes": 8, "local_bytes_per_s": 10e9}
 
 
-def test_ring_exchange_is_flat_in_n_and_the_broadcast_grows_with_it() -> None:
+def test_all_gather_exchange_is_flat_in_n_and_the_broadcast_grows_with_it() -> None:
     a = scale_model.ASSUMPTIONS
-    ring = [scale_model.terms(n, "ring", a, MEASURED)["exchange"] for n in (16, 256)]
-    current = [scale_model.terms(n, "current", a, MEASURED)["exchange"] for n in (16, 256)]
-    assert ring[1] < 1.07 * ring[0]  # (N-1)/N of the model at any N
-    assert current[1] / current[0] == 255 / 15  # (N-1) copies on the busiest link
+    gather = [scale_model.terms(n, "all_gather", a, MEASURED)["exchange"] for n in (16, 256)]
+    broadcast = [scale_model.terms(n, "broadcast", a, MEASURED)["exchange"] for n in (16, 256)]
+    assert gather[1] < 1.07 * gather[0]  # (N-1)/N of the model at any N
+    assert broadcast[1] / broadcast[0] == 255 / 15  # (N-1) copies on the busiest link
 
 
 def test_independent_mode_hits_the_request_rate_at_256_nodes() -> None:
     row = scale_model.row(256, scale_model.ASSUMPTIONS, MEASURED)
     assert row["independent_bound_by"] == "requests"
-    assert row["ring_bound_by"] == "nic" and row["current_bound_by"] == "exchange"
+    assert row["all_gather_bound_by"] == "nic" and row["broadcast_bound_by"] == "exchange"
 
 
 def test_table_is_written_from_the_benchmarks_results(tmp_path: Path) -> None:
@@ -37,4 +37,4 @@ def test_table_is_written_from_the_benchmarks_results(tmp_path: Path) -> None:
     assert report["measured"]["fixed_seconds"] == 1.0
     assert report["measured"]["local_bytes_per_s"] == 3e9  # the disk: digests ran at 4 GB/s
     assert [r["nodes"] for r in report["rows"]] == list(scale_model.NODES)
-    assert (tmp_path / "scale.md").read_text().startswith("| nodes | current exchange |")
+    assert (tmp_path / "scale.md").read_text().startswith("| nodes | broadcast exchange |")
