@@ -23,7 +23,8 @@ LOADER_BACKEND_MESSAGE = (
 
 def pod_problems(spec: DeploymentSpec) -> list[str]:
     found = (_gpu_limit(spec), _ranks(spec), _loader_memory(spec), _backend(spec),
-             _reserved_labels(spec), _volume_names(spec), _mounts(spec), _ports(spec))
+             _reserved_labels(spec), _volume_names(spec), _mounts(spec), _inference_ports(spec),
+             _ports(spec))
     return [problem for problem in found if problem]
 
 
@@ -103,6 +104,42 @@ def _mounts(spec: DeploymentSpec) -> str | None:
     names = ", ".join(map(repr, unknown))
     return (f"[volume-mounts-known] spec.inference.volumeMounts mounts {names}, which "
             "spec.volumes does not define; add the volume or remove the mount")
+
+
+_PORT_NAME = re.compile(r"^(?=.*[a-z])(?!.*--)[a-z0-9](?:[a-z0-9-]*[a-z0-9])?$")
+"""A container port's name as the API server takes it (IANA service name): lowercase letters,
+digits and '-', at least one letter, no '-' at either end, no '--'; at most 15 characters."""
+_PROTOCOLS = ("TCP", "UDP", "SCTP")
+
+
+def _inference_ports(spec: DeploymentSpec) -> str | None:
+    """Each `spec.inference.ports` item becomes a container port of the StatefulSet's template
+    and a port of the inference Service. One the API server refuses (no number, a name it does
+    not take, a name used twice) would fail the StatefulSet's every apply and leave the DOD
+    without pods; it is refused here, naming the item."""
+    named: dict[str, str] = {}
+    for index, port in enumerate(spec.inference.ports):
+        field = f"spec.inference.ports[{index}]"
+        number = port.get("containerPort")
+        if isinstance(number, bool) or not isinstance(number, int) or not 0 < number < 65536:
+            return (f"[inference-ports-valid] {field}.containerPort={number!r} is not a port "
+                    "number; set an integer from 1 to 65535")
+        name = port.get("name")
+        if name is not None and (not isinstance(name, str) or len(name) > 15
+                                 or not _PORT_NAME.match(name)):
+            return (f"[inference-ports-valid] {field}.name={name!r} is not a port name; use at "
+                    "most 15 lowercase letters, digits and '-', with a letter, no '-' at either "
+                    "end and no '--'")
+        if name is not None and name in named:
+            return (f"[inference-ports-valid] {field}.name={name!r} is also {named[name]}.name; "
+                    "give each port its own name")
+        if name is not None:
+            named[name] = field
+        protocol = port.get("protocol", "TCP")
+        if protocol not in _PROTOCOLS:
+            return (f"[inference-ports-valid] {field}.protocol={protocol!r} is not one of "
+                    f"{', '.join(_PROTOCOLS)}; use one of them")
+    return None
 
 
 def _ports(spec: DeploymentSpec) -> str | None:

@@ -132,6 +132,28 @@ def test_the_rendezvous_address_needs_no_cluster_domain() -> None:
      "[pod-ports-distinct] spec.loader.port and spec.inference.ports[1].containerPort are both "
      "29500; the pod's containers share one network, so one of them could not bind it: choose "
      "distinct ports"),
+    ({"inference": {"image": "s:1", "ports": [{"name": "http"}]}},
+     "[inference-ports-valid] spec.inference.ports[0].containerPort=None is not a port number; "
+     "set an integer from 1 to 65535"),
+    ({"inference": {"image": "s:1", "ports": [{"containerPort": "8000"}]}},
+     "[inference-ports-valid] spec.inference.ports[0].containerPort='8000' is not a port "
+     "number; set an integer from 1 to 65535"),
+    ({"inference": {"image": "s:1", "ports": [{"containerPort": 8000},
+                                              {"name": "inference-metrics", "containerPort": 9000}]}},
+     "[inference-ports-valid] spec.inference.ports[1].name='inference-metrics' is not a port "
+     "name; use at most 15 lowercase letters, digits and '-', with a letter, no '-' at either "
+     "end and no '--'"),
+    ({"inference": {"image": "s:1", "ports": [{"name": "HTTP", "containerPort": 8000}]}},
+     "[inference-ports-valid] spec.inference.ports[0].name='HTTP' is not a port name; use at "
+     "most 15 lowercase letters, digits and '-', with a letter, no '-' at either end and no "
+     "'--'"),
+    ({"inference": {"image": "s:1", "ports": [{"name": "http", "containerPort": 8000},
+                                              {"name": "http", "containerPort": 8001}]}},
+     "[inference-ports-valid] spec.inference.ports[1].name='http' is also "
+     "spec.inference.ports[0].name; give each port its own name"),
+    ({"inference": {"image": "s:1", "ports": [{"containerPort": 8000, "protocol": "tcp"}]}},
+     "[inference-ports-valid] spec.inference.ports[0].protocol='tcp' is not one of TCP, UDP, "
+     "SCTP; use one of them"),
     ({"volumes": [{"name": "x", "emptyDir": {}}], "inference": {
         "image": "s:1", "volumeMounts": [{"name": "x", "mountPath": "/var/lib/dlo"}]}},
      "spec.cache.hostPath='/var/lib/dlo/cache' overlaps the container mount path "
