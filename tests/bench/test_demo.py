@@ -107,12 +107,14 @@ def test_a_failed_step_stops_every_process_and_exits_non_zero(tmp_path: Path) ->
 def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     tmpdir = tmp_path / "tmp"
     # a session of its own stands for the terminal: Ctrl-C signals the whole foreground group
-    demo = subprocess.Popen(demo_command(), env=demo_env(tmpdir), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "demo.err"  # what the demo said, for a run that ends otherwise
+    with log.open("wb") as err:
+        demo = subprocess.Popen(demo_command(), env=demo_env(tmpdir), start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=err)
     try:
         wait_for(lambda: loader_running(tmpdir), 120)
         os.killpg(demo.pid, signal.SIGINT)
-        assert demo.wait(timeout=60) == 130
+        assert demo.wait(timeout=60) == 130, log.read_text(errors="replace")[-3000:]
     finally:
         if demo.poll() is None:
             demo.kill()
