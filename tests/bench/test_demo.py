@@ -109,8 +109,12 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     # a session of its own stands for the terminal: Ctrl-C signals the whole foreground group
     log = tmp_path / "demo.err"  # what the demo said, for a run that ends otherwise
     with log.open("wb") as err:
+        # Ctrl-C's default action, as a terminal's foreground job has it: a suite started in
+        # the background by a shell without job control inherits SIGINT ignored, and so would
+        # the demo, while its S3 server (which sets its own handler) still died of it.
         demo = subprocess.Popen(demo_command(), env=demo_env(tmpdir), start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=err)
+                                stdout=subprocess.DEVNULL, stderr=err,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         wait_for(lambda: loader_running(tmpdir), 120)
         os.killpg(demo.pid, signal.SIGINT)
