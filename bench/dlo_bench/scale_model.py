@@ -110,7 +110,8 @@ def row(nodes: int, a: dict[str, Any], m: dict[str, float]) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| nodes | broadcast exchange | all-gather exchange | independent | node-local floor |",
+    lines = ["| nodes | broadcast exchange | all-gather exchange | independent "
+             "| node-local floor |",
              "|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['nodes']} | {r['broadcast_s']} s ({r['broadcast_bound_by']}) | "

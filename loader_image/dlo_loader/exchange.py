@@ -6,8 +6,8 @@ store to its place on disk (see [Note: streaming alone] in `stream`). With a gro
 `fetch.Fetcher` reads this rank's chunks into chunk buffers (many ranged GETs at once, in the
 shape `schedule.fetch_shape` gives) and hashes each, the main thread walks the plan's rounds
 (each rank's chunk and its state go to every other rank: see [Note: rounds], [Note: round
-state]), and
-a few writer threads write every chunk at its offset (hashing the ones received from peers).
+state]), and a few writer threads write every chunk at its offset (hashing the ones received
+from peers).
 Called by `fill`. Must not decide policy (modes, fallback, publication) or touch the object store
 directly (it gets `read` and `stream` callables).
 
@@ -40,8 +40,9 @@ the buffer goes back to the pool when the last of its chunks is written.
 [Note: rounds in flight] Up to `ROUNDS_IN_FLIGHT` rounds are posted before the oldest is waited
 for: while round `k`'s chunks are on the wire, this rank waits for its chunk of round `k + 1`
 and posts it, so one round's transfers fill the pauses of the other's (a round ends with its
-slowest transfer, and a rank's chunk of the next round is ready before the links are free). Rounds are settled in order and every rank sees the same states, so all ranks
-take the same path: when any rank was late, every round in flight is settled first (a complete
+slowest transfer, and a rank's chunk of the next round is ready before the links are free).
+Rounds are settled in order and every rank sees the same states, so all ranks take the same
+path: when any rank was late, every round in flight is settled first (a complete
 one is delivered), then the late ones run again after the status exchanges.
 
 [Note: memory bound] `memory_limit_bytes // slot` buffers exist at most (a slot: a chunk and the

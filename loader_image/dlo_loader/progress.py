@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterator
 DEFAULT_INTERVAL_S = 5.0
 STAGES = ("get", "digest", "write", "exchange")
 """Where a fill's time goes: ranged GETs (summed over reader threads), chunk digests, local
-writes (summed over the threads that write) and the peer exchange (the main thread's collectives)."""
+writes (summed over the threads that write) and the peer exchange (the main thread's
+collectives)."""
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 

@@ -16,12 +16,10 @@ reader writes each piece itself (direct I/O where the filesystem allows, see `si
 receives the next: while it writes, the kernel goes on receiving into the connection's socket
 buffer, so the connection does not pause for a write that takes far less time than the buffer
 holds. A writer thread beside each reader (two pieces in turn, the next received while the
-last was written) cost more than it saved, the hand-offs between twice the threads: in three
-interleaved runs of 5-6 fills of 1 GiB with 16 readers, the fill took 1.37 s against 1.38 s,
-1.56 s against 1.89 s (a busier host) and, with the store's server held to a core of its own
-so that the loader's CPU bounds the fill, 1.25 s against 1.53 s, for 0.86-1.00 instead of
-0.99-1.16 CPU-seconds per GiB in the loader. A retry asks only for the bytes not delivered yet
-(`source.ObjectStore.stream`).
+last was written) cost more than it saved, the hand-offs between twice the threads: `dlo bench
+loader` measured 0.90-1.04 CPU-seconds per GiB in the loader with it and 0.82-0.89 without
+(three runs each, same host, same hour), and the fill was no slower. A retry asks only for the
+bytes not delivered yet (`source.ObjectStore.stream`).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ with a deadline (the store barrier waits for all N, so a late loader is found ou
 collective starts); past it, `RendezvousTimeout`, and the caller applies its fallback policy.
 `Group` offers what the exchange needs: a status exchange (who failed, who is ready; polled only
 while a rank is late for a round), an all-gather of one chunk per rank (point-to-point sends
-straight into the receiver's slots), and an all-gather of small objects (plan fingerprints, chunk digest lists). Collectives use a short
-timeout; a peer that dies closes its sockets, which fails the others' next collective at once.
+straight into the receiver's slots), and an all-gather of small objects (plan fingerprints,
+chunk digest lists). Collectives use a short timeout; a peer that dies closes its sockets, which fails the others' next collective at once.
 Backend `gloo` works on CPU buffers; `nccl` stages each chunk through the current CUDA device.
 Called by `fill` and `exchange`. Must not read the object store or write the cache.
 """

@@ -23,7 +23,7 @@ from kubernetes.client.exceptions import ApiException
 
 from dlo_operator import metrics
 from dlo_operator.errors import KubeError, KubeTransientError
-from dlo_operator.naming import FIELD_MANAGER, GROUP, PLURAL, VERSION
+from dlo_operator.naming import FIELD_MANAGER, GROUP, PLURAL, VERSION, labels_of
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +102,7 @@ class KubeClient:
         found = self._call(f"{kind}s in {namespace}", self._verbs(kind)["list"], namespace,
                            label_selector=selector) or {}
         return [item for item in found.get("items") or ()
-                if all(((item.get("metadata") or {}).get("labels") or {}).get(k) == v
-                       for k, v in labels.items())]
+                if all(labels_of(item).get(k) == v for k, v in labels.items())]
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
         """Delete one child and (background propagation) what it owns; gone already is fine."""

@@ -161,6 +161,11 @@ def child_metadata(owner: Owner, name: str, **labels: str) -> dict[str, Any]:
     return meta
 
 
+def labels_of(obj: Mapping[str, Any]) -> Mapping[str, str]:
+    """An object's labels ({} when it has none)."""
+    return (obj.get("metadata") or {}).get("labels") or {}
+
+
 def owns(owner: Owner, child: Mapping[str, Any] | None) -> bool:
     """Whether `child` (None: absent) carries `owner`'s owner reference: an object of the same
     name that someone else made is never the operator's to delete."""

@@ -22,7 +22,7 @@ from dlo_operator.conditions import EventType, Report
 from dlo_operator.configmap import build_configmap, revision
 from dlo_operator.decision import Decision, Observed, Stage
 from dlo_operator.manifests import restart_children
-from dlo_operator.naming import LABEL_REVISION, Owner
+from dlo_operator.naming import LABEL_REVISION, Owner, labels_of
 from dlo_operator.pod_troubles import NOT_STARTING, Trouble, TroubleReason, pod_troubles
 from dlo_operator.prefill import build_prefill_job, build_prefill_service, pinned_nodes
 from dlo_operator.spec import DeploymentSpec
@@ -50,7 +50,7 @@ class BackoffConfig:
 
 
 def prefill_step(owner: Owner, spec: DeploymentSpec, seen: Observed,
-             backoff: BackoffConfig) -> Decision:
+                 backoff: BackoffConfig) -> Decision:
     """The entry changed: fill it on the serving nodes first; roll only once all hold it."""
     rev = revision(spec)
     name = owner.prefill_name(rev)
@@ -78,7 +78,7 @@ def prefill_step(owner: Owner, spec: DeploymentSpec, seen: Observed,
             f"prefilling the cache entry of revision {rev} on {len(nodes)} nodes "
             f"({', '.join(nodes)}), attempt {attempt + 1}; the old pods keep serving")))
         return decision
-    pods = [p for p in seen.job_pods if _labels(p).get(LABEL_REVISION) == rev]
+    pods = [p for p in seen.job_pods if labels_of(p).get(LABEL_REVISION) == rev]
     nodes = sorted((prefill_node(p) for p in pods), key=lambda n: (n["rank"], n["pod"]))
     record = {"revision": rev, "attempt": max(attempt, 1), "nodes": nodes,
               "bytesFromStore": sum(int(n.get("bytesFromStore", 0)) for n in nodes)}
@@ -193,10 +193,6 @@ def _failure(nodes: Sequence[Mapping[str, Any]], job: Mapping[str, Any]) -> str:
         if condition.get("type") == "Failed":
             return f"Job {condition.get('reason', 'Failed')}: {condition.get('message', '')}"
     return "the prefill Job failed"
-
-
-def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
-    return (obj.get("metadata") or {}).get("labels") or {}
 
 
 def _format_time(moment: datetime.datetime) -> str:

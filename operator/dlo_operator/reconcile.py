@@ -42,7 +42,14 @@ from dlo_operator.errors import KubeError, KubeTransientError, SpecError
 from dlo_operator.host_paths import DEFAULT_ALLOWED_HOST_PATHS
 from dlo_operator.kube import KubeClient, backoff_delay
 from dlo_operator.manifests import optional_child_names
-from dlo_operator.naming import LABEL_DEPLOYMENT, LABEL_ROLE, Owner, owns, selector_labels
+from dlo_operator.naming import (
+    LABEL_DEPLOYMENT,
+    LABEL_ROLE,
+    Owner,
+    labels_of,
+    owns,
+    selector_labels,
+)
 from dlo_operator.prefill_stage import BackoffConfig, PrefillState
 from dlo_operator.rollout import decide
 from dlo_operator.spec import DEFAULT_LOADER_IMAGE
@@ -98,7 +105,7 @@ def reconcile(kube: KubeClient, dod: Mapping[str, Any], config: ReconcileConfig,
     previous = dict(dod.get("status") or {})
     generation = (dod.get("metadata") or {}).get("generation")
     pods = kube.list("Pod", owner.namespace, {LABEL_DEPLOYMENT: owner.name})
-    workload = [p for p in pods if LABEL_ROLE not in _labels(p)]
+    workload = [p for p in pods if LABEL_ROLE not in labels_of(p)]
     try:
         spec = admit(dod, allowed_host_paths=config.allowed_host_paths,
                      loader_image=config.loader_image)
@@ -190,7 +197,7 @@ def _observe(kube: KubeClient, owner: Owner, pods: list[dict[str, Any]],
         statefulset=kube.get("StatefulSet", owner.namespace, owner.statefulset_name),
         pods=workload, group=group,
         jobs=kube.list("Job", owner.namespace, {**mine, LABEL_ROLE: "prefill"}),
-        job_pods=[p for p in pods if _labels(p).get(LABEL_ROLE) == "prefill"],
+        job_pods=[p for p in pods if labels_of(p).get(LABEL_ROLE) == "prefill"],
         settings_configmaps=kube.list("ConfigMap", owner.namespace,
                                       {**mine, LABEL_ROLE: "settings"}),
         prefill=previous.get("prefill") or {}, now=now,
@@ -284,10 +291,6 @@ def _merge_patch(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[st
             patch[key] = {**{gone: None for gone in old if gone not in value},
                           **_merge_patch(old, value)}
     return patch
-
-
-def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
-    return (obj.get("metadata") or {}).get("labels") or {}
 
 
 def _replicas(spec: Mapping[str, Any] | None) -> int:

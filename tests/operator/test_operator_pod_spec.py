@@ -138,8 +138,8 @@ def test_the_rendezvous_address_needs_no_cluster_domain() -> None:
     ({"inference": {"image": "s:1", "ports": [{"containerPort": "8000"}]}},
      "[inference-ports-valid] spec.inference.ports[0].containerPort='8000' is not a port "
      "number; set an integer from 1 to 65535"),
-    ({"inference": {"image": "s:1", "ports": [{"containerPort": 8000},
-                                              {"name": "inference-metrics", "containerPort": 9000}]}},
+    ({"inference": {"image": "s:1", "ports": [
+        {"containerPort": 8000}, {"name": "inference-metrics", "containerPort": 9000}]}},
      "[inference-ports-valid] spec.inference.ports[1].name='inference-metrics' is not a port "
      "name; use at most 15 lowercase letters, digits and '-', with a letter, no '-' at either "
      "end and no '--'"),
