@@ -44,11 +44,16 @@ class RoundStatus:
 class Group:
     """An initialized process group of `world_size` loaders; `close()` tears it down."""
 
-    def __init__(self, *, rank: int, world_size: int, backend: str, store: Any) -> None:
+    def __init__(self, *, rank: int, world_size: int, backend: str, store: Any,
+                 timeout_s: float) -> None:
         self.rank = rank
         self.world_size = world_size
         self.backend = backend
         self._store = store  # rank 0 hosts the store: keep it alive as long as the group
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        """Longest wait for one send or receive of a chunk all-gather: a collective gets the
+        group's timeout from torch, a point-to-point wait none (it waited forever for a peer
+        whose process was killed mid-round)."""
         self._tag = 0
         """The last chunk all-gather's tag (see [Note: sends into the slots])."""
         if backend == "nccl":
@@ -98,7 +103,7 @@ class Group:
 
             def wait() -> None:
                 for work in works:
-                    self._call(what, work.wait)
+                    self._call(what, work.wait, self._timeout)
 
             return wait
         staged = torch.empty_like(incoming, device=self.device)
@@ -163,4 +168,5 @@ def rendezvous(
                  "size, or set loader.on_rendezvous_timeout=independent",
         ) from exc
     log.info("joined the loader group of %d at %s (%s)", world_size, where, backend)
-    return Group(rank=rank, world_size=world_size, backend=backend, store=store)
+    return Group(rank=rank, world_size=world_size, backend=backend, store=store,
+                 timeout_s=collective_timeout_s)

@@ -28,7 +28,7 @@ def _cases(world: int, group: dist.ProcessGroup) -> dict[str, Any]:
 
     dist.all_gather_into_tensor = forbidden
     rank = dist.get_rank()
-    loader_group = Group(rank=rank, world_size=world, backend="gloo", store=None)
+    loader_group = Group(rank=rank, world_size=world, backend="gloo", store=None, timeout_s=60)
     sends = [chunk_buffer(WIDTH) for _ in range(ROUNDS)]
     receives = [chunk_buffer(world * WIDTH) for _ in range(ROUNDS)]
     waits = []
