@@ -11,8 +11,8 @@ fixed cost:
     store      M / (N * R)                 every byte crosses some node's store path once
     requests   (M / part) / GET_RATE       S3 serves GET_RATE GETs per second per prefix
     exchange   broadcast (from one root per chunk, the first design): (N - 1) * M / P
-               all-gather (each rank's chunk to every other rank,
-               what the loader does; a ring moves the same bytes):   (N - 1) / N * M / P
+               all-gather (what the loader does, a ring; each rank's chunk
+               sent to every other rank moves the same bytes):       (N - 1) / N * M / P
     nic        M / NIC                     every node takes in the whole model (store + peers)
 
 Shown beside them, not in the maximum: `local`, M over the node-local rate this machine measured

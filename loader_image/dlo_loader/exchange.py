@@ -5,44 +5,46 @@ Owns the pipeline and its bounds. Alone, `stream.ChunkStreams` streams every chu
 store to its place on disk (see [Note: streaming alone] in `stream`). With a group,
 `fetch.Fetcher` reads this rank's chunks into chunk buffers (many ranged GETs at once, in the
 shape `schedule.fetch_shape` gives) and hashes each, the main thread walks the plan's rounds
-(each rank's chunk and its state go to every other rank: see [Note: rounds], [Note: round
-state]), and a few writer threads write every chunk at its offset (hashing the ones received
-from peers).
+(each rank's chunk and its state go round the ring: see [Note: ring], [Note: round state]), and
+a few writer threads write every chunk at its offset (hashing the ones received from peers).
 Called by `fill`. Must not decide policy (modes, fallback, publication) or touch the object store
 directly (it gets `read` and `stream` callables).
 
-[Note: rounds] Round `k` holds the `k`-th chunk of each rank that has one, and is one all-gather
-(`Group.all_gather_into`): each rank sends its chunk to every other rank and receives theirs
-(see [Note: sends into the slots] in `transport`), so each rank sends and receives about
-(N - 1)/N of the model in all, at the peer link's rate, whatever N is; the broadcast from one
-root it replaces cost N - 1 transfers per chunk on the root's link. Every rank contributes the
-round's longest chunk length, rounded up to a page (a rank without a chunk, or with a shorter
-last chunk, sends padding, dropped on receipt): only the last round of a file is short. The
-transfers run in gloo's threads, not the interpreter's.
+[Note: ring] Round `k` holds the `k`-th chunk of each rank that has one, and is one all-gather:
+gloo runs it as a ring (in N - 1 steps every rank passes the chunk it got last to rank + 1 while
+receiving the next from rank - 1), so every link carries a chunk in every step, and each rank
+sends and receives about (N - 1)/N of the model in all, at the peer link's rate, whatever N is;
+the broadcast from one root it replaces cost N - 1 transfers per chunk on the root's link. Every
+rank contributes the round's longest chunk length, rounded up to a page (a rank without a
+chunk, or with a shorter last chunk, sends padding, dropped on receipt): only the last round of
+a file is short. One call per round keeps the per-step work in gloo's threads, not the
+interpreter's.
 
 [Note: round state] Each rank's slot carries one page more than its chunk, its `RoundState`
 for the round: `READY` (its chunk, or nothing to send), `FAILED` (a read gave up, a write
 failed, the deadline passed) or `LATE` (its chunk was not complete after `LATE_AFTER_S`). A
 rank joins round `k` as soon as its chunk is complete, so a round costs one collective: a
 separate status exchange before every round cost a small all-reduce's latency in every round,
-and on an 8-node fill the exchange fell behind the reads by that much. When
+and on an 8-node fill the ring fell behind the reads by that much. When
 every state is `READY` the round is done; any `FAILED` and every rank raises in that round
 (see [Note: failing together]); any `LATE` and no rank keeps the round: they exchange statuses
 (small all-reduces, polled) until every rank is ready, then run the round again. `LATE_AFTER_S`
 bounds how long ready ranks wait inside the collective for a slow one, far below the
 collective's timeout, so a store that stalls for minutes costs one wasted round, not a timeout.
 
-[Note: round buffers] A round arrives in one buffer of N slots, rank by rank, each peer's chunk
-received straight into its slot (no copy, and no memory beyond the pool's). Slots are
-page-aligned, so the writers write each received chunk straight from its slot with direct I/O;
-the buffer goes back to the pool when the last of its chunks is written.
+[Note: round buffers] A round arrives in one buffer of N slots, rank by rank
+(`Group.all_gather_into`). torch's gloo backend gathers into a flat tensor of its own and copies
+each slot out of it (one copy of what arrives); point-to-point sends straight into the slots
+avoid that copy, but were not faster on the cluster benchmark at N = 8, so the ring stays.
+Slots are page-aligned, so the writers write each received chunk straight from its slot with
+direct I/O; the buffer goes back to the pool when the last of its chunks is written.
 
 [Note: rounds in flight] Up to `ROUNDS_IN_FLIGHT` rounds are posted before the oldest is waited
-for: while round `k`'s chunks are on the wire, this rank waits for its chunk of round `k + 1`
-and posts it, so one round's transfers fill the pauses of the other's (a round ends with its
-slowest transfer, and a rank's chunk of the next round is ready before the links are free).
-Rounds are settled in order and every rank sees the same states, so all ranks take the same
-path: when any rank was late, every round in flight is settled first (a complete
+for: while round `k` goes round the ring, this rank waits for its chunk of round `k + 1` and
+posts it, so the ring's steps of one round fill the pauses between the other's (each step
+waits for the slowest link, and a rank's chunk of the next round is ready before the ring
+needs it). Rounds are settled in order and every rank sees the same states, so all ranks
+take the same path: when any rank was late, every round in flight is settled first (a complete
 one is delivered), then the late ones run again after the status exchanges.
 
 [Note: memory bound] `memory_limit_bytes // slot` buffers exist at most (a slot: a chunk and the
@@ -298,7 +300,7 @@ class Exchange:
     def _post(self, number: int, by_owner: dict[int, Chunk],
               taken: tuple[mmap.mmap, str] | None, *, patient: bool = True) -> _Posted:
         """Start round `number`: this rank's chunk (`taken` already, or once complete) and state
-        to every rank (see [Note: rounds] and [Note: round state]), into a round buffer (see
+        to every rank (see [Note: ring] and [Note: round state]), into a round buffer (see
         [Note: round buffers])."""
         assert self.group is not None
         mine = by_owner.get(self.rank)

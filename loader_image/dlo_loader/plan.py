@@ -8,8 +8,7 @@ large tensor is spread over several ranks; an object whose store checksum is of 
 is cut at its part boundaries instead (`chunk_bytes_for_parts`). Modes: `multi-reader` balances
 bytes over all ranks (largest chunks first, each to the least-loaded rank: no rank ends more than
 one chunk above the mean); `single-reader` gives rank 0 everything; `independent` is a group of
-one. Round `k` of the exchange sends the `k`-th chunk of every rank that has one to every other
-rank.
+one. Round `k` of the exchange moves the `k`-th chunk of every rank that has one round the ring.
 Called by `fill` and `exchange`. Must not do I/O.
 """
 

@@ -4,9 +4,9 @@ Owns every call to torch.distributed. `rendezvous` joins the N loaders at the ma
 with a deadline (the store barrier waits for all N, so a late loader is found out before any
 collective starts); past it, `RendezvousTimeout`, and the caller applies its fallback policy.
 `Group` offers what the exchange needs: a status exchange (who failed, who is ready; polled only
-while a rank is late for a round), an all-gather of one chunk per rank (point-to-point sends
-straight into the receiver's slots), and an all-gather of small objects (plan fingerprints,
-chunk digest lists). Collectives use a short timeout; a peer that dies closes its sockets, which fails the others' next collective at once.
+while a rank is late for a round), an all-gather of one chunk per rank (gloo's ring), and an
+all-gather of small objects (plan fingerprints, chunk digest lists). Collectives use a short
+timeout; a peer that dies closes its sockets, which fails the others' next collective at once.
 Backend `gloo` works on CPU buffers; `nccl` stages each chunk through the current CUDA device.
 Called by `fill` and `exchange`. Must not read the object store or write the cache.
 """
@@ -29,8 +29,6 @@ log = logging.getLogger(__name__)
 
 _JOINED_KEY = "dlo/joined"
 _ALL_JOINED_KEY = "dlo/all-joined"
-_TAGS = 1 << 16
-"""Tags of the chunk sends cycle through this many: far more than the rounds in flight."""
 
 
 @dataclass(frozen=True)
@@ -44,18 +42,11 @@ class RoundStatus:
 class Group:
     """An initialized process group of `world_size` loaders; `close()` tears it down."""
 
-    def __init__(self, *, rank: int, world_size: int, backend: str, store: Any,
-                 timeout_s: float) -> None:
+    def __init__(self, *, rank: int, world_size: int, backend: str, store: Any) -> None:
         self.rank = rank
         self.world_size = world_size
         self.backend = backend
         self._store = store  # rank 0 hosts the store: keep it alive as long as the group
-        self._timeout = datetime.timedelta(seconds=timeout_s)
-        """Longest wait for one send or receive of a chunk all-gather: a collective gets the
-        group's timeout from torch, a point-to-point wait none (it waited forever for a peer
-        whose process was killed mid-round)."""
-        self._tag = 0
-        """The last chunk all-gather's tag (see [Note: sends into the slots])."""
         if backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
@@ -74,47 +65,25 @@ class Group:
 
     def all_gather_into(self, send: memoryview, receive: memoryview) -> Callable[[], None]:
         """Start putting every rank's `send` (all the same length) into its slot of `receive`
-        (`world_size` times that length, rank by rank) on every rank. Returns the call that
-        waits for it to end; both buffers must stay untouched until then. Several may be in
-        flight, waited for in order (every rank posts them in the same order).
-
-        [Note: sends into the slots] On CPU each rank sends its chunk to every other rank and
-        receives each peer's straight into that peer's slot (`isend`/`irecv`, all posted at
-        once, one tag per call), so every link carries (N - 1)/N of the model as in a ring, with
-        no step waiting for the slowest link. gloo's all-gather (`all_gather_into_tensor`)
-        gathered into a flat tensor of its own, new for every call, and copied each slot out of
-        it: N chunks of fresh memory per round (not counted in `loader.memoryLimitBytes`, and
-        zeroed by the kernel page by page as the bytes arrived) plus one copy of what arrived.
-        On the 8-node cluster benchmark the kernel's zeroing was a quarter of the machine's CPU
-        time during the fill."""
+        (`world_size` times that length, rank by rank) on every rank; gloo runs it as a ring,
+        every link busy in every step. Returns the call that waits for it to end; both buffers
+        must stay untouched until then. Several may be in flight, waited for in order."""
         what = "a chunk all-gather"
         outgoing = torch.frombuffer(send, dtype=torch.uint8)
         incoming = torch.frombuffer(receive, dtype=torch.uint8)
         if self.device.type == "cpu":
-            width = len(send)
-            receive[self.rank * width:(self.rank + 1) * width] = send
-            self._tag = (self._tag + 1) % _TAGS
-            works = []
-            for step in range(1, self.world_size):  # the nearest peers first, as a ring would
-                to, of = (self.rank + step) % self.world_size, (self.rank - step) % self.world_size
-                works.append(self._call(what, dist.isend, outgoing, to, tag=self._tag))
-                works.append(self._call(what, dist.irecv, incoming[of * width:(of + 1) * width],
-                                        of, tag=self._tag))
-
-            def wait() -> None:
-                for work in works:
-                    self._call(what, work.wait, self._timeout)
-
-            return wait
+            work = self._call(what, dist.all_gather_into_tensor, incoming, outgoing,
+                              async_op=True)
+            return lambda: self._call(what, work.wait)
         staged = torch.empty_like(incoming, device=self.device)
         work = self._call(what, dist.all_gather_into_tensor, staged, outgoing.to(self.device),
                           async_op=True)
 
-        def wait_staged() -> None:
+        def wait() -> None:
             self._call(what, work.wait)
             incoming.copy_(staged.cpu())
 
-        return wait_staged
+        return wait
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
@@ -168,5 +137,4 @@ def rendezvous(
                  "size, or set loader.on_rendezvous_timeout=independent",
         ) from exc
     log.info("joined the loader group of %d at %s (%s)", world_size, where, backend)
-    return Group(rank=rank, world_size=world_size, backend=backend, store=store,
-                 timeout_s=collective_timeout_s)
+    return Group(rank=rank, world_size=world_size, backend=backend, store=store)
