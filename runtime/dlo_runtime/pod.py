@@ -176,8 +176,14 @@ def enable(target: Any, *, device: str | torch.device | None = None,
     try:
         for component, dit in dits:
             plan = _host_plan(component, dit, settings, entry, layout, torch_device)
-            backend = DistributedLayerwiseOffloadBackend(
-                dit, settings=settings, device=torch_device, host_plan=plan, placement=placement)
+            try:
+                backend = DistributedLayerwiseOffloadBackend(
+                    dit, settings=settings, device=torch_device, host_plan=plan,
+                    placement=placement)
+            except BaseException:
+                if plan is not None:  # not the handle's yet: its close() would not see it
+                    plan.close()
+                raise
             handle._offloaded.append(_Offloaded(component, backend, plan))
             backend.enable()
             logger.info("%s: host backing %s%s", component,

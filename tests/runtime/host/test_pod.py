@@ -181,6 +181,35 @@ def test_weightless_dit_without_an_accepted_plan_is_a_startup_error(pod_files) -
         "parallelism is on (parallel.tp=2); each rank holds a slice, not the stored tensors")
 
 
+def test_a_backend_that_cannot_be_built_leaves_its_plan_closed(
+        pod_files, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan (the entry held in use, its mapping, and on CUDA its registered pages) exists
+    before the backend; a backend constructor that raises must not leave it open behind the
+    error, or a server that carries on (resident, or after fixing its settings) keeps the entry
+    pinned and in use until it exits."""
+    from dlo_contract.cache import list_entries
+    from dlo_runtime import backend, host_weight_plan
+
+    def refuse(self, *args: object, **kwargs: object) -> None:
+        raise RuntimeError("no device slots")
+
+    closed: list[object] = []
+    close = host_weight_plan.HostWeightPlan.close
+
+    def spy(self: host_weight_plan.HostWeightPlan) -> None:
+        closed.append(self)
+        close(self)
+
+    monkeypatch.setattr(backend.DistributedLayerwiseOffloadBackend, "__init__", refuse)
+    monkeypatch.setattr(host_weight_plan.HostWeightPlan, "close", spy)
+    dit = pod.build_dit(FluxTransformer2DModel)
+    closed.clear()
+    with pytest.raises(RuntimeError, match="no device slots"):
+        pod.enable(dit, device="cpu")
+    assert len(closed) == 1
+    assert [e.in_use for e in list_entries(tmp_path / "cache")] == [False]
+
+
 def test_unreadable_entry_file(tmp_path: Path) -> None:
     bad = tmp_path / "entry.json"
     bad.write_text(json.dumps({"entry_id": "x"}))
