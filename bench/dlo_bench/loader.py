@@ -13,9 +13,9 @@ and fill runs interleaved so drift hits all alike. The figure asked for is `fill
 GET ceiling and the disk instead. Each run also counts CPU-seconds, of this process (the
 ceiling's client, the fill's loader) and of the server, so what a fill costs beyond reading is
 visible apart from how the two processes shared the cores, and the whole machine's CPU shares
-(`hostcpu`: busy, idle, steal), so a run the host starved is visible as such. `--json` prints one JSON object as
-the last line, with the commit, the machine and the parameters. Must not be imported by the
-planes.
+(`hostcpu`: busy, idle, steal), so a run the host starved is visible as such. `--json` prints
+one JSON object as the last line, with the commit, the machine and the parameters (the server's
+Python among them: it sets what the server spends per byte). Must not be imported by the planes.
 """
 
 from __future__ import annotations
@@ -117,6 +117,7 @@ def measure(args: argparse.Namespace, server: S3Server, work: Path) -> dict[str,
         "parameters": {
             "bytes": total, "files": args.files, "chunk_bytes": args.chunk_bytes,
             "readers": args.readers, "repeats": args.repeats, "server": server.name,
+            "server_python": server.python,
             "world_size": 1,
         },
         "correct": correct,

@@ -12,6 +12,7 @@ not be imported by the loader or the runtime.
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import socket
 import subprocess
@@ -45,6 +46,9 @@ class S3Server:
 
     endpoint_url: str
     name: str
+    python: str
+    """The version of the Python that serves: how fast ministack sends large bodies depends on
+    its asyncio (see the Makefile's `MINISTACK_PYTHON`)."""
     process: subprocess.Popen[bytes]
     log_path: Path
     _scratch: Path = field(repr=False)
@@ -91,7 +95,8 @@ def start_moto(port: int = 0) -> S3Server:
     """Start moto's S3 server in a child process of this interpreter."""
     port = port or free_port()
     argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-    return _start("moto", argv, "127.0.0.1", port, {}, health_path="/moto-api/")
+    return _start("moto", argv, "127.0.0.1", port, {}, python=platform.python_version(),
+                  health_path="/moto-api/")
 
 
 def start_ministack(
@@ -118,11 +123,23 @@ def start_ministack(
         "S3_PERSIST": "0",
     }
     argv = [str(Path(path).resolve())]
-    return _start("ministack", argv, host, port, env, health_path="/_ministack/health")
+    return _start("ministack", argv, host, port, env, python=script_python(path),
+                  health_path="/_ministack/health")
+
+
+def script_python(script: str | os.PathLike[str]) -> str:
+    """The Python version that runs an installed script (the interpreter its `#!` line names)."""
+    with open(shutil.which(str(script)) or script, "rb") as handle:
+        first = handle.readline()
+    interpreter = first[2:].split()[0].decode() if first.startswith(b"#!") else sys.executable
+    found = subprocess.run([interpreter, "-c", "import platform; print(platform.python_version())"],
+                           capture_output=True, text=True, check=False)
+    return found.stdout.strip() or "unknown"
 
 
 def _start(
-    name: str, argv: list[str], host: str, port: int, env: dict[str, str], *, health_path: str
+    name: str, argv: list[str], host: str, port: int, env: dict[str, str], *, python: str,
+    health_path: str
 ) -> S3Server:
     scratch = Path(tempfile.mkdtemp(prefix=f"dlo-{name}-"))
     log_path = scratch / "server.log"
@@ -132,7 +149,7 @@ def _start(
             argv, stdout=log, stderr=subprocess.STDOUT, env=child_env, cwd=scratch
         )
     server = S3Server(
-        endpoint_url=f"http://{host}:{port}", name=name, process=process,
+        endpoint_url=f"http://{host}:{port}", name=name, python=python, process=process,
         log_path=log_path, _scratch=scratch,
     )
     try:

@@ -122,7 +122,8 @@ class FillResult:
 
 def fill(request: FillRequest) -> FillResult:
     """Make sure this node's cache holds the checkpoint; see the module docstring for the steps."""
-    return _Fill(request).run()
+    with _young_objects_only():
+        return _Fill(request).run()
 
 
 class _Fill:
@@ -165,6 +166,7 @@ class _Fill:
 
     def _run(self) -> FillResult:
         files = self.store.list(self.loader.include, checked_bytes=self.loader.chunk_bytes)
+        gc.freeze()  # the S3 client's service model too (see `_young_objects_only`)
         identity = checkpoint_identity(str(self.uri), files)
         eid = entry_id(identity)
         self.progress.total_bytes = total = sum(f.size for f in files)
@@ -339,8 +341,7 @@ class _Fill:
                 if exchange is None:
                     exchange = self._exchange(pub, plan, grouped=group is not None,
                                               fetched=fetched)
-                with _young_objects_only():
-                    digests = exchange.run(group)
+                digests = exchange.run(group)
             finally:
                 if exchange is not None:
                     exchange.abandon()
@@ -398,12 +399,15 @@ class _Fill:
 
 @contextlib.contextmanager
 def _young_objects_only() -> Iterator[None]:
-    """During the transfer, the garbage collector looks at objects made since it began only.
+    """During a fill, the garbage collector looks at objects made since it began only.
 
-    Every ranged GET makes a few hundred short-lived objects; each time enough pile up, a full
-    collection would walk everything the process holds (the S3 client's service model, the
-    imports: several hundred thousand objects), on the one core the readers share. Objects
-    that exist when the transfer starts are set aside (`gc.freeze`) and put back after it."""
+    Every ranged GET makes a few hundred short-lived objects, and the S3 client's creation tens
+    of thousands; each time enough pile up, a full collection would walk everything the process
+    holds (the imports, torch's among them: several hundred thousand objects) with the GIL held,
+    on the one core the readers share: `dlo bench loader` saw one take 0.18 s in the middle of a
+    fill that set them aside only from its transfer on. Objects that exist when the fill starts
+    are set aside (`gc.freeze`), those the client and the listing made once it is listed, and
+    all are put back after the fill."""
     gc.freeze()
     try:
         yield

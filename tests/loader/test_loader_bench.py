@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import platform
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ def test_report_checks_correctness_and_names_the_ratio(s3: S3Server, tmp_path: P
     assert report["store_checksums"] == "all"  # the fill did the check it does for users
     assert report["parameters"] == {"bytes": 2 << 20, "files": 2, "chunk_bytes": 262144,
                                     "readers": 4, "repeats": 1, "server": "moto",
+                                    "server_python": platform.python_version(),
                                     "world_size": 1}
     assert report["fill_to_ceiling_ratio"] == pytest.approx(
         report["fill_bytes_per_s"] / report["ceiling_bytes_per_s"], rel=1e-3)

@@ -77,6 +77,28 @@ def test_a_fill_leaves_no_thread_and_no_chunk_buffer_behind(
     assert [o for o in gc.get_objects() if type(o) is BufferPool] == []  # type(): no __class__
 
 
+def test_a_fill_sets_the_processs_objects_aside_from_the_garbage_collector_from_its_start(
+    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Creating the S3 client and listing make tens of thousands of objects: a full collection
+    they set off must not walk everything imported before the fill (the GIL held for a tenth of
+    a second and more, the readers stopped). Everything is put back afterwards."""
+    from dlo_loader.source import ObjectStore
+
+    frozen_while_listing: list[int] = []
+    listing = ObjectStore.list
+
+    def spy(self: ObjectStore, *args: object, **kwargs: object):
+        frozen_while_listing.append(gc.get_freeze_count())
+        return listing(self, *args, **kwargs)
+
+    monkeypatch.setattr(ObjectStore, "list", spy)
+    assert gc.get_freeze_count() == 0
+    fill(FillRequest(settings=settings_for(checkpoint.source, s3.endpoint_url, tmp_path / "c")))
+    assert len(frozen_while_listing) == 1 and frozen_while_listing[0] > 10_000
+    assert gc.get_freeze_count() == 0
+
+
 def test_cached_entry_means_no_object_reads_and_no_rendezvous(
     s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
 ) -> None:
