@@ -35,7 +35,8 @@ collective's timeout, so a store that stalls for minutes costs one wasted round,
 [Note: round buffers] A round arrives in one buffer of N slots, rank by rank
 (`Group.all_gather_into`). torch's gloo backend gathers into a flat tensor of its own and copies
 each slot out of it (one copy of what arrives); point-to-point sends straight into the slots
-avoid that copy, but were not faster on the cluster benchmark at N = 8, so the ring stays.
+avoid that copy and were faster at N = 8, but a loader whose peer was killed mid-round could
+hang with them (the README's cluster section), so the ring stays.
 Slots are page-aligned, so the writers write each received chunk straight from its slot with
 direct I/O; the buffer goes back to the pool when the last of its chunks is written.
 

@@ -404,8 +404,8 @@ def _young_objects_only() -> Iterator[None]:
     Every ranged GET makes a few hundred short-lived objects, and the S3 client's creation tens
     of thousands; each time enough pile up, a full collection would walk everything the process
     holds (the imports, torch's among them: several hundred thousand objects) with the GIL held,
-    on the one core the readers share: `dlo bench loader` saw one take 0.18 s in the middle of a
-    fill that set them aside only from its transfer on. Objects that exist when the fill starts
+    on the one core the readers share; one set off by the client's creation came before the
+    transfer, when only the transfer set them aside. Objects that exist when the fill starts
     are set aside (`gc.freeze`), those the client and the listing made once it is listed, and
     all are put back after the fill."""
     gc.freeze()
