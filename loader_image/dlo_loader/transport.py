@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 _JOINED_KEY = "dlo/joined"
 _ALL_JOINED_KEY = "dlo/all-joined"
+_FORMED_KEY = "dlo/formed"
+"""Counts the loaders whose process group is up (connected to every peer), for whoever watches."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,7 @@ def rendezvous(
             backend, store=store, rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=collective_timeout_s),
         )
+        store.add(_FORMED_KEY, 1)
     except (RuntimeError, dist.DistError, OSError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise RendezvousTimeout(

@@ -196,8 +196,10 @@ def test_a_rank_late_for_a_round_makes_every_rank_run_it_again(
         assert "loader rank(s) 0 not ready" not in outcome.stderr
 
 
-def joined(port: int) -> int:
-    """How many loaders have joined the group whose master listens on `port` (0: none yet)."""
+def formed(port: int) -> int:
+    """How many loaders have their process group up (connected to every peer) in the group whose
+    master listens on `port` (0: none yet). Counting those that only joined the store is not
+    enough: one killed before its process group is up leaves the others to fill alone."""
     import datetime
 
     import torch.distributed as dist
@@ -206,7 +208,7 @@ def joined(port: int) -> int:
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False,
                               timeout=datetime.timedelta(seconds=1))
-        return int(store.add(transport._JOINED_KEY, 0))
+        return int(store.add(transport._FORMED_KEY, 0))
     except (RuntimeError, dist.DistError):
         return 0
 
@@ -222,8 +224,8 @@ def test_killed_rank_fails_the_others_and_a_rerun_succeeds(
                       settings={"memory_limit_bytes": memory})
         processes = {rank: fleet.start(rank) for rank in range(3)}
         try:
-            # Ranks read before the group forms: kill rank 2 once all three joined and it reads.
-            wait_until(lambda: joined(fleet.master_port) == 3 and slow[2].object_requests >= 1)
+            # Ranks read before the group forms: kill rank 2 once the group is up and it reads.
+            wait_until(lambda: formed(fleet.master_port) == 3 and slow[2].object_requests >= 1)
             os.kill(processes[2].pid, signal.SIGKILL)
             outcomes = [finish(rank, processes[rank]) for rank in (0, 1)]
         finally:  # the loaders and their pipes end with the test, whatever it found
