@@ -9,6 +9,12 @@ is cut at its part boundaries instead (`chunk_bytes_for_parts`). Modes: `multi-r
 bytes over all ranks (largest chunks first, each to the least-loaded rank: no rank ends more than
 one chunk above the mean); `single-reader` gives rank 0 everything; `independent` is a group of
 one. Round `k` of the exchange moves the `k`-th chunk of every rank that has one round the ring.
+
+[Note: short chunks last] Each rank reads its chunks longest first (file order among equal
+lengths), so the files' short last chunks make up the last rounds. Nothing of the last round
+can move before it is read, so its ring is the tail of the fill: `(N - 1)` times the round's
+longest chunk over the peer link after the last byte arrives from the store. With the short
+chunks last, that is a short chunk's, and the last reads end sooner too.
 Called by `fill` and `exchange`. Must not do I/O.
 """
 
@@ -62,7 +68,8 @@ class Plan:
         return sum(f.size for f in self.files)
 
     def owned(self, rank: int) -> tuple[Chunk, ...]:
-        """The chunks `rank` reads from the store (or its disk), in file order."""
+        """The chunks `rank` reads from the store (or its disk), in reading and round order:
+        longest first, file order among equal lengths (see [Note: short chunks last])."""
         return self._by_owner[rank] if rank < len(self._by_owner) else ()
 
     def owned_bytes(self, rank: int) -> int:
@@ -71,7 +78,7 @@ class Plan:
     @cached_property
     def _by_owner(self) -> tuple[tuple[Chunk, ...], ...]:
         owners = [[] for _ in range(self.world_size)]
-        for chunk in self.chunks:
+        for chunk in sorted(self.chunks, key=lambda c: (-c.length, c.index)):
             owners[chunk.owner].append(chunk)
         return tuple(tuple(o) for o in owners)
 

@@ -116,3 +116,17 @@ def test_a_plan_cuts_an_object_at_its_parts_and_fingerprints_them() -> None:
     odd = build_plan(FILES, mode="multi-reader", world_size=3, chunk_bytes=1000,
                      part_bytes={"transformer/config.json": 2 * 1_000_003})
     assert odd.part_bytes == (None,) * len(FILES)  # not cut at its parts: not checked so
+
+
+def test_each_rank_reads_longest_first_so_the_last_round_moves_short_chunks() -> None:
+    # Four files of five whole chunks and a short one: every rank holds one short chunk.
+    files = [ObjectIdentity(f"transformer/{i}.safetensors", 10 * MIB + (i + 1) * 64 * 1024,
+                            f"e{i}") for i in range(4)]
+    plan = build_plan(files, mode="multi-reader", world_size=4, chunk_bytes=2 * MIB)
+    for rank in range(4):
+        owned = plan.owned(rank)
+        assert [c.length for c in owned] == sorted((c.length for c in owned), reverse=True)
+        whole = [c.index for c in owned if c.length == 2 * MIB]
+        assert whole == sorted(whole)  # file order among equal lengths
+    assert len(plan.rounds[-1]) == 4
+    assert max(c.length for c in plan.rounds[-1]) == 4 * 64 * 1024
