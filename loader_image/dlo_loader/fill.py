@@ -135,6 +135,8 @@ class _Fill:
         self.loader, self.cache = request.settings.loader, request.settings.cache
         self.deadline = self.started + self.loader.timeout_s
         self.uri = parse_source(self.loader.source)
+        self._listening = self._listen()
+        """Rank 0's rendezvous store, listening while the fill lists (until `_join_group`)."""
         self.stop = threading.Event()
         self.store = ObjectStore(
             self.uri, endpoint_url=self.loader.endpoint_url, region=self.loader.region,
@@ -258,6 +260,7 @@ class _Fill:
             )
         from dlo_loader import transport
 
+        listening, self._listening = self._listening, None  # the group's from here, or dropped
         try:
             with repeating(request.emit or log.info, self._waiting_line):
                 group = transport.rendezvous(
@@ -265,6 +268,7 @@ class _Fill:
                     master_port=request.master_port, rank=request.rank,
                     world_size=request.world_size, timeout_s=loader.rendezvous_timeout_s,
                     collective_timeout_s=min(_COLLECTIVE_TIMEOUT_S, loader.timeout_s),
+                    listening=listening,
                 )
         except RendezvousTimeout as exc:
             if loader.on_rendezvous_timeout == "fail":
@@ -272,6 +276,19 @@ class _Fill:
             log.warning("%s; falling back to independent mode: this loader reads every byte", exc)
             return None, "independent"
         return group, loader.mode
+
+    def _listen(self) -> Any:
+        """Rank 0 of a group: its rendezvous store, listening from the fill's start (see
+        [Note: listening early] in `transport`); None elsewhere."""
+        request = self.request
+        if request.rank != 0 or not self._in_group() or not request.master_addr:
+            return None
+        from dlo_loader import transport
+
+        return transport.listen(master_addr=request.master_addr,
+                                master_port=request.master_port,
+                                world_size=request.world_size,
+                                timeout_s=self.loader.rendezvous_timeout_s)
 
     def _waiting_line(self, waited_s: float) -> str:
         """What an operator reading the pod log needs while the rendezvous blocks: every loader

@@ -1,7 +1,8 @@
 """The loader group: rendezvous and collectives over torch.distributed.
 
-Owns every call to torch.distributed. `rendezvous` joins the N loaders at the master's TCP store
-with a deadline (the store barrier waits for all N, so a late loader is found out before any
+Owns every call to torch.distributed. `listen` opens rank 0's TCP store as early as its fill
+starts (see [Note: listening early]); `rendezvous` joins the N loaders at that store with a
+deadline (the store barrier waits for all N, so a late loader is found out before any
 collective starts); past it, `RendezvousTimeout`, and the caller applies its fallback policy.
 `Group` offers what the exchange needs: a status exchange (who failed, who is ready; polled only
 while a rank is late for a round), an all-gather of one chunk per rank (gloo's ring), and an
@@ -108,19 +109,41 @@ class Group:
             ) from exc
 
 
+def _store(master_addr: str, master_port: int, world_size: int, *, is_master: bool,
+           timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(master_addr, master_port, world_size, is_master=is_master,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def listen(*, master_addr: str, master_port: int, world_size: int,
+           timeout_s: float) -> dist.TCPStore | None:
+    """Rank 0's rendezvous store, listening from now on, or None where it cannot listen
+    (`rendezvous` then tries again and says why).
+
+    [Note: listening early] Rank 0 listens as its fill starts, not once it has listed the
+    source: the other loaders connect when they are ready to join, and a connection refused
+    because rank 0 was still listing makes torch's store client retry after a backoff (0.3-0.7 s
+    with 8 loaders starting together in `dlo bench cluster`), which the whole group then waits
+    for."""
+    try:
+        return _store(master_addr, master_port, world_size, is_master=True, timeout_s=timeout_s)
+    except (RuntimeError, dist.DistError, OSError) as exc:
+        log.debug("the rendezvous store cannot listen on port %d yet: %s", master_port, exc)
+        return None
+
+
 def rendezvous(
     *, backend: str, master_addr: str, master_port: int, rank: int, world_size: int,
-    timeout_s: float, collective_timeout_s: float,
+    timeout_s: float, collective_timeout_s: float, listening: dist.TCPStore | None = None,
 ) -> Group:
     """Join the group, or raise `RendezvousTimeout` when not all `world_size` loaders join in
-    `timeout_s` seconds (or the master cannot be reached)."""
+    `timeout_s` seconds (or the master cannot be reached); `listening`: rank 0's store from
+    `listen`, else it is made here."""
     deadline = time.monotonic() + timeout_s
     where = f"{master_addr}:{master_port}"
     try:
-        store = dist.TCPStore(
-            master_addr, master_port, world_size, is_master=rank == 0,
-            timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
-        )
+        store = listening if listening is not None else _store(
+            master_addr, master_port, world_size, is_master=rank == 0, timeout_s=timeout_s)
         if store.add(_JOINED_KEY, 1) == world_size:
             store.set(_ALL_JOINED_KEY, "1")
         # Every rank waits here until all have joined, so no collective starts with a late peer.

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -247,6 +248,31 @@ def test_killed_rank_fails_the_others_and_a_rerun_succeeds(
             assert outcome.returncode == 0, outcome.stderr
             assert entry_files(rerun.root(outcome.rank)) == included(checkpoint.files)
     assert not any((rerun.root(2) / "v1" / "tmp").iterdir())  # the dead rank's tmp dir is gone
+
+
+def accepts(port: int) -> bool:
+    """Whether something listens on 127.0.0.1:`port`."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+    except OSError:
+        return False
+    return True
+
+
+def test_rank_zero_listens_for_the_group_while_it_lists(tmp_path: Path) -> None:
+    # Rank 0's store takes connections and never answers, so its listing cannot end: its
+    # rendezvous store must listen already (others that join early connect at once, not after
+    # the store client's backoff).
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        store = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        fleet = Fleet(tmp_path, f"s3://{BUCKET}/tiny/", 2, [store, store])
+        loader = fleet.start(0)
+        try:
+            wait_until(lambda: accepts(fleet.master_port) or loader.poll() is not None)
+            assert loader.poll() is None, loader.communicate()
+        finally:
+            loader.kill()
+            loader.communicate()
 
 
 def test_late_loader_falls_back_to_filling_alone(
