@@ -10,11 +10,12 @@ bytes over all ranks (largest chunks first, each to the least-loaded rank: no ra
 one chunk above the mean); `single-reader` gives rank 0 everything; `independent` is a group of
 one. Round `k` of the exchange moves the `k`-th chunk of every rank that has one round the ring.
 
-[Note: short chunks last] Each rank reads its chunks longest first (file order among equal
-lengths), so the files' short last chunks make up the last rounds. Nothing of the last round
-can move before it is read, so its ring is the tail of the fill: `(N - 1)` times the round's
-longest chunk over the peer link after the last byte arrives from the store. With the short
-chunks last, that is a short chunk's, and the last reads end sooner too.
+[Note: short chunks last] In a group, each rank reads its chunks longest first (file order
+among equal lengths), so the files' short last chunks make up the last rounds. Nothing of the
+last round can move before it is read, so its ring is the tail of the fill: `(N - 1)` times the
+round's longest chunk over the peer link after the last byte arrives from the store. With the
+short chunks last, that is a short chunk's, and the last reads end sooner too. A group of one
+has no rounds and reads in file order.
 Called by `fill` and `exchange`. Must not do I/O.
 """
 
@@ -69,7 +70,8 @@ class Plan:
 
     def owned(self, rank: int) -> tuple[Chunk, ...]:
         """The chunks `rank` reads from the store (or its disk), in reading and round order:
-        longest first, file order among equal lengths (see [Note: short chunks last])."""
+        in a group longest first, file order among equal lengths (see [Note: short chunks
+        last]); alone in file order."""
         return self._by_owner[rank] if rank < len(self._by_owner) else ()
 
     def owned_bytes(self, rank: int) -> int:
@@ -78,7 +80,8 @@ class Plan:
     @cached_property
     def _by_owner(self) -> tuple[tuple[Chunk, ...], ...]:
         owners = [[] for _ in range(self.world_size)]
-        for chunk in sorted(self.chunks, key=lambda c: (-c.length, c.index)):
+        grouped = self.world_size > 1  # alone, nothing waits on rounds: file order
+        for chunk in sorted(self.chunks, key=lambda c: (-c.length if grouped else 0, c.index)):
             owners[chunk.owner].append(chunk)
         return tuple(tuple(o) for o in owners)
 

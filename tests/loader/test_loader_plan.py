@@ -130,3 +130,5 @@ def test_each_rank_reads_longest_first_so_the_last_round_moves_short_chunks() ->
         assert whole == sorted(whole)  # file order among equal lengths
     assert len(plan.rounds[-1]) == 4
     assert max(c.length for c in plan.rounds[-1]) == 4 * 64 * 1024
+    alone = build_plan(files, mode="independent", world_size=4, chunk_bytes=2 * MIB)
+    assert alone.owned(0) == alone.chunks  # no rounds to shorten: file order
