@@ -75,11 +75,11 @@ class Group:
         outgoing = torch.frombuffer(send, dtype=torch.uint8)
         incoming = torch.frombuffer(receive, dtype=torch.uint8)
         if self.device.type == "cpu":
-            work = self._call(what, dist.all_gather_into_tensor, incoming, outgoing,
+            work = self._call(what, dist.all_gather_single, incoming, outgoing,
                               async_op=True)
             return lambda: self._call(what, work.wait)
         staged = torch.empty_like(incoming, device=self.device)
-        work = self._call(what, dist.all_gather_into_tensor, staged, outgoing.to(self.device),
+        work = self._call(what, dist.all_gather_single, staged, outgoing.to(self.device),
                           async_op=True)
 
         def wait() -> None:
