@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _first_read(server: S3Server, bucket: str, key: str) -> None:
-    """ministack answers its first read after the uploads 0.1-0.3 s late (here; later reads
-    take milliseconds): read once before any fill is timed, so that the first fill of a run
-    does not pay what the others do not."""
+    """ministack answers its first read after the uploads late, a warm-up of its own (later
+    reads take milliseconds): read once before any fill is timed, so that the first fill of a
+    run does not pay what the others do not."""
     client = server.client()
     client.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
     client.get_object(Bucket=bucket, Key=key, Range="bytes=0-0")["Body"].read()

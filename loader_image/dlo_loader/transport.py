@@ -122,9 +122,9 @@ def listen(*, master_addr: str, master_port: int, world_size: int,
 
     [Note: listening early] Rank 0 listens as its fill starts, not once it has listed the
     source: the other loaders connect when they are ready to join, and a connection refused
-    because rank 0 was still listing makes torch's store client retry after a backoff (0.3-0.7 s
-    with 8 loaders starting together in `dlo bench cluster`), which the whole group then waits
-    for."""
+    because rank 0 was still listing makes torch's store client retry after a backoff, which the
+    whole group then waits for (with 8 loaders starting together in `dlo bench cluster`, a
+    larger part of a second than rank 0's listing took)."""
     try:
         return _store(master_addr, master_port, world_size, is_master=True, timeout_s=timeout_s)
     except (RuntimeError, dist.DistError, OSError) as exc:
