@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from dlo_bench import cluster_report, hostcpu, linkprobe, netns, provenance
-from dlo_bench.s3server import DUMMY_CREDENTIALS, script_python
+from dlo_bench.s3server import DUMMY_CREDENTIALS
 from dlo_contract.cache import sha256_file
 from dlo_contract.errors import PermanentError
 from dlo_contract.names import DEFAULT_RENDEZVOUS_PORT
@@ -140,7 +140,7 @@ def _measure(args: argparse.Namespace, nodes: list[int], modes: list[str],
         "readers": args.readers,
         "model": "flux (diffusers FluxTransformer2DModel, 5 blocks, bfloat16, random weights)",
         "command": shlex.join(["dlo", *sys.argv[1:]]),
-        "server": "ministack", "server_python": script_python(args.ministack),
+        "server": "ministack", "server_python": store["python"],
         "fill_time": "slowest rank's own seconds, listing to publication, all ranks released "
                      "together after their imports",
     }

@@ -3,10 +3,10 @@
 `python -m dlo_bench.cluster_store --ministack BIN --host ADDR --port P --bucket B --prefix K DIR`
 starts ministack bound to the store namespace's address (not loopback, so that the node
 namespaces reach it), uploads DIR under `s3://B/K/`, reads once (see `_first_read`), prints one
-JSON line `{"endpoint_url", "keys", "bytes"}`, then serves until its standard input closes and
-stops the server. Tying the server's life to a pipe from `dlo_bench.cluster` means a benchmark
-that dies for any reason never leaves a server behind in a deleted namespace. It must not shape
-traffic or create namespaces (`dlo_bench.netns` does).
+JSON line `{"endpoint_url", "keys", "bytes", "python"}` (`python`: the server's version), then
+serves until its standard input closes and stops the server. Tying the server's life to a pipe
+from `dlo_bench.cluster` means a benchmark that dies for any reason never leaves a server behind
+in a deleted namespace. It must not shape traffic or create namespaces (`dlo_bench.netns` does).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         keys = upload_tree(server, args.bucket, args.prefix, args.directory)
         _first_read(server, args.bucket, keys[0])
         size = sum(p.stat().st_size for p in args.directory.rglob("*") if p.is_file())
-        print(json.dumps({"endpoint_url": server.endpoint_url, "keys": keys, "bytes": size}),
-              flush=True)
+        print(json.dumps({"endpoint_url": server.endpoint_url, "keys": keys, "bytes": size,
+                          "python": server.python}), flush=True)
         sys.stdin.read()  # serve until the benchmark closes the pipe (or dies)
     finally:
         server.stop()

@@ -123,11 +123,11 @@ def start_ministack(
         "S3_PERSIST": "0",
     }
     argv = [str(Path(path).resolve())]
-    return _start("ministack", argv, host, port, env, python=script_python(path),
+    return _start("ministack", argv, host, port, env, python=_script_python(path),
                   health_path="/_ministack/health")
 
 
-def script_python(script: str | os.PathLike[str]) -> str:
+def _script_python(script: str | os.PathLike[str]) -> str:
     """The Python version that runs an installed script (the interpreter its `#!` line names)."""
     with open(shutil.which(str(script)) or script, "rb") as handle:
         first = handle.readline()

@@ -80,8 +80,9 @@ class Plan:
     @cached_property
     def _by_owner(self) -> tuple[tuple[Chunk, ...], ...]:
         owners = [[] for _ in range(self.world_size)]
-        grouped = self.world_size > 1  # alone, nothing waits on rounds: file order
-        for chunk in sorted(self.chunks, key=lambda c: (-c.length if grouped else 0, c.index)):
+        order = (sorted(self.chunks, key=lambda c: (-c.length, c.index)) if self.world_size > 1
+                 else self.chunks)  # alone, nothing waits on rounds: file order
+        for chunk in order:
             owners[chunk.owner].append(chunk)
         return tuple(tuple(o) for o in owners)
 
