@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from dlo_bench import provenance
-from dlo_contract.documents import EntryDocument
 from dlo_contract.names import CONFIG_ENV, ENTRY_FILE_ENV
 
 MODES = ("shared", "private")
@@ -82,32 +81,11 @@ def outputs_agree(outputs: dict[str, list[str]]) -> bool:
 
 def _pod_environment(work: Path) -> dict[str, str]:
     """Publish the layout as a checkpoint entry and write the pod's settings and entry file."""
-    from dlo_contract.cache import (
-        FileRecord, ObjectIdentity, checkpoint_identity, entry_id, publish_entry, sha256_file,
-    )
-    from dlo_contract.settings import Settings, replace_path
+    from dlo_bench.entries import publish_layout, rank_local_settings
 
-    layout = work / "layout"
-    files = sorted(p for p in layout.rglob("*") if p.is_file())
-    names = [str(p.relative_to(layout)) for p in files]
-    identity = checkpoint_identity("file://bench/flux", [
-        ObjectIdentity(n, p.stat().st_size, sha256_file(p)) for n, p in zip(names, files)])
-    eid = entry_id(identity)
-
-    def write(tmp: Path) -> list[FileRecord]:
-        for name, path in zip(names, files):
-            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-            os.link(path, tmp / name)  # same filesystem: no second copy in the page cache
-        return [FileRecord(n, p.stat().st_size) for n, p in zip(names, files)]
-
-    root = work / "cache"
-    path = publish_entry(root, eid, "checkpoint", identity, write,
-                         expected_bytes=sum(p.stat().st_size for p in files), lock_timeout_s=30)
-    (work / "entry.json").write_text(EntryDocument(
-        entry_id=eid, kind="checkpoint", root=str(root), path=str(path), source="").to_json())
-    settings = replace_path(replace_path(Settings(), "offload.use_allgather", False),
-                            "cache.root", str(root))
-    (work / "settings.json").write_text(settings.to_json())
+    entry = publish_layout(work / "cache", work / "layout", "file://bench/flux", link=True)
+    (work / "entry.json").write_text(entry.to_json())
+    (work / "settings.json").write_text(rank_local_settings(work / "cache").to_json())
     return {**os.environ, CONFIG_ENV: str(work / "settings.json"),
             ENTRY_FILE_ENV: str(work / "entry.json"), "OMP_NUM_THREADS": "1"}
 

@@ -15,6 +15,8 @@ diffusers' own `from_pretrained` does.
 
 from __future__ import annotations
 
+import json
+import struct
 from pathlib import Path
 from typing import Any, Literal
 
@@ -198,4 +200,33 @@ def save_diffusers_layout(
     if max_shard_bytes is not None:
         kwargs["max_shard_size"] = max_shard_bytes
     model.save_pretrained(target, **kwargs)
+    return target
+
+
+SKEW_ALIGN_BYTES = 64
+"""The boundary `save_skewed_layout` places every tensor off: a fresh CPU allocation's."""
+
+
+def save_skewed_layout(model: nn.Module, directory: str | Path, skew: int) -> Path:
+    """Write `model` as `<directory>/transformer/` in diffusers' sharded layout, one tensor per
+    file, each tensor's data `skew` bytes past a 64-byte boundary of its file (the header is
+    padded with spaces to put it there, as the format allows). Returns the `transformer`
+    directory. A checkpoint whose every tensor lies off the alignment compute expects, by
+    construction, whatever the tensors' sizes."""
+    from dlo_runtime.checkpoint_plan import INDEX_NAME
+    from dlo_runtime.mapping import SAFETENSORS_DTYPES
+
+    names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+    target = Path(directory) / "transformer"
+    model.save_config(target)
+    weight_map = {}
+    for index, (name, tensor) in enumerate(sorted(model.state_dict().items())):
+        file = f"part-{index:05d}.safetensors"
+        header = json.dumps({name: {"dtype": names[tensor.dtype], "shape": list(tensor.shape),
+                                    "data_offsets": [0, tensor.nbytes]}}).encode()
+        header += b" " * ((skew - 8 - len(header)) % SKEW_ALIGN_BYTES)
+        data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        (target / file).write_bytes(struct.pack("<Q", len(header)) + header + data)
+        weight_map[name] = file
+    (target / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return target

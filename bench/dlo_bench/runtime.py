@@ -7,7 +7,8 @@ off, in interleaved rounds. On CUDA it also times one step resident, with DLO,
 and with diffusers' own block-level group offloading (one block per group, with streams) on the
 same model and inputs. Every variant's output is compared with the resident one before any
 figure is reported. With `--compiled` it adds the same comparisons under `torch.compile`
-(`dlo_bench.runtime_compiled`). With `--host-memory ARGS...` it runs `dlo_bench.host_memory` instead.
+(`dlo_bench.runtime_compiled`). The rank-local steps over mapped checkpoint entries of three
+layouts are `dlo_bench.runtime_mapped`'s. With `--host-memory ARGS...` it runs `dlo_bench.host_memory` instead.
 Must not be imported by the runtime.
 """
 
@@ -41,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="head width of the CUDA step-time comparison")
     parser.add_argument("--cuda-side", type=int, default=64,
                         help="latent side of the CUDA step-time comparison")
+    parser.add_argument("--no-mapped", action="store_true",
+                        help="skip the rank-local steps over mapped checkpoint entries")
     parser.add_argument("--compiled", action="store_true",
                         help="also time every variant under torch.compile (minutes on a CPU)")
     parser.add_argument("--compile-mode", choices=("regional", "whole"), default="regional",
@@ -67,6 +70,10 @@ def run(args: argparse.Namespace) -> int:
         "parameters": {k: v for k, v in vars(args).items() if k not in ("json", "host_memory")},
     }
     figures = _cpu_hooks(args)
+    if not args.no_mapped:
+        from dlo_bench import runtime_mapped
+
+        figures |= runtime_mapped.cpu_mapped(args)
     if args.compiled:
         from dlo_bench import runtime_compiled
 

@@ -138,10 +138,12 @@ class DistributedLayerwiseOffloadBackend:
             self.shard_count, align,
         )
         if self._in_place(plan):
-            # The blocks are used where the mapping holds them: the slots hold no memory.
-            self._source = MappedSource(self.layouts, sources, self._streams)
-            self.slots = DeviceSlots({}, self._streams)
-            slot_views = [self._source.views for _ in self.slots.slots]
+            # The blocks are used where the mapping holds them; the slots hold only the views
+            # that must be copied to be aligned ([Note: compute alignment]).
+            mapped = MappedSource(self.layouts, sources, self._streams)
+            self.slots = DeviceSlots(mapped.slot_sizes(), self._streams)
+            slot_views = mapped.bind(self.slots.slots)
+            self._source = mapped
         else:
             self.slots = DeviceSlots(slot_sizes(self.layouts), self._streams)
             slot_views = [

@@ -28,6 +28,7 @@ import torch
 from dlo_contract import safetensors_header
 from dlo_contract.errors import PermanentError
 from dlo_runtime.host_weight_plan import TensorBinding
+from dlo_runtime.layout import ALIGN_BYTES
 
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -61,8 +62,11 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
         raise MappingError(f"{path}: cannot read the safetensors header: {exc}") from exc
     except safetensors_header.HeaderError as exc:
         raise MappingError(str(exc)) from exc
+    padding = set((header.metadata or {}).get(PADDING_KEY, "").split(","))
     stored = {}
     for tensor in header.tensors:
+        if tensor.name in padding:
+            continue
         if tensor.dtype not in SAFETENSORS_DTYPES:
             raise MappingError(f"{path}: tensor {tensor.name!r} has dtype {tensor.dtype}, which "
                                f"cannot be mapped; expected one of "
@@ -74,27 +78,50 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
 
 
 _DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+PADDING_KEY = "dlo.padding"
+"""`__metadata__` key of the files `write_safetensors` makes: the comma-separated names of the
+U8 tensors that only pad the next tensor to its boundary ([Note: aligned files])."""
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> int:
     """Write contiguous CPU `tensors` as one safetensors file straight from their memory (no
-    serialized copy of the whole file in memory); returns the file size. Larger element sizes
-    come first so that every tensor's offset is aligned for its dtype."""
+    serialized copy of the whole file in memory); returns the file size.
+
+    [Note: aligned files] Every tensor's data starts at a multiple of `ALIGN_BYTES` in the
+    file, so that a mapping (page-aligned) hands compute the alignment a fresh allocation has
+    ([Note: compute alignment] in `dlo_runtime.transfer`) and no load has to copy. The header is
+    padded with spaces, as the format allows, so the data area starts on that boundary; the
+    format forbids holes between tensors, so a gap before a tensor is a padding tensor, named in
+    the metadata under `PADDING_KEY` and left out by `read_header`."""
     order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
     header: dict[str, Any] = {}
+    pieces: list[torch.Tensor | int] = []
+    padding: list[str] = []
     offset = 0
     for name in order:
+        gap = -offset % ALIGN_BYTES
+        if gap:
+            padding.append(f"{PADDING_KEY}.{len(padding)}")
+            header[padding[-1]] = {"dtype": "U8", "shape": [gap],
+                                   "data_offsets": [offset, offset + gap]}
+            pieces.append(gap)
+            offset += gap
         tensor = tensors[name]
         header[name] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
                         "data_offsets": [offset, offset + tensor.nbytes]}
+        pieces.append(tensor)
         offset += tensor.nbytes
+    if padding:
+        header["__metadata__"] = {PADDING_KEY: ",".join(padding)}
     encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned, as safetensors does
+    encoded += b" " * (-(8 + len(encoded)) % ALIGN_BYTES)
     with open(path, "wb") as stream:
         stream.write(struct.pack("<Q", len(encoded)) + encoded)
-        for name in order:
-            if tensors[name].nbytes:
-                stream.write(tensors[name].reshape(-1).view(torch.uint8).numpy().data)
+        for piece in pieces:
+            if isinstance(piece, int):
+                stream.write(bytes(piece))
+            elif piece.nbytes:
+                stream.write(piece.reshape(-1).view(torch.uint8).numpy().data)
     return 8 + len(encoded) + offset
 
 

@@ -68,7 +68,7 @@ def load_bytes(layouts: Sequence[BlockLayout], source: object) -> tuple[list[int
     padded block when staged, the tensors themselves when copied view by view) and the bytes it
     receives from the other ranks of the DLO group."""
     if isinstance(source, MappedSource):
-        h2d = [0] * len(layouts)  # used in place: nothing is copied
+        h2d = source.copied_bytes()  # used in place but for the views off alignment
     elif isinstance(source, DirectSource):
         h2d = [layout.tensor_bytes for layout in layouts]
     elif isinstance(source, StagedSource):

@@ -10,7 +10,8 @@ Owns the host side of the hot path, in four forms chosen by the backend:
 - `DirectSource`: rank-local mode over registered (pinned) views: each view is copied straight
   to its offset in the slot.
 - `MappedSource`: rank-local mode on the CPU over mapped files: the mapped views are the block's
-  weights (the device is the host; a copy would only double the bytes the forward reads).
+  weights (the device is the host; a copy would only double the bytes the forward reads), but
+  for views off the alignment a fresh allocation has, which are copied into the slot.
 Called by the hook scheduler; it must not repoint parameters or decide which block comes next.
 Every event record and wait follows [Note: slot events] in `dlo_runtime.slots`.
 
@@ -197,15 +198,54 @@ class MappedSource:
     """Rank-local blocks on the CPU, used where the entry's mapping holds them.
 
     The scheduler points a block's tensors at `views[block]` (read-only mapped pages: the forward
-    reads them, nothing writes weights under inference) and a load copies nothing. The first
+    reads them, nothing writes weights under inference) and a load copies nothing, except the
+    views that lie off the alignment compute gets (see [Note: compute alignment]). The first
     forward after a fill reads the pages the loader or the runtime's prefetch left in the page
-    cache; later forwards find them resident."""
+    cache; later forwards find them resident.
+
+    [Note: compute alignment] A checkpoint's tensors sit where its publisher's writer put them:
+    the safetensors format aligns them for their dtype only (diffusers' files: 8 bytes). A
+    resident model's tensors are fresh allocations, aligned to `streams.align_bytes` (64 on the
+    CPU), and CPU matmul kernels may round differently for an operand that is not (AVX-512
+    kernels do: outputs then differ in the last bit from the resident model's). So a view that
+    is not aligned is copied into its place in the slot at each load, as a device would copy
+    it, and an aligned view is used in place (zero-copy). Slots hold memory only when some view
+    needs them."""
 
     def __init__(self, layouts: Sequence[BlockLayout], sources: Mapping[str, torch.Tensor],
                  streams: StreamSet) -> None:
         self.streams = streams
+        self.layouts = layouts
         self.views = [[sources[e.meta.name] for e in layout.entries] for layout in layouts]
         """`views[block]`: the mapped tensors of the block, in layout order."""
+        self.copied = [[not aligned(view, streams.align_bytes) for view in block]
+                       for block in self.views]
+        """`copied[block][entry]`: the view is copied into the slot at each load."""
+        self.slot_views: list[list[list[torch.Tensor]]] = []
+        """`slot_views[slot][block]`: the tensors a block's entries point at in that slot."""
+
+    def slot_sizes(self) -> dict[torch.dtype, int]:
+        """Elements per dtype a slot needs: none unless some block has a view to copy."""
+        return slot_sizes([layout for layout, copied in zip(self.layouts, self.copied)
+                           if any(copied)])
+
+    def bind(self, slots: Sequence[DeviceSlot]) -> list[list[list[torch.Tensor]]]:
+        """Per slot and block, the view itself where it is used in place, else its place in
+        the slot; kept for `load`."""
+        self.slot_views = []
+        for slot in slots:
+            per_block = []
+            for layout, block, copied in zip(self.layouts, self.views, self.copied):
+                places = views(layout, slot.flats) if any(copied) else block
+                per_block.append([place if copy else view
+                                  for view, place, copy in zip(block, places, copied)])
+            self.slot_views.append(per_block)
+        return self.slot_views
+
+    def copied_bytes(self) -> list[int]:
+        """Per block, the bytes one load copies (the views off alignment)."""
+        return [sum(view.nbytes for view, copy in zip(block, copied) if copy)
+                for block, copied in zip(self.views, self.copied)]
 
     def host_tensors(self) -> list[torch.Tensor]:
         return [t for block in self.views for t in block]
@@ -213,5 +253,15 @@ class MappedSource:
     def load(self, index: int, slot: DeviceSlot) -> None:
         with self.streams.on(self.streams.copy):
             _wait_reusable(self.streams, slot)
-            # ready: nothing to copy; recorded so the slot's bookkeeping is the same as a copy's.
+            for target, view, copy in zip(self.slot_views[slot.index][index], self.views[index],
+                                          self.copied[index]):
+                if copy:
+                    target.copy_(view)
+            # ready: recorded so the slot's bookkeeping is the same as a copy's.
             slot.ready.record(self.streams.copy)
+
+
+def aligned(tensor: torch.Tensor, align_bytes: int) -> bool:
+    """True when `tensor`'s data starts at a multiple of `align_bytes`, as a fresh allocation's
+    does (an empty tensor has no data to misplace)."""
+    return tensor.numel() == 0 or tensor.data_ptr() % align_bytes == 0

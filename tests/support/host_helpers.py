@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dlo_contract.cache import (
-    FileRecord, ObjectIdentity, checkpoint_identity, entry_id, publish_entry, sha256_file,
-)
+from dlo_bench.entries import publish_layout, rank_local_settings
 from dlo_contract.settings import Settings, replace_path
 
 
@@ -25,31 +22,13 @@ def settings_with(**fields: Any) -> Settings:
 
 def rank_local(root: Path, **fields: Any) -> Settings:
     """Rank-local offload over the cache at `root`."""
-    return settings_with(**{"offload.use_allgather": False, "cache.root": str(root), **fields})
+    return rank_local_settings(root, **fields)
 
 
 def publish_checkpoint(root: Path, layout_dir: Path, source: str = "s3://models/tiny/") -> dict:
     """Publish the files under `layout_dir` as a checkpoint entry, as the loader does; returns
     the `entry.json` document."""
-    files = sorted(p for p in layout_dir.rglob("*") if p.is_file())
-    objects = [ObjectIdentity(str(p.relative_to(layout_dir)), p.stat().st_size, sha256_file(p))
-               for p in files]
-    identity = checkpoint_identity(source, objects)
-    eid = entry_id(identity)
-
-    def write(tmp: Path) -> list[FileRecord]:
-        records = []
-        for path in files:
-            name = str(path.relative_to(layout_dir))
-            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(path, tmp / name)
-            records.append(FileRecord(name, path.stat().st_size))
-        return records
-
-    path = publish_entry(root, eid, "checkpoint", identity, write,
-                         expected_bytes=sum(p.stat().st_size for p in files), lock_timeout_s=10)
-    return {"entry_id": eid, "kind": "checkpoint", "root": str(root), "path": str(path),
-            "source": source}
+    return publish_layout(root, layout_dir, source).to_dict()
 
 
 def write_entry_file(directory: Path, entry: dict) -> Path:

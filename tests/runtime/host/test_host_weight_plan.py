@@ -6,12 +6,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from dlo_runtime.host_weight_plan import (
     MAX_TRANSFORMS, BackingKind, DeclaredTransform, HostPlanError, HostWeightPlan, TensorBinding,
 )
-from dlo_runtime.mapping import MappedEntry, MappingError, read_header, write_safetensors
+from dlo_runtime.layout import ALIGN_BYTES
+from dlo_runtime.mapping import (
+    PADDING_KEY, MappedEntry, MappingError, read_header, write_safetensors,
+)
 
 
 class Recorder:
@@ -45,8 +49,22 @@ def mapped_plan(directory: Path, recorder: Recorder | None = None,
 
 
 def test_written_file_is_standard_safetensors(tmp_path: Path, stored) -> None:
+    """The reference reader loads the stored tensors, and the padding tensors the metadata
+    names, which `read_header` leaves out."""
     loaded = load_file(tmp_path / "w.safetensors")
-    assert all(torch.equal(loaded[k], stored[k]) for k in stored) and loaded.keys() == stored.keys()
+    with safe_open(tmp_path / "w.safetensors", "pt") as opened:
+        padding = opened.metadata()[PADDING_KEY].split(",")
+    assert all(torch.equal(loaded[k], stored[k]) for k in stored)
+    assert loaded.keys() == stored.keys() | set(padding) and padding
+    assert read_header(tmp_path / "w.safetensors").keys() == stored.keys()
+
+
+def test_every_written_tensor_starts_on_the_compute_alignment(tmp_path: Path, stored) -> None:
+    """A mapping of the file hands compute what a fresh allocation has, so no load copies."""
+    offsets = {key: s.offset for key, s in read_header(tmp_path / "w.safetensors").items()}
+    assert offsets and all(offset % ALIGN_BYTES == 0 for offset in offsets.values())
+    views = mapped_plan(tmp_path).take_tensors()
+    assert all(v.data_ptr() % ALIGN_BYTES == 0 for v in views.values() if v.numel())
 
 
 def test_take_tensors_exactly_once(tmp_path: Path, stored) -> None:
