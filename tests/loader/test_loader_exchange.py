@@ -52,10 +52,8 @@ def test_a_fallback_writes_the_chunks_read_for_the_group_and_reads_only_the_rest
     early_reader = CountingReader()
     early = exchange(grouped_plan, early_reader, tmp_path, grouped=True)  # reads start here
     owned = grouped_plan.owned(1)
-    deadline = time.monotonic() + 30
-    while len(early_reader.spans) < len(owned) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.1)  # the last read's chunk is recorded as complete
+    for position in range(len(owned)):  # a chunk is complete once its read was recorded
+        assert early._fetcher.wait_ready(30, position) and early._fetcher.error is None
     fetched = early.abandon()
     assert sorted(fetched) == sorted((c.file, c.offset, c.length) for c in owned)
 
