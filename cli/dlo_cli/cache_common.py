@@ -19,6 +19,7 @@ from dlo_contract.settings import (
     CacheConfig,
     load_settings,
 )
+from dlo_contract.validation import validate
 
 
 def add_root_argument(parser: argparse.ArgumentParser) -> None:
@@ -30,11 +31,13 @@ def add_root_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_cache_config() -> CacheConfig:
-    """The settings document's cache section; defaults when no document exists.
+    """The validated settings document's cache section; defaults when no document exists.
 
-    An explicit `$DLO_CONFIG` must be readable (a typo should fail, not fall back silently)."""
+    An explicit `$DLO_CONFIG` must be readable (a typo should fail, not fall back silently), and
+    a document the loader would refuse is refused here too (a negative `cache.max_bytes` must
+    not pass as a limit)."""
     if os.environ.get(CONFIG_ENV) or Path(DEFAULT_CONFIG_PATH).exists():
-        return load_settings().cache
+        return validate(load_settings()).cache
     return CacheConfig()
 
 

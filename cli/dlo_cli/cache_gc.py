@@ -7,7 +7,7 @@ Owns the gc command: limits default to the settings document's `cache.max_bytes`
 `cache.min_free_bytes` (0 = no limit), removes the named entries, removes leftovers of dead
 writers, evicts, prints what it removed, and exits 1 when a named entry could not be removed or
 the limits still do not hold (everything left is in use). Called by the `dlo` entry point. Must
-not remove an entry in use (that rule lives in `evict`).
+not remove an entry in use nor decide whether the limits hold (both rules live in `evict`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 from dlo_cli.cache_common import add_root_argument, resolve_root, settings_cache_config
-from dlo_contract.cache.evict import evict, list_entries, remove_entry
+from dlo_contract.cache.evict import evict, limits_hold, list_entries, remove_entry
 from dlo_contract.cache.layout import CacheRoot, is_entry_id
 from dlo_contract.cache.fsutil import free_bytes
 
@@ -72,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
     total = sum(info.bytes for info in list_entries(root))
     free = free_bytes(root.entries)
     print(f"{len(removed)} evicted; {total} bytes in entries, {free} bytes free")
-    if (max_bytes and total + incoming > max_bytes) or (
-            (min_free or incoming) and free - incoming < min_free):
+    if not limits_hold(root, max_bytes=max_bytes, min_free_bytes=min_free,
+                       incoming_bytes=incoming):
         in_use = [info.entry_id for info in list_entries(root) if info.in_use]
         print(
             f"limits not met (max {max_bytes} bytes, min free {min_free} bytes, incoming "

@@ -17,22 +17,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from dlo_contract.field_names import Names, document_names
 from dlo_contract.schema import leaves
 from dlo_contract.settings import Settings, SettingsError
 
 QUANT_NONE = "none"
 QUANT_FP8_PER_TENSOR = "fp8_per_tensor"
 
-Names = Callable[[str], str]
-"""Turns a document path (`offload.use_allgather`) into the name a message shows."""
-
 CR_PATHS: dict[str, str] = {leaf.path: leaf.meta.crd for leaf in leaves(Settings)
                             if leaf.meta.crd is not None}
 """Document path -> path under the CR's `spec`, from the schema's `crd` declarations."""
-
-
-def document_names(path: str) -> str:
-    return path
 
 
 def cr_names(path: str) -> str:
@@ -42,7 +36,8 @@ def cr_names(path: str) -> str:
 
 def names_for(settings: Settings) -> Names:
     """How messages about `settings` name fields: as the user wrote them, the CR path when the
-    operator rendered the document from a CR (`settings.origin`), else the document path."""
+    operator rendered the document from a CR (`settings.origin`), else the document path. Each
+    plane calls it once on its validated settings and hands the namer down."""
     return cr_names if settings.origin else document_names
 
 

@@ -95,6 +95,7 @@ from dlo_loader.schedule import fetch_shape
 from dlo_loader.sink import ALIGN, FileSink
 from dlo_loader.stream import ChunkStreams, Streamer, streamer_of
 from dlo_contract.settings import LoaderConfig
+from dlo_contract.field_names import Names, document_names
 
 if TYPE_CHECKING:  # transport imports torch: only fills with a group load it
     from dlo_loader.transport import Group
@@ -184,11 +185,13 @@ class Exchange:
                  sink: FileSink | None, progress: Progress, config: LoaderConfig,
                  deadline: float, stop: threading.Event,
                  fetched: dict[Span, tuple[mmap.mmap, str]] | None = None,
-                 stream: Streamer | None = None) -> None:
+                 stream: Streamer | None = None, names: Names = document_names) -> None:
         """Reading starts here (see [Note: reading before the group]); `grouped`: `run` will
         be given the group the plan was made for; `fetched`: chunks an abandoned exchange read
         already (`abandon`), not read again; `stream`: how to read alone (see [Note: streaming
-        alone] in `stream`; default: piece by piece through `read`)."""
+        alone] in `stream`; default: piece by piece through `read`); `names`: how messages
+        spell the settings (the fill's namer)."""
+        self._names = names
         self.plan, self.grouped, self.progress = plan, grouped, progress
         self.group: Group | None = None
         self.rank = rank if grouped else 0
@@ -207,10 +210,11 @@ class Exchange:
         receive = (self._in_flight + 1) * plan.world_size if grouped else 0
         if grouped and buffers - receive < 1:
             raise LoaderError(
-                f"loader.memory_limit_bytes={config.memory_limit_bytes} holds {buffers} chunks "
-                f"of {plan.chunk_bytes} bytes (and a page each); {plan.world_size} loaders need "
-                f"at least {receive + 1}",
-                hint="raise loader.memory_limit_bytes or lower chunk_bytes")
+                f"{names('loader.memory_limit_bytes')}={config.memory_limit_bytes} holds "
+                f"{buffers} chunks of {plan.chunk_bytes} bytes (and a page each); "
+                f"{plan.world_size} loaders need at least {receive + 1}",
+                hint=f"raise {names('loader.memory_limit_bytes')} or lower "
+                     f"{names('loader.chunk_bytes')}")
         if grouped:
             log.info("exchange: %d round(s) in flight, %d chunk buffers of %d bytes",
                      self._in_flight, buffers, self._slot)
@@ -426,8 +430,10 @@ class Exchange:
                    or (self._streams.error if self._streams is not None else None))
         if problem is None and time.monotonic() > self.deadline:
             problem = LoaderError(
-                f"the fill did not finish within loader.timeout_s={self.timeout_s:g} s",
-                hint="raise loader.timeout_s, or check the object store's throughput",
+                f"the fill did not finish within {self._names('loader.timeout_s')}="
+                f"{self.timeout_s:g} s",
+                hint=f"raise {self._names('loader.timeout_s')}, or check the object store's "
+                     "throughput",
             )
         return problem
 

@@ -47,6 +47,7 @@ from dlo_contract.documents import EntryDocument, FillStatus, FillSummary
 from dlo_contract.errors import DloError
 from dlo_contract.names import DEFAULT_RENDEZVOUS_PORT
 from dlo_contract.settings import Settings
+from dlo_contract.validation import names_for
 
 if TYPE_CHECKING:  # transport imports torch: loaded only when a group is needed
     import mmap
@@ -134,7 +135,9 @@ class _Fill:
         self.started = time.monotonic()
         self.loader, self.cache = request.settings.loader, request.settings.cache
         self.deadline = self.started + self.loader.timeout_s
-        self.uri = parse_source(self.loader.source)
+        self.names = names_for(request.settings)
+        """How this fill's messages spell the settings, resolved once (see `names_for`)."""
+        self.uri = parse_source(self.loader.source, self.names)
         self._listening = self._listen()
         """Rank 0's rendezvous store, listening while the fill lists (until `_join_group`)."""
         self.stop = threading.Event()
@@ -143,6 +146,7 @@ class _Fill:
             path_style=self.loader.path_style, readers=self.loader.readers,
             attempts=self.loader.max_retries, stop=self.stop,
             stall_timeout_s=self.loader.stall_timeout_s, on_stall=self._stalled,
+            names=self.names,
         )
         self.root = CacheRoot(self.cache.root)
         self.store_check: digests_of.StoreCheck | None = None
@@ -169,7 +173,7 @@ class _Fill:
     def _run(self) -> FillResult:
         files = self.store.list(self.loader.include, checked_bytes=self.loader.chunk_bytes)
         gc.freeze()  # the S3 client's service model too (see `_young_objects_only`)
-        identity = checkpoint_identity(str(self.uri), files)
+        identity = checkpoint_identity(str(self.uri), files, self.names)
         eid = entry_id(identity)
         self.progress.total_bytes = total = sum(f.size for f in files)
         log.info("%s: %d objects, %s; entry %s", self.uri, len(files), human_bytes(total), eid)
@@ -231,7 +235,7 @@ class _Fill:
         cache.max_bytes and cache.min_free_bytes; the error names the entries in use."""
         removed = make_room(self.root, eid, incoming_bytes=incoming,
                             max_bytes=self.cache.max_bytes,
-                            min_free_bytes=self.cache.min_free_bytes)
+                            min_free_bytes=self.cache.min_free_bytes, names=self.names)
         if removed:
             log.info("evicted %d unused cache entries to make room for %s: %s", len(removed),
                      human_bytes(incoming), ", ".join(removed))
@@ -268,7 +272,7 @@ class _Fill:
                     master_port=request.master_port, rank=request.rank,
                     world_size=request.world_size, timeout_s=loader.rendezvous_timeout_s,
                     collective_timeout_s=min(_COLLECTIVE_TIMEOUT_S, loader.timeout_s),
-                    listening=listening,
+                    listening=listening, names=self.names,
                 )
         except RendezvousTimeout as exc:
             if loader.on_rendezvous_timeout == "fail":
@@ -301,7 +305,8 @@ class _Fill:
                 if loader.on_rendezvous_timeout == "independent" else "this loader fails")
         return (f"{self.progress.prefix} waiting for {request.world_size} loaders at "
                 f"{request.master_addr}:{request.master_port}; after {left:.0f} s {then} "
-                f"(on_rendezvous_timeout={loader.on_rendezvous_timeout}); this loader reads its "
+                f"({self.names('loader.on_rendezvous_timeout')}={loader.on_rendezvous_timeout}); "
+                "this loader reads its "
                 "own share meanwhile; a loader that has not joined has not started (check the "
                 "group's pods)")
 
@@ -339,7 +344,7 @@ class _Fill:
         stream = None if pub.existing or grouped else self._streamer(plan)  # alone: streamed
         return Exchange(plan, rank=self.request.rank, grouped=grouped, read=read, sink=sink,
                         progress=self.progress, config=self.loader, deadline=self.deadline,
-                        stop=self.stop, fetched=fetched, stream=stream)
+                        stop=self.stop, fetched=fetched, stream=stream, names=self.names)
 
     def _transfer(self, pub: Publication, plan: Plan, group: Group | None,
                   identity: dict[str, Any], exchange: Exchange | None,

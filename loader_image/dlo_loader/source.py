@@ -41,6 +41,7 @@ from dlo_loader import digest, metrics
 from dlo_loader.digest import ChecksumKind, StoreChecksum
 from dlo_loader.errors import LocalResourceError, SourceChanged, SourceError, SourceUnavailable
 from dlo_contract.cache import CRC_ALGORITHMS, ObjectIdentity
+from dlo_contract.field_names import Names, document_names
 from dlo_contract.settings import STREAM_PIECE_BYTES
 
 log = logging.getLogger(__name__)
@@ -69,12 +70,15 @@ _RETRYABLE = (bexc.ConnectionError, bexc.IncompleteReadError, bexc.ResponseStrea
 _LOCAL_ERRNOS = {errno.EMFILE: "too many open files", errno.ENFILE: "too many open files",
                  errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
                  errno.ENOMEM: "out of memory"}
-_LOCAL_HINTS = {errno.EMFILE: "raise the loader container's open-file limit (ulimit -n)",
-                errno.ENFILE: "the node's open-file table is full (fs.file-max)",
-                errno.ENOSPC: "free space on the node, or lower loader.readers",
-                errno.ENOMEM: "lower loader.memory_limit_bytes or give the loader more memory"}
+_LOCAL_HINTS: dict[int, Callable[[Names], str]] = {
+    errno.EMFILE: lambda n: "raise the loader container's open-file limit (ulimit -n)",
+    errno.ENFILE: lambda n: "the node's open-file table is full (fs.file-max)",
+    errno.ENOSPC: lambda n: f"free space on the node, or lower {n('loader.readers')}",
+    errno.ENOMEM: lambda n: f"lower {n('loader.memory_limit_bytes')} or give the loader more "
+                            "memory"}
 """Errors of this node, whatever call they surface in (botocore wraps a socket's EMFILE in an
-`EndpointConnectionError`): a retry against the store cannot fix them."""
+`EndpointConnectionError`): a retry against the store cannot fix them. Each hint names the
+settings through the fill's namer."""
 
 
 class _ShortBody(Exception):
@@ -96,14 +100,16 @@ class SourceURI:
         return f"s3://{self.bucket}/{self.prefix}"
 
 
-def parse_source(uri: str) -> SourceURI:
-    """Split an `s3://bucket/prefix` URI; anything else is a configuration error."""
+def parse_source(uri: str, names: Names = document_names) -> SourceURI:
+    """Split an `s3://bucket/prefix` URI; anything else is a configuration error naming the
+    setting as `names` spells it."""
     scheme, sep, rest = uri.partition("://")
     bucket, _, prefix = rest.partition("/")
     if scheme != "s3" or not sep or not bucket:
+        field = names("loader.source")
         raise SourceError(
-            f"loader.source={uri!r} is not an s3://bucket/prefix URI",
-            hint="set loader.source (or --source) to e.g. s3://models/flux-dev/",
+            f"{field}={uri!r} is not an s3://bucket/prefix URI",
+            hint=f"set {field} (or --source) to e.g. s3://models/flux-dev/",
         )
     prefix = prefix.strip("/")
     return SourceURI(bucket, prefix + "/" if prefix else "")
@@ -116,8 +122,11 @@ class ObjectStore:
         self, uri: SourceURI, *, endpoint_url: str | None, region: str | None, path_style: bool,
         readers: int, attempts: int, stop: threading.Event | None = None,
         stall_timeout_s: float = 30.0, on_stall: Callable[[str], None] | None = None,
+        names: Names = document_names,
     ) -> None:
+        """`names` spells the settings in messages (the fill's namer, `validation.names_for`)."""
         self.uri = uri
+        self.names = names
         self.connections = readers + 1  # the readers, and one for the checksum HEADs
         self.attempts = attempts
         self.stall_timeout_s = stall_timeout_s
@@ -181,8 +190,9 @@ class ObjectStore:
                         unlisted.append(obj)
         if not found:
             raise SourceError(
-                f"no object under {self.uri} matches loader.include={list(patterns)}",
-                hint="check loader.source and loader.include",
+                f"no object under {self.uri} matches "
+                f"{self.names('loader.include')}={list(patterns)}",
+                hint=f"check {self.names('loader.source')} and {self.names('loader.include')}",
             )
         self._published = self._learn_unlisted(unlisted, algorithms, of_parts)
         self.part_bytes = {}
@@ -342,7 +352,7 @@ class ObjectStore:
             try:
                 return call()
             except bexc.ClientError as exc:
-                reason = _client_error_reason(exc, what)
+                reason = _client_error_reason(exc, what, self.names)
             except bexc.NoCredentialsError as exc:
                 raise SourceError(
                     f"no S3 credentials for {self.uri}",
@@ -355,10 +365,10 @@ class ObjectStore:
                 reason = f"stalled: {exc}"
                 self.on_stall(f"{what}: {exc}; asked again")
             except _RETRYABLE as exc:
-                _raise_if_local(exc, what)
+                _raise_if_local(exc, what, self.names)
                 reason = f"{type(exc).__name__}: {exc}"
             except OSError as exc:
-                _raise_if_local(exc, what)
+                _raise_if_local(exc, what, self.names)
                 raise
             if attempt == self.attempts or self.stop.is_set():
                 break
@@ -376,8 +386,8 @@ class ObjectStore:
             hint = ("the object store (or the network to it) stops sending mid-object; check "
                     "its health and the path to it, then rerun (more retries only wait longer)")
         else:
-            hint = ("the object store is throttling or failing; raise loader.max_retries or "
-                    "retry later")
+            hint = ("the object store is throttling or failing; raise "
+                    f"{self.names('loader.max_retries')} or retry later")
         raise SourceUnavailable(
             f"{what}: gave up after {attempt} attempt(s); last error: {reason}", hint=hint)
 
@@ -410,7 +420,7 @@ def _check_response(response: dict, obj: ObjectIdentity, start: int, length: int
         raise _ShortBody(f"Content-Length {got_length}, asked for {length}")
 
 
-def _raise_if_local(exc: BaseException, what: str) -> None:
+def _raise_if_local(exc: BaseException, what: str, names: Names) -> None:
     """Raise `LocalResourceError` when `exc` (or what it wraps) is an error of this node."""
     seen: set[int] = set()
     current: BaseException | None = exc
@@ -420,7 +430,8 @@ def _raise_if_local(exc: BaseException, what: str) -> None:
         if code in _LOCAL_ERRNOS:
             raise LocalResourceError(
                 f"{what}: {_LOCAL_ERRNOS[code]} on this node ({errno.errorcode[code]}); not "
-                "an object store failure, so not retried", hint=_LOCAL_HINTS.get(code),
+                "an object store failure, so not retried",
+                hint=_LOCAL_HINTS[code](names) if code in _LOCAL_HINTS else None,
             ) from exc
         wrapped = getattr(current, "kwargs", None)  # botocore keeps the cause in kwargs
         wrapped = wrapped.get("error") if isinstance(wrapped, dict) else None
@@ -477,7 +488,7 @@ class _Body:
         return extra
 
 
-def _client_error_reason(exc: bexc.ClientError, what: str) -> str:
+def _client_error_reason(exc: bexc.ClientError, what: str, names: Names) -> str:
     """The reason to retry a `ClientError`, or a permanent `SourceError` for the rest."""
     error = exc.response.get("Error", {})
     code = str(error.get("Code", ""))
@@ -491,7 +502,7 @@ def _client_error_reason(exc: bexc.ClientError, what: str) -> str:
         ) from exc
     if status == 404 or code in ("NoSuchKey", "NoSuchBucket"):
         raise SourceError(f"{what}: not found ({code or status})",
-                          hint="check loader.source") from exc
+                          hint=f"check {names('loader.source')}") from exc
     if status == 403 or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
         raise SourceError(f"{what}: access denied ({code or status})",
                           hint="check the loader's credentials and the bucket policy") from exc

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dlo_loader.errors import GroupError, RendezvousTimeout
+from dlo_contract.field_names import Names, document_names
 
 log = logging.getLogger(__name__)
 
@@ -135,10 +136,11 @@ def listen(*, master_addr: str, master_port: int, world_size: int,
 def rendezvous(
     *, backend: str, master_addr: str, master_port: int, rank: int, world_size: int,
     timeout_s: float, collective_timeout_s: float, listening: dist.TCPStore | None = None,
+    names: Names = document_names,
 ) -> Group:
     """Join the group, or raise `RendezvousTimeout` when not all `world_size` loaders join in
     `timeout_s` seconds (or the master cannot be reached); `listening`: rank 0's store from
-    `listen`, else it is made here."""
+    `listen`, else it is made here; `names` spells the settings in the error."""
     deadline = time.monotonic() + timeout_s
     where = f"{master_addr}:{master_port}"
     try:
@@ -160,7 +162,7 @@ def rendezvous(
             f"rendezvous of {world_size} loaders at {where} did not complete within "
             f"{timeout_s:g} s: {first}",
             hint="start every loader (one per node) with the same master address and world "
-                 "size, or set loader.on_rendezvous_timeout=independent",
+                 f"size, or set {names('loader.on_rendezvous_timeout')}=independent",
         ) from exc
     log.info("joined the loader group of %d at %s (%s)", world_size, where, backend)
     return Group(rank=rank, world_size=world_size, backend=backend, store=store)

@@ -142,7 +142,7 @@ def test_waiting_for_the_group_says_what_happens_after_the_timeout(
         assert verify_entry(tmp_path / "cache", result.entry_id, full=True) == []
     assert lines[0] == (
         f"[rank 1/3] waiting for 3 loaders at 127.0.0.1:{port}; after 1 s {then} "
-        f"(on_rendezvous_timeout={policy}); this loader reads its own share meanwhile; a "
+        f"(loader.on_rendezvous_timeout={policy}); this loader reads its own share meanwhile; a "
         "loader that has not joined has not started (check the group's pods)")
 
 

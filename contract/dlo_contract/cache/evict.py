@@ -3,8 +3,9 @@
 Owns the cache's housekeeping: `list_entries` (kind, bytes, last use, in use), `evict` (LRU
 removal until the root is under its byte limit and above its free-space floor, never touching an
 entry whose `.use` lock is held or whose id is being published), `make_room` (the same, counting
-an entry about to be written, and an error naming the entries in use when it still cannot fit)
-and the sweep of leftovers whose owner is gone (tmp dirs, lock files of vanished entries). Called
+an entry about to be written, and an error naming the entries in use when it still cannot fit),
+`limits_hold` (the one limit check, also `dlo cache gc`'s verdict) and the sweep of leftovers
+whose owner is gone (tmp dirs, lock files of vanished entries). Called
 by `dlo cache gc`, `dlo cache ls` and by the loader before every fill. Must not write entries or decide what a valid entry is (that is
 `manifest` and `check`).
 
@@ -26,6 +27,7 @@ from dlo_contract.cache.errors import CacheCorruptError, CacheSpaceError
 from dlo_contract.cache.fsutil import free_bytes, fsync_dir, remove_tree, tree_bytes
 from dlo_contract.cache.layout import CacheRoot, check_entry_id, is_entry_id
 from dlo_contract.cache.manifest import read_manifest
+from dlo_contract.field_names import Names, document_names
 
 log = logging.getLogger(__name__)
 INVALID_KIND = "invalid"
@@ -118,19 +120,32 @@ def evict(
     return removed
 
 
+def limits_hold(root: RootLike, *, max_bytes: int, min_free_bytes: int,
+                incoming_bytes: int = 0) -> bool:
+    """Whether the entries under the root, plus `incoming_bytes`, are within `max_bytes` (0: no
+    limit) and leave `min_free_bytes` free (0: no floor): the check `evict` stops at."""
+    cache = CacheRoot.of(root)
+    total = sum(info.bytes for info in list_entries(cache))
+    return not _over_limits(cache, total, max_bytes, min_free_bytes, incoming_bytes)
+
+
 def make_room(
     root: RootLike, entry_id: str, *, incoming_bytes: int, max_bytes: int, min_free_bytes: int,
+    names: Names = document_names,
 ) -> list[str]:
     """Evict until `entry_id` (`incoming_bytes`) fits within the limits, or raise
-    `CacheSpaceError` naming the entries in use that keep it from fitting. Returns the removed
-    ids. The loader calls it before every fill, so no node needs a person to run the gc."""
+    `CacheSpaceError` naming the entries in use that keep it from fitting, and the settings as
+    `names` spells them. Returns the removed ids. The loader calls it before every fill, so no
+    node needs a person to run the gc."""
     cache = CacheRoot.of(root)
     if max_bytes > 0 and incoming_bytes > max_bytes:
         raise CacheSpaceError(
-            f"cache entry {entry_id} needs {incoming_bytes} bytes, more than cache.max_bytes="
-            f"{max_bytes} allows even in an empty cache", needed_bytes=incoming_bytes,
+            f"cache entry {entry_id} needs {incoming_bytes} bytes, more than "
+            f"{names('cache.max_bytes')}={max_bytes} allows even in an empty cache",
+            needed_bytes=incoming_bytes,
             free_bytes=free_bytes(cache.path) if cache.path.exists() else 0,
-            hint="raise cache.maxBytes (0 means no limit) or narrow model.include")
+            hint=f"raise {names('cache.max_bytes')} (0 means no limit) or narrow "
+                 f"{names('loader.include')}")
     cache.ensure()
     removed = evict(cache, max_bytes=max_bytes, min_free_bytes=min_free_bytes,
                     keep=(entry_id,), incoming_bytes=incoming_bytes)
@@ -142,12 +157,12 @@ def make_room(
     in_use = ", ".join(f"{i.entry_id} ({i.bytes} bytes)" for i in infos if i.in_use) or "none"
     raise CacheSpaceError(
         f"no room for cache entry {entry_id} ({incoming_bytes} bytes) in {cache.path}: "
-        f"{total} bytes in entries (cache.max_bytes={max_bytes}), {free} bytes free "
-        f"(cache.min_free_bytes={min_free_bytes}) after evicting {len(removed)} unused "
-        f"entries; in use: {in_use}",
+        f"{total} bytes in entries ({names('cache.max_bytes')}={max_bytes}), {free} bytes free "
+        f"({names('cache.min_free_bytes')}={min_free_bytes}) after evicting {len(removed)} "
+        f"unused entries; in use: {in_use}",
         needed_bytes=incoming_bytes + max(min_free_bytes, 0), free_bytes=free,
-        hint="stop the pods that map the entries in use, raise cache.maxBytes, or enlarge "
-             "the volume")
+        hint=f"stop the pods that map the entries in use, raise {names('cache.max_bytes')}, "
+             "or enlarge the volume")
 
 
 def remove_entry(root: RootLike, entry_id: str) -> bool:

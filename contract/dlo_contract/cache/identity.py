@@ -18,6 +18,7 @@ from typing import Any
 
 from dlo_contract.cache.errors import CacheError
 from dlo_contract.cache.layout import safe_relpath
+from dlo_contract.field_names import Names, document_names
 
 IDENTITY_FORMAT = 1
 # Ranks that only pick which slice of the same bytes a process uses: two processes that differ
@@ -52,8 +53,10 @@ def entry_id(identity: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical_json(dict(identity)).encode("ascii")).hexdigest()
 
 
-def checkpoint_identity(source_uri: str, objects: Iterable[ObjectIdentity]) -> dict[str, Any]:
-    """Identity of a checkpoint entry: the listing it was filled from, sorted by key."""
+def checkpoint_identity(source_uri: str, objects: Iterable[ObjectIdentity],
+                        names: Names = document_names) -> dict[str, Any]:
+    """Identity of a checkpoint entry: the listing it was filled from, sorted by key; an empty
+    listing is an error naming the source settings as `names` spells them."""
     rows: dict[str, dict[str, Any]] = {}
     for obj in objects:
         key = safe_relpath(obj.key)
@@ -70,7 +73,7 @@ def checkpoint_identity(source_uri: str, objects: Iterable[ObjectIdentity]) -> d
     if not rows:
         raise CacheError(
             f"checkpoint {source_uri!r} has no objects",
-            hint="check loader.source and loader.include",
+            hint=f"check {names('loader.source')} and {names('loader.include')}",
         )
     return {
         "format": IDENTITY_FORMAT,
