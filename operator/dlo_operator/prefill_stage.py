@@ -155,6 +155,8 @@ def serving_nodes(pods: Sequence[Mapping[str, Any]]) -> list[str]:
 SUMMARY_GRACE_S = 60.0
 """How long after a prefill Job completed the operator waits for its pods' summaries before it
 records the prefill without them (pods removed by the pod garbage collector never report)."""
+_NOT_ENDED = (LoaderState.WAITING.value, LoaderState.RUNNING.value)
+"""A prefill pod's loader states before it ended: a completed Job beside one is waited for."""
 
 
 def _cached(nodes: Sequence[Mapping[str, Any]]) -> int:
@@ -167,8 +169,12 @@ def _completions(job: Mapping[str, Any], nodes: Sequence[Mapping[str, Any]]) -> 
 
 def _summaries_pending(nodes: Sequence[Mapping[str, Any]], job: Mapping[str, Any],
                        now: datetime.datetime) -> bool:
-    """A completed Job whose pods' summaries this view does not all show yet, within the grace
-    period after its `completionTime` (no such time: wait)."""
+    """A completed Job whose pods' summaries this view does not all show yet: always while a
+    pod it shows has a loader not ended (an Indexed Job completes once every index succeeded,
+    so that view of the pod lags the Job's), else within the grace period after the Job's
+    `completionTime` (no such time: wait)."""
+    if any(n["loader"] in _NOT_ENDED for n in nodes):
+        return True
     if _cached(nodes) >= _completions(job, nodes):
         return False
     done_at = _parse_time((job.get("status") or {}).get("completionTime"))
