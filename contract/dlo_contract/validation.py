@@ -233,23 +233,30 @@ def validate(settings: Settings, names: Names | None = None) -> Settings:
 
 @dataclass(frozen=True)
 class GroupChoice:
-    """Which existing process group DLO shards host weights over, and the shard count."""
+    """The placement decision: which existing process group DLO shards host weights over, made
+    once from the validated settings (`select_group`); the runtime consumes it and does not read
+    `offload.use_allgather` again."""
 
     kind: Literal["dp", "sp", "none"]
-    shard_size: int
+    shard_count: int
+    """Ranks of the chosen group (G): each block is split in G shards, one per rank; 1 for
+    rank-local blocks."""
+    allgather_asked: bool = False
+    """The settings ask for AllGather (`offload.use_allgather` with DLO on), whether or not a
+    group of more than one rank was found: a group passed in must then be the chosen one."""
 
     @property
     def uses_allgather(self) -> bool:
-        return self.shard_size > 1
+        return self.shard_count > 1
 
 
 def select_group(settings: Settings) -> GroupChoice:
     """DP group if dp > 1, else SP group if sp > 1, else none; never TP.
-    `use_allgather=false` forces the shard size to 1 (rank-local blocks)."""
+    `use_allgather=false` forces the shard count to 1 (rank-local blocks)."""
     if not settings.offload.enabled or not settings.offload.use_allgather:
         return GroupChoice("none", 1)
     if settings.parallel.dp > 1:
-        return GroupChoice("dp", settings.parallel.dp)
+        return GroupChoice("dp", settings.parallel.dp, allgather_asked=True)
     if settings.parallel.sp > 1:
-        return GroupChoice("sp", settings.parallel.sp)
-    return GroupChoice("none", 1)
+        return GroupChoice("sp", settings.parallel.sp, allgather_asked=True)
+    return GroupChoice("none", 1, allgather_asked=True)

@@ -41,6 +41,7 @@ from dlo_runtime.slots import DeviceSlots
 from dlo_runtime.streams import HostMemory, StreamSet
 from dlo_runtime.tensors import ModelTensors, OffloadError, restore_device
 from dlo_runtime.transfer import DirectSource, MappedSource, ShardStore, StagedSource
+from dlo_contract.field_names import Names
 from dlo_contract.validation import names_for, validate
 
 logger = logging.getLogger(__name__)
@@ -76,15 +77,18 @@ class DistributedLayerwiseOffloadBackend:
         placement: Placement | None = None,
         streams: StreamSet | None = None,
         host_memory: HostMemory | None = None,
+        names: Names | None = None,
     ) -> None:
         """`host_memory` allocates the host arenas of the default `StreamSet` (a `streams`
         passed in brings its own): page-locked at their exact size on CUDA
-        (`dlo_runtime.pinned_arena`), pageable on the CPU."""
-        # A placement comes from `pod.enable`, which validated the settings and resolved the
-        # group once for the whole process; a backend built directly decides both itself.
+        (`dlo_runtime.pinned_arena`), pageable on the CPU. `names` spells the settings in
+        messages (`pod.enable` hands down its namer)."""
+        # A placement comes from `pod.enable`, which validated the settings, resolved the namer
+        # and the group once for the whole process; a backend built directly decides all three.
         self.settings = settings if placement is not None else validate(settings)
+        self.names = names or names_for(self.settings)
         if not self.settings.offload.enabled:
-            name = names_for(self.settings)("offload.enabled")
+            name = self.names("offload.enabled")
             raise SettingsError(
                 f"{name}=false: the DLO backend would have nothing to do",
                 hint=f"keep the model resident (pod.enable does so when {name} is false), or "
@@ -93,7 +97,8 @@ class DistributedLayerwiseOffloadBackend:
         self.device = torch.device(device)
         self.discovery = ModuleDiscovery(dit)
         self.dit = self.discovery.dit
-        self.placement = placement or resolve_placement(self.settings, group=group)
+        self.placement = placement or resolve_placement(self.settings, names=self.names,
+                                                        group=group)
         self.group, self.rank = self.placement.group, self.placement.rank
         self.shard_count = self.placement.shard_count
         self.host_plan = host_plan
@@ -125,8 +130,7 @@ class DistributedLayerwiseOffloadBackend:
         if self.enabled:
             raise OffloadError("DLO is already enabled on this model", hint="call disable() first")
         refuse_misuse(self.dit, host_plan=self.host_plan is not None)
-        model = self.discovery.discover(self.settings.offload.resident_layers,
-                                        names_for(self.settings))
+        model = self.discovery.discover(self.settings.offload.resident_layers, self.names)
         total_bytes = weight_bytes(self.dit)
         held_weights = any(not p.is_meta for p in self.dit.parameters())
         tensors = ModelTensors(model)

@@ -32,6 +32,7 @@ from dlo_runtime.host_weight_plan import (
 )
 from dlo_runtime.mapping import MappedEntry, StoredTensor, read_header
 from dlo_contract.settings import Settings
+from dlo_contract.field_names import Names
 from dlo_contract.validation import names_for
 
 logger = logging.getLogger(__name__)
@@ -48,10 +49,10 @@ class Preflight:
     reason: str | None = None
 
 
-def settings_reason(settings: Settings) -> str | None:
-    """Topology, quantization and runtime-cache reasons that rule out a checkpoint plan, naming
-    the settings as the user wrote them."""
-    name = names_for(settings)
+def settings_reason(settings: Settings, names: Names) -> str | None:
+    """Topology, quantization and runtime-cache reasons that rule out a checkpoint plan of the
+    validated `settings`, naming the settings through `names` (as the user wrote them)."""
+    name = names
     if settings.parallel.tp > 1:
         return (f"tensor parallelism is on ({name('parallel.tp')}={settings.parallel.tp}); each "
                 "rank holds a slice, not the stored tensors")
@@ -61,7 +62,8 @@ def settings_reason(settings: Settings) -> str | None:
         return (f"online quantization is on ({name('quantization')}={settings.quantization!r}); "
                 "the runtime tensors differ from the stored ones")
     offload = settings.offload
-    if offload.runtime_cache_pin_limit_gib > 0 and not offload.use_allgather:
+    # Validated: a pin limit needs the runtime cache, which needs rank-local blocks.
+    if offload.runtime_cache_pin_limit_gib > 0:
         return (f"{name('offload.runtime_cache_pin_limit_gib')}="
                 f"{offload.runtime_cache_pin_limit_gib:g} selects the runtime cache, whose final "
                 "tensors can be registered")
@@ -77,14 +79,16 @@ def preflight(
     transforms: Sequence[DeclaredTransform] = (),
     handle: Any = None,
     skips_ordinary_load: bool = False,
+    names: Names | None = None,
 ) -> Preflight:
     """Check `dit` (meta or materialized) against the entry; map it when every check passes.
 
     `transforms` are loader-owned adapters (a stored tensor viewed in the runtime shape).
     `handle` is the entry's open `EntryHandle`; the accepted plan's mapping owns it, a rejected
-    preflight leaves it with the caller.
+    preflight leaves it with the caller. `names` spells the settings in the reason (default: as
+    the settings' origin says, `validation.names_for`).
     """
-    reason = settings_reason(settings)
+    reason = settings_reason(settings, names or names_for(settings))
     if reason is None:
         try:
             sources = locate_sources(entry_dir, component)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from dlo_contract.documents import DocumentError, EntryDocument
 from dlo_contract.errors import PermanentError
+from dlo_contract.field_names import Names, document_names
 from dlo_contract.names import DEFAULT_ENTRY_FILE, ENTRY_FILE_ENV, ENTRY_WAIT_ENV
 
 log = logging.getLogger(__name__)
@@ -65,11 +66,13 @@ def wait_seconds() -> float:
 
 
 def wait_for_entry_file(path: str | os.PathLike[str] | None = None, *,
-                        timeout_s: float | None = None, quiet: bool = False) -> EntryRef | None:
+                        timeout_s: float | None = None, quiet: bool = False,
+                        names: Names = document_names) -> EntryRef | None:
     """`read_entry_file`, waiting up to `timeout_s` (default `wait_seconds()`) for the document
     to appear: the pod's loader sidecar writes it once the entry is published. None when nothing
     is to be waited for and there is no file; past the deadline, an error naming the file. A
-    `quiet` wait (the read-ahead's, beside the server's own) logs nothing."""
+    `quiet` wait (the read-ahead's, beside the server's own) logs nothing; `names` spells the
+    settings in the error."""
     timeout_s = wait_seconds() if timeout_s is None else timeout_s
     entry = read_entry_file(path)
     if entry is not None or timeout_s <= 0:
@@ -84,7 +87,8 @@ def wait_for_entry_file(path: str | os.PathLike[str] | None = None, *,
                 f"no entry file at {where} after {waited:.0f} s: the loader has not published "
                 "the checkpoint",
                 hint="see the loader's log (`kubectl logs POD -c loader`) and the "
-                     "DiffusionOffloadDeployment's status; loader.timeoutSeconds bounds the wait")
+                     f"DiffusionOffloadDeployment's status; {names('loader.timeout_s')} bounds "
+                     "the wait")
         if not quiet and time.monotonic() >= next_line:
             log.info("waiting for the loader to publish %s (%.0f s of %.0f s)", where, waited,
                      timeout_s)

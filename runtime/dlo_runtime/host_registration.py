@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from dlo_contract.errors import PermanentError
+from dlo_contract.field_names import Names, document_names
 from dlo_runtime.host_weight_plan import HostWeightPlan
 
 logger = logging.getLogger(__name__)
@@ -133,10 +134,11 @@ class LiveRegistration:
 
 
 def register_plan(plan: HostWeightPlan, *, budget_bytes: int, backend: PlatformBackend,
-                  budget_setting: str = "offload.runtime_cache_pin_limit_gib") -> Outcome:
+                  names: Names = document_names) -> Outcome:
     """Register every view of `plan` or none. On success the plan reports `sources_pinned`;
     otherwise it keeps its staging path and `Outcome.reason` says why (naming the budget's
-    setting as `budget_setting`, the way the user wrote it)."""
+    setting through `names`, the way the user wrote it)."""
+    budget_setting = names("offload.runtime_cache_pin_limit_gib")
     views = plan.source_views()
     spans = [(b.file, views[b.name].data_ptr(), views[b.name].nbytes) for b in plan.bindings]
     ranges = plan_ranges(spans)

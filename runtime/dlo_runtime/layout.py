@@ -6,7 +6,7 @@ padded so that it splits into `shard_count` equal, aligned shards (one per rank 
 group); and the placement of many such parts in one host arena per dtype. Called by the backend
 and the host sources when they build their buffers; it allocates nothing.
 
-[Note: dtype order] `sizes` and `shard_sizes` are built in `dtype_order` (a sort by name), and
+[Note: dtype order] `numels` and `shard_numels` are built in `dtype_order` (a sort by name), and
 every loop over a block's dtypes iterates them, so that all ranks issue their per-dtype
 collectives in the same order.
 """
@@ -59,16 +59,17 @@ class BlockLayout:
     path: str
     entries: tuple[Entry, ...]
     """In the block's `named_parameters()` then `named_buffers()` order."""
-    sizes: dict[torch.dtype, int]
+    numels: dict[torch.dtype, int]
     """Padded elements per dtype, in `dtype_order`: a multiple of `shard_count` aligned shards."""
-    shard_sizes: dict[torch.dtype, int]
-    """Elements of one rank's shard per dtype (`sizes / shard_count`), same order."""
+    shard_numels: dict[torch.dtype, int]
+    """Elements of one rank's shard per dtype (`numels / shard_count`), same order."""
     shard_count: int
+    """Ranks the block is split over (G), one shard each."""
 
     @property
     def nbytes(self) -> int:
         """Bytes of the padded flat buffers: what one device slot needs for this block."""
-        return sum(size * dtype.itemsize for dtype, size in self.sizes.items())
+        return sum(size * dtype.itemsize for dtype, size in self.numels.items())
 
     @property
     def tensor_bytes(self) -> int:
@@ -107,8 +108,8 @@ def build_layout(
     return BlockLayout(
         path=path,
         entries=tuple(entries),
-        sizes={dtype: shard * shard_count for dtype, shard in shards.items()},
-        shard_sizes=shards,
+        numels={dtype: shard * shard_count for dtype, shard in shards.items()},
+        shard_numels=shards,
         shard_count=shard_count,
     )
 
@@ -117,7 +118,7 @@ def slot_sizes(layouts: Sequence[BlockLayout]) -> dict[torch.dtype, int]:
     """Elements per dtype a device slot needs to hold any of `layouts`."""
     sizes: dict[torch.dtype, int] = {}
     for layout in layouts:
-        for dtype, size in layout.sizes.items():
+        for dtype, size in layout.numels.items():
             sizes[dtype] = max(sizes.get(dtype, 0), size)
     return {dtype: sizes[dtype] for dtype in dtype_order(sizes)}
 

@@ -49,7 +49,7 @@ class OnDemandModules:
         self.tensors = tensors
         """Per module, the Parameter and buffer objects, in layout order."""
         self.streams = streams
-        self.arena, self.host = host_arena(streams, [layout.sizes for layout in layouts])
+        self.arena, self.host = host_arena(streams, [layout.numels for layout in layouts])
         """`host[module][dtype]`: the module's packed tensors, a view into `arena`."""
         for layout, flats in zip(layouts, self.host):
             for view, entry in zip(views(layout, flats), layout.entries):
@@ -91,7 +91,7 @@ class OnDemandModules:
         device = self.streams.device
         flats = {
             dtype: torch.empty(size, dtype=dtype, device=device)
-            for dtype, size in layout.sizes.items()
+            for dtype, size in layout.numels.items()
         }
         for dtype, flat in flats.items():
             # Current (compute) stream: the module's kernels are queued after this copy, and the

@@ -14,8 +14,9 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
+from dlo_contract.field_names import Names
 from dlo_contract.settings import Settings
-from dlo_contract.validation import names_for, select_group
+from dlo_contract.validation import select_group
 from dlo_runtime.tensors import OffloadError
 
 
@@ -40,17 +41,18 @@ class Placement:
 RANK_LOCAL = Placement("none", None, 0, 1)
 
 
-def resolve_placement(settings: Settings, *, group: Any = None,
+def resolve_placement(settings: Settings, *, names: Names, group: Any = None,
                       groups: Mapping[str, Any] | None = None) -> Placement:
-    """The placement the (validated) settings select, over `group`, else `groups[kind]`, else the
-    default group when it is exactly the group the settings describe."""
+    """The placement the (validated) settings select (`validation.select_group`, the one
+    decision), over `group`, else `groups[kind]`, else the default group when it is exactly the
+    group the settings describe. Errors name the settings through `names`."""
     choice = select_group(settings)
-    name = names_for(settings)
+    name = names
     if group is None and groups and choice.kind != "none":
         group = groups.get(choice.kind)
     size = dist.get_world_size(group) if group is not None else 1
-    if choice.shard_size == 1:
-        if group is not None and size > 1 and settings.offload.use_allgather:
+    if choice.shard_count == 1:
+        if group is not None and size > 1 and choice.allgather_asked:
             p = settings.parallel
             raise OffloadError(
                 f"the group passed has {size} ranks, but {name('parallel.dp')}={p.dp} and "
@@ -60,20 +62,20 @@ def resolve_placement(settings: Settings, *, group: Any = None,
             )
         return RANK_LOCAL
     if group is None:
-        if not dist.is_initialized() or dist.get_world_size() != choice.shard_size:
+        if not dist.is_initialized() or dist.get_world_size() != choice.shard_count:
             raise OffloadError(
                 f"the settings select the existing {choice.kind.upper()} group of "
-                f"{choice.shard_size} ranks for DLO AllGather, but no group was passed and "
+                f"{choice.shard_count} ranks for DLO AllGather, but no group was passed and "
                 "the default group is not that group",
                 hint=f"pass the existing group as group=, or set "
                      f"{name('offload.use_allgather')}=false",
             )
         group = dist.group.WORLD
         size = dist.get_world_size()
-    if size != choice.shard_size:
+    if size != choice.shard_count:
         raise OffloadError(
             f"the group passed has {size} ranks, but {name(f'parallel.{choice.kind}')}="
-            f"{choice.shard_size} selects a DLO group of {choice.shard_size}",
+            f"{choice.shard_count} selects a DLO group of {choice.shard_count}",
             hint=f"pass the {choice.kind.upper()} group, or fix {name(f'parallel.{choice.kind}')}",
         )
     return Placement(choice.kind, group, dist.get_rank(group), size)

@@ -51,6 +51,7 @@ from dlo_runtime.misuse import refuse_misuse, refuse_unbacked
 from dlo_runtime.placement import resolve_placement
 from dlo_runtime.run_stats import RESIDENT, OffloadStats
 from dlo_runtime.runtime_weight_cache import RuntimeLayout, load_runtime_plan
+from dlo_contract.field_names import Names
 from dlo_contract.settings import GIB, Settings, load_settings
 from dlo_contract.validation import names_for, validate
 
@@ -63,7 +64,8 @@ def build_dit(model_cls: Any, *, component: str = "transformer", dtype: torch.dt
     the pod's entry accepts it, so `enable()` backs it with the mapping; otherwise loaded
     ordinarily from the entry with `from_pretrained`."""
     settings = _validated(settings)
-    entry = wait_for_entry_file(entry_file)
+    names = names_for(settings)
+    entry = wait_for_entry_file(entry_file, names=names)
     if entry is None:
         raise PodError(f"no entry file at {entry_file_path(entry_file)}",
                        hint="run the loader (`dlo cache fill`) first, or load the DiT yourself")
@@ -71,7 +73,8 @@ def build_dit(model_cls: Any, *, component: str = "transformer", dtype: torch.dt
     folder = entry.path / component
     dit = checkpoint_plan.build_meta_dit(model_cls, folder, dtype)
     if settings.offload.enabled:
-        result = checkpoint_plan.preflight(entry.path, dit, settings, component=component)
+        result = checkpoint_plan.preflight(entry.path, dit, settings, component=component,
+                                           names=names)
         if result.plan is not None:
             result.plan.close()
             return dit
@@ -161,11 +164,12 @@ def enable(target: Any, *, device: str | torch.device | None = None,
     from dlo_runtime.backend import DistributedLayerwiseOffloadBackend
 
     settings = _validated(settings)
+    names = names_for(settings)  # the runtime's one namer, handed to all that writes messages
     torch_device = _device(device)
     if not settings.offload.enabled:
-        return _keep_resident(target, settings, torch_device)
-    placement = resolve_placement(settings, groups=groups)
-    entry = wait_for_entry_file(entry_file)
+        return _keep_resident(target, settings, torch_device, names)
+    placement = resolve_placement(settings, names=names, groups=groups)
+    entry = wait_for_entry_file(entry_file, names=names)
     layout = layout or RuntimeLayout(tp_size=settings.parallel.tp, sp_size=settings.parallel.sp,
                                      source=entry.entry_id if entry else "")
     handle = OffloadHandle(torch_device, [])
@@ -175,11 +179,11 @@ def enable(target: Any, *, device: str | torch.device | None = None,
         refuse_misuse(dit, host_plan=True)
     try:
         for component, dit in dits:
-            plan = _host_plan(component, dit, settings, entry, layout, torch_device)
+            plan = _host_plan(component, dit, settings, entry, layout, torch_device, names)
             try:
                 backend = DistributedLayerwiseOffloadBackend(
                     dit, settings=settings, device=torch_device, host_plan=plan,
-                    placement=placement)
+                    placement=placement, names=names)
             except BaseException:
                 if plan is not None:  # not the handle's yet: its close() would not see it
                     plan.close()
@@ -197,7 +201,8 @@ def enable(target: Any, *, device: str | torch.device | None = None,
     return handle
 
 
-def _keep_resident(target: Any, settings: Settings, device: torch.device) -> OffloadHandle:
+def _keep_resident(target: Any, settings: Settings, device: torch.device,
+                   names: Names) -> OffloadHandle:
     """Offload disabled: the DiTs move to `device` whole (unless the settings leave their
     placement to the server's own CPU offload), no backend is built, and the handle's `close()`
     has nothing to undo."""
@@ -210,7 +215,7 @@ def _keep_resident(target: Any, settings: Settings, device: torch.device) -> Off
         for _, dit in dits:
             dit.to(device)
     components = tuple(component for component, _ in dits)
-    logger.info("dlo: %s=false: %s %s, nothing streams", names_for(settings)("offload.enabled"),
+    logger.info("dlo: %s=false: %s %s, nothing streams", names("offload.enabled"),
                 ", ".join(components), "left to the server's CPU offload" if server_offloads
                 else f"resident on {device}")
     return OffloadHandle(device, [], resident=components)
@@ -231,12 +236,12 @@ def _device(device: str | torch.device | None) -> torch.device:
 
 
 def _host_plan(component: str, dit: nn.Module, settings: Settings, entry: EntryRef | None,
-               layout: RuntimeLayout, device: torch.device) -> HostWeightPlan | None:
+               layout: RuntimeLayout, device: torch.device, names: Names) -> HostWeightPlan | None:
     """Checkpoint plan for a weightless DiT, runtime-cache plan when enabled, else None."""
     weightless = any(p.is_meta for p in dit.parameters())
     if weightless:
-        return _checkpoint_plan(component, dit, settings, entry)
-    result = load_runtime_plan(dit, settings, layout)
+        return _checkpoint_plan(component, dit, settings, entry, names)
+    result = load_runtime_plan(dit, settings, layout, names=names)
     if result.plan is None:
         logger.info("%s keeps its ordinary tensors: %s", component, result.reason)
         return None
@@ -246,19 +251,19 @@ def _host_plan(component: str, dit: nn.Module, settings: Settings, entry: EntryR
 
         register_plan(result.plan, budget_bytes=int(limit * GIB),
                       backend=CudaRegistrationBackend(device.index or 0),
-                      budget_setting=names_for(settings)("offload.runtime_cache_pin_limit_gib"))
+                      names=names)
     return result.plan
 
 
 def _checkpoint_plan(component: str, dit: nn.Module, settings: Settings,
-                     entry: EntryRef | None) -> HostWeightPlan:
+                     entry: EntryRef | None, names: Names) -> HostWeightPlan:
     if entry is None:
         raise PodError(f"{component} has no weights (meta parameters) and no entry file names a "
                        "checkpoint to map", hint="build it with pod.build_dit() in a pod that ran "
                                                  "the loader")
     handle = open_entry(entry.root, entry.entry_id, verify=settings.cache.verify)
     result = checkpoint_plan.preflight(handle.path, dit, settings, component=component,
-                                       handle=handle, skips_ordinary_load=True)
+                                       handle=handle, skips_ordinary_load=True, names=names)
     if result.plan is None:
         handle.close()
         raise PodError(f"{component} was built without weights but its checkpoint plan was "

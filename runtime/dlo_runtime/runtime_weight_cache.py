@@ -28,6 +28,7 @@ from dlo_contract.errors import DloError, PermanentError
 from dlo_runtime.host_weight_plan import BackingKind, HostWeightPlan, TensorBinding, runtime_tensors
 from dlo_runtime.mapping import MappedEntry, read_header, write_safetensors
 from dlo_contract.settings import GIB, Settings
+from dlo_contract.field_names import Names, document_names
 
 logger = logging.getLogger(__name__)
 
@@ -125,15 +126,14 @@ def content_digest(tensors: Mapping[str, torch.Tensor]) -> str:
 
 def load_runtime_plan(
     dit: torch.nn.Module, settings: Settings, layout: RuntimeLayout, *,
-    shard_bytes: int = SHARD_BYTES,
+    shard_bytes: int = SHARD_BYTES, names: Names = document_names,
 ) -> RuntimeCacheResult:
-    """Publish or join the runtime entry of `dit`'s final tensors and return a plan over it."""
-    offload = settings.offload
-    if not offload.enable_runtime_cache:
-        return RuntimeCacheResult(None, "the runtime cache is off (offload.enable_runtime_cache)")
-    if offload.use_allgather:
-        return RuntimeCacheResult(None, "the runtime cache serves rank-local transfer only "
-                                        "(offload.use_allgather=true)")
+    """Publish or join the runtime entry of `dit`'s final tensors and return a plan over it.
+    `settings` are validated: a runtime cache that is on serves rank-local blocks (the
+    `runtime-cache-allgather` rule). `names` spells the settings in the reason."""
+    if not settings.offload.enable_runtime_cache:
+        return RuntimeCacheResult(
+            None, f"the runtime cache is off ({names('offload.enable_runtime_cache')})")
     tensors = {name: t.detach() for name, t in runtime_tensors(dit).items()}
     problem = layout_problem(tensors, dit)
     if problem:

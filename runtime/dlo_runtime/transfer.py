@@ -74,7 +74,7 @@ class ShardStore:
         self.streams = streams
         self.group = group
         self.rank = rank
-        self.arena, self.shards = host_arena(streams, [layout.shard_sizes for layout in layouts])
+        self.arena, self.shards = host_arena(streams, [layout.shard_numels for layout in layouts])
         """`shards[block][dtype]`: this rank's part of the block, a view into `arena`."""
         for index in range(len(layouts)):
             self._fill(index, sources)
@@ -83,10 +83,10 @@ class ShardStore:
         """Copy the part of each tensor of block `index` that falls in this rank's shard."""
         layout = self.layouts[index]
         for entry in layout.entries:
-            shard_size = layout.shard_sizes[entry.meta.dtype]
-            lo = self.rank * shard_size
+            shard_numel = layout.shard_numels[entry.meta.dtype]
+            lo = self.rank * shard_numel
             start = max(entry.offset, lo)
-            stop = min(entry.offset + entry.meta.numel, lo + shard_size)
+            stop = min(entry.offset + entry.meta.numel, lo + shard_numel)
             if start >= stop:
                 continue
             flat = sources[entry.meta.name].reshape(-1)
@@ -102,7 +102,7 @@ class ShardStore:
         layout = self.layouts[index]
         with self.streams.on(self.streams.copy):
             _wait_reusable(self.streams, slot)
-            for dtype, size in layout.shard_sizes.items():
+            for dtype, size in layout.shard_numels.items():
                 part = slot.flats[dtype].narrow(0, self.rank * size, size)
                 part.copy_(self.shards[index][dtype], non_blocking=True)
             # staged: the AllGather below reads this rank's part only after its copy lands.
@@ -114,7 +114,7 @@ class ShardStore:
         with self.streams.on(self.streams.comm):
             # staged: gathering before the shard's copy lands would send stale bytes.
             self.streams.comm.wait_event(slot.staged)
-            for dtype, size in layout.shard_sizes.items():  # [Note: dtype order]
+            for dtype, size in layout.shard_numels.items():  # [Note: dtype order]
                 whole = slot.flats[dtype].narrow(0, 0, size * layout.shard_count)
                 part = whole.narrow(0, self.rank * size, size)
                 dist.all_gather_single(
@@ -158,7 +158,7 @@ class StagedSource:
             target.copy_(source)
         with self.streams.on(self.streams.copy):
             _wait_reusable(self.streams, slot)
-            for dtype, size in layout.sizes.items():
+            for dtype, size in layout.numels.items():
                 slot.flats[dtype].narrow(0, 0, size).copy_(
                     staging[dtype].narrow(0, 0, size), non_blocking=True
                 )

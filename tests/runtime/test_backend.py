@@ -16,6 +16,7 @@ from dlo_bench.models import example_inputs, tiny_model
 from dlo_runtime.backend import DistributedLayerwiseOffloadBackend, host_bytes
 from dlo_runtime.offload_plan import OffloadPlanError
 from dlo_contract.settings import Settings, SettingsError
+from dlo_contract.validation import names_for
 from dlo_runtime.tensors import OffloadError
 from dlo_runtime.transfer import ShardStore
 
@@ -170,7 +171,7 @@ def test_a_model_declaring_its_own_plan_with_heterogeneous_blocks() -> None:
         assert [layout.path for layout in backend.layouts] == [
             "stem.1", "stem.2", "head.0", "head.1",
         ]
-        assert set(backend.layouts[0].sizes) == {torch.float32, torch.float64}
+        assert set(backend.layouts[0].numels) == {torch.float32, torch.float64}
         assert backend.slot_bytes == 2 * max(layout.nbytes for layout in backend.layouts)
         assert backend.slot_bytes == 2 * backend.layouts[0].nbytes
         assert torch.equal(forward(model, {"x": x}), expected)
@@ -317,8 +318,8 @@ def test_settings_rendered_from_a_cr_are_named_as_the_cr_writes_them() -> None:
             device="cpu")
     assert caught.value.hint.endswith("or set spec.offload.useAllgather=false")
     from dlo_runtime.checkpoint_plan import settings_reason
-    reason = settings_reason(Settings.from_dict({"parallel": {"tp": 2}}).model_copy(
-        update=from_cr))
+    tp2 = Settings.from_dict({"parallel": {"tp": 2}}).model_copy(update=from_cr)
+    reason = settings_reason(tp2, names_for(tp2))
     assert reason is not None and "(spec.parallel.tp=2)" in reason
 
 

@@ -34,10 +34,10 @@ def test_offsets_and_shards_are_aligned(shards: int) -> None:
     for entry in layout.entries:
         itemsize = torch.empty((), dtype=entry.meta.dtype).element_size()
         assert entry.offset * itemsize % ALIGN_BYTES == 0
-    for dtype, shard in layout.shard_sizes.items():
+    for dtype, shard in layout.shard_numels.items():
         itemsize = torch.empty((), dtype=dtype).element_size()
         assert shard * itemsize % ALIGN_BYTES == 0
-        assert layout.sizes[dtype] == shard * shards
+        assert layout.numels[dtype] == shard * shards
     assert [e.offset for e in layout.entries] == [0, 0, 16, 0]
     assert layout.tensor_bytes == 15 * 4 + 7 * 2 + 11 * 4 + 4 * 8
 
@@ -46,7 +46,7 @@ def test_dtype_order_is_the_same_everywhere() -> None:
     assert dtype_order([torch.float32, torch.bfloat16, torch.float64, torch.float32]) == [
         torch.bfloat16, torch.float32, torch.float64,
     ]
-    assert list(build_layout("b", METAS, 2).sizes) == [
+    assert list(build_layout("b", METAS, 2).numels) == [
         torch.bfloat16, torch.float32, torch.float64,
     ]
 
@@ -54,12 +54,12 @@ def test_dtype_order_is_the_same_everywhere() -> None:
 def test_slot_sizes_take_the_largest_block_per_dtype() -> None:
     small = build_layout("a", [TensorMeta("a.w", (4,), torch.float32)], 1)
     large = build_layout("b", METAS, 1)
-    assert slot_sizes([small, large]) == large.sizes
+    assert slot_sizes([small, large]) == large.numels
 
 
 def test_views_share_the_flat_buffers() -> None:
     layout = build_layout("b", METAS, 1)
-    flats = {dtype: torch.arange(size).to(dtype) for dtype, size in layout.sizes.items()}
+    flats = {dtype: torch.arange(size).to(dtype) for dtype, size in layout.numels.items()}
     made = views(layout, flats)
     assert [tuple(v.shape) for v in made] == [(3, 5), (7,), (11,), (2, 2)]
     assert made[2][0].item() == 16

@@ -151,10 +151,10 @@ def test_memory_limit_must_hold_two_chunks() -> None:
 @pytest.mark.parametrize(
     ("allgather", "topology", "expected"),
     [
-        (True, dict(dp=4, sp=2, tp=2), GroupChoice("dp", 4)),
-        (True, dict(dp=1, sp=2, tp=2), GroupChoice("sp", 2)),
-        (True, dict(tp=8), GroupChoice("none", 1)),
-        (True, dict(), GroupChoice("none", 1)),
+        (True, dict(dp=4, sp=2, tp=2), GroupChoice("dp", 4, allgather_asked=True)),
+        (True, dict(dp=1, sp=2, tp=2), GroupChoice("sp", 2, allgather_asked=True)),
+        (True, dict(tp=8), GroupChoice("none", 1, allgather_asked=True)),
+        (True, dict(), GroupChoice("none", 1, allgather_asked=True)),
         (False, dict(dp=4, sp=2), GroupChoice("none", 1)),
         (False, dict(sp=4), GroupChoice("none", 1)),
     ],
@@ -162,4 +162,4 @@ def test_memory_limit_must_hold_two_chunks() -> None:
 def test_group_selection_dp_else_sp_never_tp(allgather, topology, expected) -> None:
     choice = select_group(make(allgather, **topology))
     assert choice == expected
-    assert choice.uses_allgather == (expected.shard_size > 1)
+    assert choice.uses_allgather == (expected.shard_count > 1)

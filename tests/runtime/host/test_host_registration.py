@@ -20,6 +20,7 @@ from dlo_runtime.host_registration import (
 )
 from dlo_runtime.host_weight_plan import HostWeightPlan
 from dlo_runtime.mapping import MappedEntry
+from dlo_contract.validation import cr_names
 
 
 class Handle:
@@ -82,7 +83,7 @@ def test_over_budget_makes_no_platform_call_and_keeps_staging(
         flux_layout: Path, fake: FakeCudart) -> None:
     plan = mapped_plan(flux_layout, fake)
     outcome = register_plan(plan, budget_bytes=PAGE, backend=backend(fake),
-                            budget_setting="spec.offload.runtimeCachePinLimitGiB")
+                            names=cr_names)
     assert not outcome.registered
     assert outcome.reason == (
         f"registration needs {outcome.bytes} bytes, more than the budget of {PAGE} bytes "
