@@ -34,7 +34,7 @@ from dlo_contract.cache.errors import (
     CacheSpaceError,
     remove_command,
 )
-from dlo_contract.cache.evict import EntryInfo, evict, list_entries, make_room, remove_entry
+from dlo_contract.cache.evict import EntryInfo, evict, list_entries, remove_entry
 from dlo_contract.cache.identity import (
     ObjectIdentity,
     canonical_json,
@@ -45,6 +45,8 @@ from dlo_contract.cache.identity import (
 from dlo_contract.cache.layout import MANIFEST_NAME, CacheRoot, safe_relpath
 from dlo_contract.cache.manifest import MANIFEST_SCHEMA_VERSION, FileRecord, Manifest, read_manifest
 from dlo_contract.cache.publish import Publication, begin_publication, publish_entry
+from dlo_contract.cache.reservation import FillInProgress, in_progress
+from dlo_contract.cache.room import RoomLimits, make_room
 
 __all__ = [
     "CHUNKED_THRESHOLD",
@@ -59,10 +61,12 @@ __all__ = [
     "EntryHandle",
     "EntryInfo",
     "FileRecord",
+    "FillInProgress",
     "Manifest",
     "ObjectIdentity",
     "Problem",
     "Publication",
+    "RoomLimits",
     "begin_publication",
     "canonical_json",
     "checkpoint_identity",
@@ -77,6 +81,7 @@ __all__ = [
     "file_record",
     "find_entry",
     "hexdigest",
+    "in_progress",
     "list_entries",
     "make_room",
     "open_entry",

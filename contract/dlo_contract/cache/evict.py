@@ -1,13 +1,13 @@
 """Listing entries and evicting the least recently used ones.
 
 Owns the cache's housekeeping: `list_entries` (kind, bytes, last use, in use), `evict` (LRU
-removal until the root is under its byte limit and above its free-space floor, never touching an
-entry whose `.use` lock is held or whose id is being published), `make_room` (the same, counting
-an entry about to be written, and an error naming the entries in use when it still cannot fit),
-`limits_hold` (the one limit check, also `dlo cache gc`'s verdict) and the sweep of leftovers
-whose owner is gone (tmp dirs, lock files of vanished entries). Called
-by `dlo cache gc`, `dlo cache ls` and by the loader before every fill. Must not write entries or decide what a valid entry is (that is
-`manifest` and `check`).
+removal until the root is under its byte limit and above its free-space floor, counting an
+entry about to be written and the publications in progress, never touching an entry whose
+`.use` lock is held or whose id is being published), `limits_hold` (the one limit check, also
+`dlo cache gc`'s verdict) and the sweep of leftovers whose owner is gone (tmp dirs, lock files
+of vanished entries, reservations of dead publishers). Called by `dlo cache gc`, `dlo cache ls`
+and by `room` before every publication. Must not write entries or decide what a valid entry is
+(that is `manifest` and `check`), nor whether a publication may start (that is `room`).
 
 Last use is the mtime of `locks/<id>.use`, touched by every `open_entry`; an entry never opened
 counts from its publication.
@@ -18,16 +18,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from dlo_contract.cache import locks
 from dlo_contract.cache.entry import RootLike
-from dlo_contract.cache.errors import CacheCorruptError, CacheSpaceError
+from dlo_contract.cache.errors import CacheCorruptError
 from dlo_contract.cache.fsutil import free_bytes, fsync_dir, remove_tree, tree_bytes
 from dlo_contract.cache.layout import CacheRoot, check_entry_id, is_entry_id
 from dlo_contract.cache.manifest import read_manifest
-from dlo_contract.field_names import Names, document_names
+from dlo_contract.cache.reservation import FillInProgress, reclaim_dead
 
 log = logging.getLogger(__name__)
 INVALID_KIND = "invalid"
@@ -80,22 +80,28 @@ def list_entries(root: RootLike) -> list[EntryInfo]:
     return sorted(infos, key=lambda info: (info.last_used, info.entry_id))
 
 
-def _over_limits(cache: CacheRoot, total: int, max_bytes: int, min_free_bytes: int,
-                 incoming_bytes: int = 0) -> bool:
-    if max_bytes > 0 and total + incoming_bytes > max_bytes:
+def over_limits(cache: CacheRoot, total: int, max_bytes: int, min_free_bytes: int,
+                 incoming_bytes: int = 0, others: Sequence[FillInProgress] = ()) -> bool:
+    """Whether `total` bytes of entries, plus `incoming_bytes` and what the publications in
+    progress (`others`) reserved, break `max_bytes`, or the free space less what all of them
+    have yet to write breaks `min_free_bytes`: the one limit check."""
+    reserved = sum(other.bytes for other in others)
+    if max_bytes > 0 and total + incoming_bytes + reserved > max_bytes:
         return True
     if min_free_bytes <= 0 and incoming_bytes <= 0:
         return False
-    return free_bytes(cache.entries) - incoming_bytes < min_free_bytes
+    unwritten = sum(other.unwritten for other in others)
+    return free_bytes(cache.entries) - incoming_bytes - unwritten < min_free_bytes
 
 
 def evict(
     root: RootLike, *, max_bytes: int, min_free_bytes: int, keep: Iterable[str] = (),
-    incoming_bytes: int = 0,
+    incoming_bytes: int = 0, others: Sequence[FillInProgress] = (),
 ) -> list[str]:
     """Remove least recently used entries (invalid ones first) until the total plus
-    `incoming_bytes` (an entry about to be written) is at most `max_bytes` (0: no limit) and at
-    least `min_free_bytes` stay free once it is written (0: no floor). Entries in use, being
+    `incoming_bytes` (an entry about to be written) and the reservations of `others`
+    (publications in progress) is at most `max_bytes` (0: no limit) and at least
+    `min_free_bytes` stay free once all are written (0: no floor). Entries in use, being
     published, or listed in `keep` stay. Returns the removed ids in removal order."""
     cache = CacheRoot.of(root)
     if not cache.entries.is_dir():
@@ -106,13 +112,13 @@ def evict(
     total = sum(info.bytes for info in infos)
     removed: list[str] = []
     for info in sorted(infos, key=lambda i: (i.kind != INVALID_KIND, i.last_used, i.entry_id)):
-        if not _over_limits(cache, total, max_bytes, min_free_bytes, incoming_bytes):
+        if not over_limits(cache, total, max_bytes, min_free_bytes, incoming_bytes, others):
             break
         if info.entry_id in kept or not remove_entry(cache, info.entry_id):
             continue
         total -= info.bytes
         removed.append(info.entry_id)
-    if _over_limits(cache, total, max_bytes, min_free_bytes, incoming_bytes):
+    if over_limits(cache, total, max_bytes, min_free_bytes, incoming_bytes, others):
         log.warning(
             "cache %s still holds %d bytes with %d bytes free after eviction (%d incoming); "
             "the rest is in use", cache.path, total, free_bytes(cache.entries), incoming_bytes,
@@ -126,43 +132,7 @@ def limits_hold(root: RootLike, *, max_bytes: int, min_free_bytes: int,
     limit) and leave `min_free_bytes` free (0: no floor): the check `evict` stops at."""
     cache = CacheRoot.of(root)
     total = sum(info.bytes for info in list_entries(cache))
-    return not _over_limits(cache, total, max_bytes, min_free_bytes, incoming_bytes)
-
-
-def make_room(
-    root: RootLike, entry_id: str, *, incoming_bytes: int, max_bytes: int, min_free_bytes: int,
-    names: Names = document_names,
-) -> list[str]:
-    """Evict until `entry_id` (`incoming_bytes`) fits within the limits, or raise
-    `CacheSpaceError` naming the entries in use that keep it from fitting, and the settings as
-    `names` spells them. Returns the removed ids. The loader calls it before every fill, so no
-    node needs a person to run the gc."""
-    cache = CacheRoot.of(root)
-    if max_bytes > 0 and incoming_bytes > max_bytes:
-        raise CacheSpaceError(
-            f"cache entry {entry_id} needs {incoming_bytes} bytes, more than "
-            f"{names('cache.max_bytes')}={max_bytes} allows even in an empty cache",
-            needed_bytes=incoming_bytes,
-            free_bytes=free_bytes(cache.path) if cache.path.exists() else 0,
-            hint=f"raise {names('cache.max_bytes')} (0 means no limit) or narrow "
-                 f"{names('loader.include')}")
-    cache.ensure()
-    removed = evict(cache, max_bytes=max_bytes, min_free_bytes=min_free_bytes,
-                    keep=(entry_id,), incoming_bytes=incoming_bytes)
-    infos = [i for i in list_entries(cache) if i.entry_id != entry_id]
-    total = sum(info.bytes for info in infos)
-    if not _over_limits(cache, total, max_bytes, min_free_bytes, incoming_bytes):
-        return removed
-    free = free_bytes(cache.entries)
-    in_use = ", ".join(f"{i.entry_id} ({i.bytes} bytes)" for i in infos if i.in_use) or "none"
-    raise CacheSpaceError(
-        f"no room for cache entry {entry_id} ({incoming_bytes} bytes) in {cache.path}: "
-        f"{total} bytes in entries ({names('cache.max_bytes')}={max_bytes}), {free} bytes free "
-        f"({names('cache.min_free_bytes')}={min_free_bytes}) after evicting {len(removed)} "
-        f"unused entries; in use: {in_use}",
-        needed_bytes=incoming_bytes + max(min_free_bytes, 0), free_bytes=free,
-        hint=f"stop the pods that map the entries in use, raise {names('cache.max_bytes')}, "
-             "or enlarge the volume")
+    return not over_limits(cache, total, max_bytes, min_free_bytes, incoming_bytes)
 
 
 def remove_entry(root: RootLike, entry_id: str) -> bool:
@@ -197,6 +167,7 @@ def sweep_leftovers(root: RootLike) -> None:
     """Remove tmp dirs whose writer is gone and lock files of entries that no longer exist.
     Each removal happens under the id's `.publish` lock, as the publication protocol requires."""
     cache = CacheRoot.of(root)
+    reclaim_dead(cache)
     ids = {path.name.split(".", 1)[0] for path in cache.tmp_dirs()}
     with contextlib.suppress(FileNotFoundError):
         ids |= {name.rsplit(".", 1)[0] for name in os.listdir(cache.locks)}

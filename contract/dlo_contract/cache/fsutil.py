@@ -1,7 +1,7 @@
 """Small filesystem primitives the cache needs in several places.
 
-Owns directory fsync, whole-tree removal, free-space and tree-size measurement. Called by
-`publish` and `evict`. Must not know about entries, manifests or locks.
+Owns directory fsync, whole-tree removal, free-space, tree-size and allocation measurement.
+Called by `publish`, `evict` and `reservation`. Must not know about entries, manifests or locks.
 """
 
 from __future__ import annotations
@@ -61,4 +61,18 @@ def tree_bytes(path: Path) -> int:
             except FileNotFoundError:
                 continue
             total += info.st_size
+    return total
+
+
+def allocated_bytes(path: Path) -> int:
+    """Disk space the regular files under `path` take now (their allocated blocks: a file
+    preallocated at its full size counts in full, a sparse one only where written)."""
+    total = 0
+    for dirpath, _, filenames in os.walk(path):
+        for name in filenames:
+            try:
+                info = os.lstat(os.path.join(dirpath, name))
+            except FileNotFoundError:
+                continue
+            total += info.st_blocks * 512
     return total

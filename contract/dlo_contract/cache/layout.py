@@ -1,9 +1,9 @@
 """Where things live under a cache root, and which names may live there.
 
-Owns the on-disk layout of format v1 (`<root>/v1/{entries,tmp,locks}`), the entry-id syntax and
-`safe_relpath`, the one check that keeps file names inside an entry. Every other cache module
-builds paths through `CacheRoot`; the loader calls `safe_relpath` on object keys. Must not read
-or write entry contents, take locks or decide anything about validity.
+Owns the on-disk layout of format v1 (`<root>/v1/{entries,tmp,locks,reservations}`), the
+entry-id syntax and `safe_relpath`, the one check that keeps file names inside an entry. Every
+other cache module builds paths through `CacheRoot`; the loader calls `safe_relpath` on object
+keys. Must not read or write entry contents, take locks or decide anything about validity.
 """
 
 from __future__ import annotations
@@ -52,9 +52,20 @@ class CacheRoot:
     def locks(self) -> Path:
         return self.base / "locks"
 
+    @property
+    def reservations(self) -> Path:
+        """One file per publication in progress: the bytes it will add (see `reservation`)."""
+        return self.base / "reservations"
+
+    @property
+    def room_lock(self) -> Path:
+        """Held while a publication decides whether its entry fits and reserves its bytes (a
+        dot name: never read as a reservation)."""
+        return self.reservations / ".lock"
+
     def ensure(self) -> None:
-        """Create the three directories (idempotent; racing creators are fine)."""
-        for directory in (self.entries, self.tmp, self.locks):
+        """Create the four directories (idempotent; racing creators are fine)."""
+        for directory in (self.entries, self.tmp, self.locks, self.reservations):
             directory.mkdir(parents=True, exist_ok=True)
 
     def entry_dir(self, entry_id: str) -> Path:

@@ -1,12 +1,13 @@
 """Publishing an entry: one writer per id, atomic appearance, nothing left behind on failure.
 
 Owns the writer's protocol of DESIGN.md section 4: take `.publish` (bounded wait) → join a valid
-entry if one is there → else, as lock owner, remove stale tmp dirs of this id → check free space →
-the caller writes into a fresh tmp dir → `commit` checks the files, fsyncs, writes the manifest,
-renames tmp to `entries/<id>` and fsyncs the parent. Leaving without commit removes the tmp dir.
-Called by the loader (checkpoint entries) and the runtime cache (runtime entries). Must not evict
-other entries itself (a caller's `prepare`, run as lock owner, may) or read entries it does not
-publish (beyond the join check).
+entry if one is there → else, as lock owner, remove stale tmp dirs of this id → reserve the
+entry's bytes (`room`: evicting if asked, waiting for publications in progress; see [Note:
+room]) → the caller writes into a fresh tmp dir → `commit` checks the files, fsyncs, writes the
+manifest, renames tmp to `entries/<id>` and fsyncs the parent. Leaving without commit removes
+the tmp dir; leaving either way drops the reservation. Called by the loader (checkpoint entries)
+and the runtime cache (runtime entries). Must not evict other entries itself (`room` does, for a
+caller that allows it) or read entries it does not publish (beyond the join check).
 
 [Note: publication order] The manifest is written after every file is fsynced and the rename
 happens after the manifest is fsynced, so after any crash an `entries/<id>` directory either
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,10 @@ from dlo_contract.cache.fsutil import SPACE_ERRNOS, free_bytes, fsync_dir, remov
 from dlo_contract.cache.identity import entry_id as identity_entry_id
 from dlo_contract.cache.layout import MANIFEST_NAME, CacheRoot, check_entry_id
 from dlo_contract.cache.manifest import KINDS, FileRecord, Manifest
+from dlo_contract.cache.reservation import Reservation
+from dlo_contract.cache.room import RoomLimits, reserve, space_hint
 from dlo_contract.cache.staging import seal_files
+from dlo_contract.field_names import Names, document_names
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +45,8 @@ class Publication:
 
     def __init__(
         self, root: RootLike, entry_id: str, *, expected_bytes: int, lock_timeout_s: float,
-        min_free_bytes: int = 0, verify: VerifyMode = "sizes",
-        prepare: Callable[[], None] | None = None,
+        min_free_bytes: int = 0, verify: VerifyMode = "sizes", room: RoomLimits | None = None,
+        names: Names = document_names, prepare: Callable[[], None] | None = None,
     ) -> None:
         self.root = CacheRoot.of(root)
         self.entry_id = check_entry_id(entry_id)
@@ -49,14 +54,23 @@ class Publication:
         self.min_free_bytes = min_free_bytes
         self.lock_timeout_s = lock_timeout_s
         self.verify = verify
+        self.room = room or RoomLimits(min_free_bytes=min_free_bytes, timeout_s=lock_timeout_s)
+        """The limits this publication keeps, and whether it evicts (as lock owner, when there
+        is no valid entry to join: a second writer of the same id waits for the lock and joins,
+        so it never evicts for a copy it will not write)."""
+        self.names = names
         self.prepare = prepare
-        """Run as lock owner when there is no valid entry to join, before the space check: where
-        the loader makes room. A second writer of the same id waits for the lock and joins, so it
-        never evicts for a copy it will not write."""
+        """Run as lock owner before reserving, when there is nothing to join: checks of the
+        caller's own (the loader's deployment limits); may evict (through `room.make_room`)."""
         self.existing: Path | None = None
         self.tmp_dir: Path | None = None
         self.committed: Path | None = None
+        self.waited_lock_s = 0.0
+        """How long taking `.publish` waited (another writer of this id held it)."""
+        self.waited_room_s = 0.0
+        """How long reserving waited for publications in progress to leave room."""
         self._lock: locks.FileLock | None = None
+        self._reservation: Reservation | None = None
 
     def __enter__(self) -> Publication:
         try:
@@ -66,22 +80,28 @@ class Publication:
                 f"cannot create the cache layout under {self.root.path}: {exc.strerror}",
                 hint="the cache root must be a writable directory for publishers",
             ) from exc
+        started = time.monotonic()
         # One writer per id: without it two loaders would interleave writes into one entry.
         self._lock = locks.lock(
             self.root.publish_lock(self.entry_id), timeout_s=self.lock_timeout_s, what="publish"
         )
+        self.waited_lock_s = time.monotonic() - started
         try:
             self.existing = find_entry(self.root, self.entry_id, self.verify)
             if self.existing is None:
                 self._clear_leftovers()
                 if self.prepare is not None:
                     self.prepare()
-                self._check_space()
                 tmp = self.root.new_tmp_dir_path(self.entry_id)
+                # Counted before a byte is written: concurrent publications of other entries
+                # see it and keep the limits together (see [Note: room] in `room`).
+                self._reservation, self.waited_room_s = reserve(
+                    self.root, self.entry_id, tmp.name, self.expected_bytes, self.room,
+                    self.names)
                 tmp.mkdir(mode=0o755)
                 self.tmp_dir = tmp
         except BaseException:
-            self._lock.release()
+            self._release()
             raise
         return self
 
@@ -97,17 +117,6 @@ class Publication:
             # Rename first: readers see the id vanish at once, never a half-deleted tree.
             os.rename(broken, away)
             remove_tree(away)
-
-    def _check_space(self) -> None:
-        needed = self.expected_bytes + self.min_free_bytes
-        free = free_bytes(self.root.tmp)
-        if free < needed:
-            raise CacheSpaceError(
-                f"not enough space for cache entry {self.entry_id}: needs {needed} bytes "
-                f"({self.expected_bytes} for its files + {self.min_free_bytes} free-space floor), "
-                f"{free} bytes free in {self.root.path}",
-                needed_bytes=needed, free_bytes=free, hint=_space_hint(self.root),
-            )
 
     def commit(
         self, kind: str, identity: Mapping[str, Any], files: Sequence[FileRecord], *,
@@ -159,8 +168,17 @@ class Publication:
                 if isinstance(exc, OSError):
                     raise self._write_error(exc, written, free) from exc
         finally:
-            if self._lock is not None:
-                self._lock.release()  # only after the tmp dir is gone: no one may see it live
+            self._release()
+
+    def _release(self) -> None:
+        """Drop the reservation (the entry, if published, counts from now on), then the lock:
+        only after the tmp dir is gone, as no one may see it live."""
+        if self._reservation is not None:
+            self._reservation.release()
+            self._reservation = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def _write_error(self, exc: OSError, written: int, free: int) -> CacheError:
         reason = exc.strerror or str(exc)
@@ -170,20 +188,22 @@ class Publication:
         return CacheSpaceError(
             f"writing cache entry {self.entry_id} failed: {reason}; it needs {needed} bytes, "
             f"{free} bytes are free in {self.root.path}",
-            needed_bytes=needed, free_bytes=free, hint=_space_hint(self.root),
+            needed_bytes=needed, free_bytes=free, hint=space_hint(self.root),
         )
 
 
 def begin_publication(
     root: RootLike, entry_id: str, *, expected_bytes: int, lock_timeout_s: float,
-    min_free_bytes: int = 0, verify: VerifyMode = "sizes",
-    prepare: Callable[[], None] | None = None,
+    min_free_bytes: int = 0, verify: VerifyMode = "sizes", room: RoomLimits | None = None,
+    names: Names = document_names, prepare: Callable[[], None] | None = None,
 ) -> Publication:
-    """Start publishing `entry_id`; use as `with begin_publication(...) as pub:`. `prepare`
-    runs as lock owner before the space check when there is nothing to join."""
+    """Start publishing `entry_id`; use as `with begin_publication(...) as pub:`. `room`: the
+    limits to keep and whether to evict for them (default: the free-space floor only, waiting
+    up to `lock_timeout_s` for publications in progress); `names` spells the settings in
+    errors; `prepare` runs as lock owner before reserving when there is nothing to join."""
     return Publication(
         root, entry_id, expected_bytes=expected_bytes, lock_timeout_s=lock_timeout_s,
-        min_free_bytes=min_free_bytes, verify=verify, prepare=prepare,
+        min_free_bytes=min_free_bytes, verify=verify, room=room, names=names, prepare=prepare,
     )
 
 
@@ -224,7 +244,3 @@ def _create_use_lock(root: CacheRoot, entry_id: str) -> None:
         locks.touch_file(root.use_lock(entry_id))
     except OSError as exc:
         log.warning("cannot create %s: %s", root.use_lock(entry_id), exc.strerror)
-
-
-def _space_hint(root: CacheRoot) -> str:
-    return f"free space with: dlo cache gc --root {root.path} --max-bytes N, or enlarge the volume"
