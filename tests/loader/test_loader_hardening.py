@@ -79,7 +79,7 @@ def test_running_out_of_descriptors_is_a_local_error_not_retried() -> None:
         raise bexc.EndpointConnectionError(endpoint_url="http://127.0.0.1:9", error=cause)
 
     with pytest.raises(LocalResourceError) as caught:
-        store._retrying("s3://models/tiny/a bytes 0-9", connect)
+        store.retry.run("s3://models/tiny/a bytes 0-9", connect)
     assert len(calls) == 1
     assert "too many open files on this node (EMFILE); not an object store failure" in str(
         caught.value)

@@ -18,7 +18,8 @@ from dlo_bench.faultproxy import FAULT_KINDS, FaultPlan, FaultProxy
 from dlo_bench.s3server import S3Server
 from dlo_loader.errors import SourceError, SourceUnavailable
 from dlo_loader.digest import ALGORITHM, chunk_digest
-from dlo_loader.source import ObjectStore, _Body, parse_source
+from dlo_loader.source import ObjectStore, parse_source
+from dlo_loader.source_body import Body
 from dlo_contract.cache import ObjectIdentity
 from support.loader_fleet import BUCKET, Checkpoint, upload_files
 
@@ -187,7 +188,7 @@ def test_bodies_not_read_directly_take_botocore_path_with_the_same_checks(
     sent: bytes, expected: tuple[int, bool]
 ) -> None:
     into = bytearray(10)
-    body = _Body(StreamingBody(io.BytesIO(sent), len(sent)))
+    body = Body(StreamingBody(io.BytesIO(sent), len(sent)))
     got, crc = body.fill(memoryview(into), ALGORITHM)
     extra = got == len(into) and body.finish()
     assert (got, extra) == expected

@@ -1,0 +1,194 @@
+"""How the object store seam retries: what a failure is, and whether and when to ask again.
+
+Owns the retry loop of every store call (`Retrier.run`): exponential backoff with full jitter on
+throttling (503 SlowDown), other 5xx, connection resets and short bodies; at once on a new
+connection after a stall; never for an error of this node (`EMFILE`, `ENOSPC`: raised as
+`LocalResourceError`) nor for an answer that will not change (403, 404, a replaced object). Each
+failure becomes a `Retry` (a `RetryKind` and the text logs and messages show), so the loop is
+steered by the kind, not by the text. Called by `source` and `source_listing`, which hold the
+client; it makes no call to the store itself and must not log or raise anything that carries a
+credential.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import http.client
+import logging
+import random
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import botocore.exceptions as bexc
+import urllib3.exceptions
+
+from dlo_loader import metrics
+from dlo_loader.errors import LocalResourceError, SourceChanged, SourceError, SourceUnavailable
+from dlo_contract.field_names import Names, document_names
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+_BACKOFF_BASE_S = 0.1
+_BACKOFF_CAP_S = 5.0
+_THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
+                             "InternalError", "ServiceUnavailable", "RequestLimitExceeded"})
+_RETRYABLE = (bexc.ConnectionError, bexc.IncompleteReadError, bexc.ResponseStreamingError,
+              bexc.FlexibleChecksumError,
+              urllib3.exceptions.HTTPError, http.client.HTTPException, ConnectionError,
+              TimeoutError)
+
+_LOCAL_ERRNOS = {errno.EMFILE: "too many open files", errno.ENFILE: "too many open files",
+                 errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+                 errno.ENOMEM: "out of memory"}
+_LOCAL_HINTS: dict[int, Callable[[Names], str]] = {
+    errno.EMFILE: lambda n: "raise the loader container's open-file limit (ulimit -n)",
+    errno.ENFILE: lambda n: "the node's open-file table is full (fs.file-max)",
+    errno.ENOSPC: lambda n: f"free space on the node, or lower {n('loader.readers')}",
+    errno.ENOMEM: lambda n: f"lower {n('loader.memory_limit_bytes')} or give the loader more "
+                            "memory"}
+"""Errors of this node, whatever call they surface in (botocore wraps a socket's EMFILE in an
+`EndpointConnectionError`): a retry against the store cannot fix them. Each hint names the
+settings through the fill's namer."""
+
+
+class ShortBody(Exception):
+    """The server sent fewer (or more) bytes than the range asked for."""
+
+
+class Stalled(Exception):
+    """The body sent no bytes for the stall timeout."""
+
+
+class RetryKind(enum.Enum):
+    """Why a store call is asked again, which decides how."""
+
+    STALLED = "stalled"
+    """No bytes for the stall timeout: asked again at once, on a new connection."""
+    SHORT_BODY = "short body"
+    """A body of another length or span than asked: asked again after a backoff."""
+    STORE = "store"
+    """The store answered throttling or a server error: asked again after a backoff."""
+    CONNECTION = "connection"
+    """The connection failed or broke: asked again after a backoff."""
+
+
+@dataclass(frozen=True)
+class Retry:
+    """One failed attempt: its kind and what logs and the final error say of it."""
+
+    kind: RetryKind
+    text: str
+
+    @property
+    def at_once(self) -> bool:
+        return self.kind is RetryKind.STALLED
+
+
+class Retrier:
+    """Runs store calls with the loader's retry policy (see the module docstring)."""
+
+    def __init__(self, source: str, *, attempts: int, stop: threading.Event,
+                 on_stall: Callable[[str], None] = lambda what: None,
+                 names: Names = document_names) -> None:
+        """`source`: the store's URI, for the error without credentials; `on_stall(what)` is
+        told of every stall; `names` spells the settings in hints."""
+        self.source, self.attempts, self.stop = source, attempts, stop
+        self.on_stall, self.names = on_stall, names
+
+    def run(self, what: str, call: Callable[[], _T]) -> _T:
+        """Run `call`, retrying transient failures; `what` names the call in logs and errors."""
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return call()
+            except bexc.NoCredentialsError as exc:
+                raise SourceError(
+                    f"no S3 credentials for {self.source}",
+                    hint="set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or a web identity "
+                         "(service account) for the loader",
+                ) from exc
+            except Exception as exc:  # noqa: BLE001 - `_retry_of` re-raises what is not retried
+                retry = self._retry_of(exc, what)
+            if attempt == self.attempts or self.stop.is_set():
+                break
+            metrics.record_retry(retry.text)  # metrics: retries by reason class
+            if retry.at_once:
+                log.warning("%s: %s; asking again at once on a new connection (%d/%d)",
+                            what, retry.text, attempt, self.attempts - 1)
+                continue
+            delay = random.uniform(0, min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2 ** attempt))
+            log.warning("%s: %s; retry %d/%d in %.2f s",
+                        what, retry.text, attempt, self.attempts - 1, delay)
+            if self.stop.wait(delay):
+                break
+        raise SourceUnavailable(
+            f"{what}: gave up after {attempt} attempt(s); last error: {retry.text}",
+            hint=self._give_up_hint(retry))
+
+    def _retry_of(self, exc: Exception, what: str) -> Retry:
+        """The retry `exc` calls for; raises it (or the permanent error it means) otherwise."""
+        if isinstance(exc, bexc.ClientError):
+            return _client_error_retry(exc, what, self.names)
+        if isinstance(exc, ShortBody):
+            return Retry(RetryKind.SHORT_BODY, f"short body: {exc}")
+        if isinstance(exc, Stalled):
+            self.on_stall(f"{what}: {exc}; asked again")
+            return Retry(RetryKind.STALLED, f"stalled: {exc}")
+        if isinstance(exc, _RETRYABLE):
+            raise_if_local(exc, what, self.names)
+            return Retry(RetryKind.CONNECTION, f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, OSError):
+            raise_if_local(exc, what, self.names)
+        raise exc
+
+    def _give_up_hint(self, retry: Retry) -> str:
+        if retry.kind is RetryKind.STALLED:
+            return ("the object store (or the network to it) stops sending mid-object; check "
+                    "its health and the path to it, then rerun (more retries only wait longer)")
+        return ("the object store is throttling or failing; raise "
+                f"{self.names('loader.max_retries')} or retry later")
+
+
+def raise_if_local(exc: BaseException, what: str, names: Names) -> None:
+    """Raise `LocalResourceError` when `exc` (or what it wraps) is an error of this node."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        code = getattr(current, "errno", None)
+        if code in _LOCAL_ERRNOS:
+            raise LocalResourceError(
+                f"{what}: {_LOCAL_ERRNOS[code]} on this node ({errno.errorcode[code]}); not "
+                "an object store failure, so not retried",
+                hint=_LOCAL_HINTS[code](names) if code in _LOCAL_HINTS else None,
+            ) from exc
+        wrapped = getattr(current, "kwargs", None)  # botocore keeps the cause in kwargs
+        wrapped = wrapped.get("error") if isinstance(wrapped, dict) else None
+        if isinstance(wrapped, BaseException):
+            current = wrapped
+        else:
+            current = current.__cause__ or current.__context__
+
+
+def _client_error_retry(exc: bexc.ClientError, what: str, names: Names) -> Retry:
+    """The retry a `ClientError` calls for, or a permanent `SourceError` for the rest."""
+    error = exc.response.get("Error", {})
+    code = str(error.get("Code", ""))
+    status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+    if status >= 500 or status == 429 or code in _THROTTLE_CODES:
+        return Retry(RetryKind.STORE, f"{code or 'HTTP'} ({status})")
+    if status == 412 or code == "PreconditionFailed":
+        raise SourceChanged(
+            f"{what}: the object changed since it was listed (ETag no longer matches)",
+            hint="do not overwrite a checkpoint while it is being loaded; rerun the fill",
+        ) from exc
+    if status == 404 or code in ("NoSuchKey", "NoSuchBucket"):
+        raise SourceError(f"{what}: not found ({code or status})",
+                          hint=f"check {names('loader.source')}") from exc
+    if status == 403 or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+        raise SourceError(f"{what}: access denied ({code or status})",
+                          hint="check the loader's credentials and the bucket policy") from exc
+    raise SourceError(f"{what}: {code or 'HTTP error'} ({status})") from exc
