@@ -1,6 +1,7 @@
 """Refusals that compare the DOD's settings with the pod it asks for.
 
-Each rule has an id (in brackets in its message, like the settings validator's). They read the
+Each rule has an id (in brackets in its message, like the settings validator's); settings fields
+are named through the contract's `cr_names` (the operator reads CRs). They read the
 container resources the user wrote as core/v1 objects, which the CRD keeps as free-form maps, so
 the CRD cannot express them; the operator and `dlo render` check them through `admission`.
 `[loader-backend-gloo]` alone has a CEL twin in the CRD with the same message. Pure.
@@ -12,13 +13,14 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from dlo_contract.validation import cr_names
 from dlo_operator.naming import Owner, selector_labels
 from dlo_operator.pod import GPU_RESOURCE, OWN_VOLUMES
 from dlo_operator.spec import DeploymentSpec
 
 LOADER_BACKEND_MESSAGE = (
-    "[loader-backend-gloo] spec.loader.backend=nccl needs a GPU, but the loader is a CPU-only "
-    "init container; fix: set spec.loader.backend=gloo")
+    f"[loader-backend-gloo] {cr_names('loader.backend')}=nccl needs a GPU, but the loader is a "
+    f"CPU-only init container; fix: set {cr_names('loader.backend')}=gloo")
 
 
 def pod_problems(spec: DeploymentSpec) -> list[str]:
@@ -61,9 +63,10 @@ def _loader_memory(spec: DeploymentSpec) -> str | None:
     wanted = spec.settings.loader.memory_limit_bytes
     if limit is None or _quantity(limit) is None or wanted < _quantity(limit):
         return None
-    return (f"[loader-memory-container-limit] spec.loader.memoryLimitBytes={wanted} does not fit "
+    field = cr_names("loader.memory_limit_bytes")
+    return (f"[loader-memory-container-limit] {field}={wanted} does not fit "
             f"in the loader container's memory limit {limit!r} (the kernel would OOM-kill it); "
-            "lower loader.memoryLimitBytes or raise spec.loader.resources.limits.memory, "
+            f"lower {field} or raise spec.loader.resources.limits.memory, "
             "leaving room for the process itself")
 
 
@@ -149,7 +152,7 @@ def _ports(spec: DeploymentSpec) -> str | None:
     taken: dict[int, list[str]] = {}
     loader = spec.settings.loader
     named = [("spec.loader.port", spec.loader.port),
-             ("spec.loader.metricsPort", loader.metrics_port)]
+             (cr_names("loader.metrics_port"), loader.metrics_port)]
     named += [(f"spec.inference.ports[{index}].containerPort", port.get("containerPort"))
               for index, port in enumerate(spec.inference.ports)]
     for field, port in named:

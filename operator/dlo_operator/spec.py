@@ -51,9 +51,10 @@ def parse_spec(spec: Mapping[str, Any] | None, *,
     `loader.image` takes `default_loader_image` (the operator's `--loader-image`)."""
     spec = spec or {}
     if not _get(spec, "model.source", ""):
+        source = cr_names("loader.source")
         raise SpecError(
-            "spec.model.source is required: the s3:// URI of the checkpoint prefix",
-            hint="set spec.model.source, e.g. s3://models/flux-dev/",
+            f"{source} is required: the s3:// URI of the checkpoint prefix",
+            hint=f"set {source}, e.g. s3://models/flux-dev/",
         )
     if not _get(spec, "inference.image", ""):
         raise SpecError(
