@@ -17,7 +17,7 @@ import ctypes.util
 import glob
 from pathlib import Path
 
-from dlo_contract.errors import PermanentError
+from dlo_runtime.errors import PlatformCallError
 
 
 CUDA_SUCCESS = 0
@@ -27,14 +27,6 @@ HOST_REGISTER_READ_ONLY = 0x08
 """The device only reads the pages, so PROT_READ file mappings can be registered."""
 DEV_ATTR_HOST_REGISTER_READ_ONLY_SUPPORTED = 113
 MEMORY_TYPE_HOST = 1
-
-
-class PlatformCallError(PermanentError):
-    """One CUDA runtime call failed; `code` is the `cudaError_t`."""
-
-    def __init__(self, message: str, *, code: int) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class _PointerAttributes(ctypes.Structure):

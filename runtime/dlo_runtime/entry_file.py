@@ -16,19 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dlo_contract.documents import DocumentError, EntryDocument
-from dlo_contract.errors import PermanentError
 from dlo_contract.field_names import Names, document_names
 from dlo_contract.names import DEFAULT_ENTRY_FILE, ENTRY_FILE_ENV, ENTRY_WAIT_ENV
+from dlo_runtime.errors import PodError
 
 log = logging.getLogger(__name__)
 
 WAIT_LOG_S = 10.0
 """How often a wait for the entry document says that it still waits."""
 _POLL_S = 0.05
-
-
-class PodError(PermanentError):
-    """The process cannot start offloading as configured."""
 
 
 @dataclass(frozen=True)

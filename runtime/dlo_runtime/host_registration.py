@@ -25,6 +25,7 @@ from typing import Protocol
 from dlo_contract.errors import PermanentError
 from dlo_contract.field_names import Names, document_names
 from dlo_runtime.host_weight_plan import HostWeightPlan
+from dlo_runtime.errors import RegistrationError
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +33,6 @@ PAGE = mmap.PAGESIZE
 MAX_CALL_BYTES = 1 << 30
 """Largest range one platform call registers; bigger ranges are split so that a single call
 never has to lock an unbounded span (and a failure names a small range)."""
-
-
-class RegistrationError(PermanentError):
-    """Registered pages could not be released; the process must not unmap them or go on."""
 
 
 class PlatformBackend(Protocol):

@@ -23,16 +23,12 @@ from typing import Protocol
 
 import torch
 
-from dlo_contract.errors import PermanentError
+from dlo_runtime.errors import HostPlanError
 
 
 MAX_TRANSFORMS = 256
 """Upper bound on declared transforms per plan: each is applied per tensor at take time, so an
 unbounded list would turn a mapping into a model-sized rewrite."""
-
-
-class HostPlanError(PermanentError):
-    """A plan was used against its contract (taken twice, never consumed, unsafe to close)."""
 
 
 class BackingKind(str, enum.Enum):

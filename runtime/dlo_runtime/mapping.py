@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from dlo_contract import safetensors_header
-from dlo_contract.errors import PermanentError
 from dlo_runtime.host_weight_plan import TensorBinding
 from dlo_runtime.layout import ALIGN_BYTES
+from dlo_runtime.errors import MappingError
 
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -37,10 +37,6 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8, "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
-
-
-class MappingError(PermanentError):
-    """A file of the entry is not a readable safetensors file."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,6 +21,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dlo_runtime.errors import NoStatistics
+
 METRICS: dict[str, tuple[str, str]] = {
     "dlo_runtime_forwards_total": ("counter", "Forwards of the DiT that ran to completion."),
     "dlo_runtime_blocks_loaded_total": (
@@ -61,11 +63,6 @@ class StatsRecord(Protocol):
     last_forward: TransferFigures
     total: TransferFigures
     streamed_blocks: int
-
-
-class NoStatistics(LookupError):
-    """What a `stats` callable raises once its source is gone (`OffloadHandle.close()`): the
-    collector then reports no series, where any other error would fail the whole scrape."""
 
 
 class OffloadCollector(Collector):

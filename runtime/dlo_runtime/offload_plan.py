@@ -36,16 +36,12 @@ from typing import Any, Literal
 
 from torch import nn
 
-from dlo_contract.errors import PermanentError
+from dlo_runtime.errors import OffloadPlanError
 
 PLAN_ATTRIBUTE = "_dlo_offload_plan"
 PLAN_KEYS = ("blocks", "resident", "on_demand")
 """Keys of a declared plan mapping, as the fields of `OffloadPlan` they fill."""
 PlanSource = Literal["declared", "builtin", "heuristic"]
-
-
-class OffloadPlanError(PermanentError):
-    """A model's offload plan is malformed or names modules the model does not have."""
 
 
 @dataclass(frozen=True, kw_only=True)

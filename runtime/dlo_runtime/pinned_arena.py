@@ -22,6 +22,7 @@ import torch
 
 from dlo_contract.errors import PermanentError
 from dlo_runtime.host_registration import PAGE, PlatformBackend
+from dlo_runtime.errors import PinnedMemoryError
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +32,6 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
                        ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-class PinnedMemoryError(PermanentError):
-    """Host memory could not be allocated or page-locked."""
 
 
 def page_round(nbytes: int) -> int:

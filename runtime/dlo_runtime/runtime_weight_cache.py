@@ -24,11 +24,12 @@ import torch
 from dlo_contract.cache import (
     FileRecord, begin_publication, entry_id, open_entry, remove_command, runtime_identity,
 )
-from dlo_contract.errors import DloError, PermanentError
+from dlo_contract.errors import DloError
 from dlo_runtime.host_weight_plan import BackingKind, HostWeightPlan, TensorBinding, runtime_tensors
 from dlo_runtime.mapping import MappedEntry, read_header, write_safetensors
 from dlo_contract.settings import GIB, Settings
 from dlo_contract.field_names import Names, document_names
+from dlo_runtime.errors import RuntimeCacheMismatch
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +37,6 @@ SHARD_BYTES = 2 * GIB
 """Upper bound on one runtime entry file; keeps single files below common tooling limits."""
 _HEADER_SLACK = 1 << 20
 """Free space asked for beyond the tensor bytes, for safetensors headers and the manifest."""
-
-
-class RuntimeCacheMismatch(PermanentError):
-    """A mapped runtime entry's tensors differ from the ordinary ones they should equal."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,6 +23,7 @@ import enum
 import torch
 
 from dlo_runtime.streams import Event, StreamSet
+from dlo_runtime.errors import SlotStateError
 
 
 class SlotState(enum.Enum):
@@ -36,10 +37,6 @@ class SlotState(enum.Enum):
     """The block's tensors point into the slot; its kernels may be queued or running."""
     RELEASED = "released"
     """The block ran; `free` marks when its kernels end. The contents stay valid for reuse."""
-
-
-class SlotStateError(RuntimeError):
-    """An illegal slot transition: a bug in the scheduler, never a user error."""
 
 
 class DeviceSlot:

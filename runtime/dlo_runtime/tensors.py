@@ -15,12 +15,8 @@ import torch
 from torch import nn
 
 from dlo_runtime.discovery import DiscoveredModel
-from dlo_contract.errors import PermanentError
 from dlo_runtime.layout import BlockLayout, TensorMeta, build_layout
-
-
-class OffloadError(PermanentError):
-    """DLO cannot be enabled on this model, group or host plan as given."""
+from dlo_runtime.errors import OffloadError
 
 
 def restore_device(device: torch.device) -> torch.device:
