@@ -3,8 +3,9 @@ evict least recently used entries, optionally making room for an entry of N byte
 written (what the loader does before every fill), and remove named entries (a damaged one that
 errors tell a person to remove).
 
-Owns the gc command: limits default to the settings document's `cache.max_bytes` and
-`cache.min_free_bytes` (0 = no limit), removes the named entries, removes leftovers of dead
+Owns the gc command: limits default to the settings document's node limits (the platform's,
+`cache.node_max_bytes` and `cache.node_min_free_bytes`, in a document the operator rendered; else
+`cache.max_bytes` and `cache.min_free_bytes`; 0 = no limit), removes the named entries, removes leftovers of dead
 writers, evicts, prints what it removed, and exits 1 when a named entry could not be removed or
 the limits still do not hold (everything left is in use). Called by the `dlo` entry point. Must
 not remove an entry in use nor decide whether the limits hold (both rules live in `evict`).
@@ -31,11 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_root_argument(parser)
     parser.add_argument(
         "--max-bytes", type=_byte_count, default=None, metavar="N",
-        help="keep all entries within N bytes (default: cache.max_bytes; 0: no limit)",
+        help="keep all entries within N bytes (default: the settings' node limit; 0: no limit)",
     )
     parser.add_argument(
         "--min-free-bytes", type=_byte_count, default=None, metavar="N",
-        help="keep N bytes free on the cache filesystem (default: cache.min_free_bytes; 0: none)",
+        help="keep N bytes free on the cache filesystem (default: the settings' node floor; 0: "
+        "none)",
     )
     parser.add_argument(
         "--incoming-bytes", type=_byte_count, default=0, metavar="N",
@@ -58,9 +60,9 @@ def run(args: argparse.Namespace) -> int:
     root = resolve_root(args)
     max_bytes, min_free = args.max_bytes, args.min_free_bytes
     if max_bytes is None or min_free is None:
-        config = settings_cache_config()
-        max_bytes = config.max_bytes if max_bytes is None else max_bytes
-        min_free = config.min_free_bytes if min_free is None else min_free
+        node_max, node_floor = settings_cache_config().node_limits
+        max_bytes = node_max if max_bytes is None else max_bytes
+        min_free = node_floor if min_free is None else min_free
     incoming = args.incoming_bytes
     refused = [entry for entry in args.remove if not _remove(root, entry)]
     removed = evict(root, max_bytes=max_bytes, min_free_bytes=min_free, incoming_bytes=incoming)

@@ -178,14 +178,38 @@ class CacheConfig(Section):
         "operator's allowed host paths (default /var/lib/dlo).")
     max_bytes: int = setting(
         0, crd="cache.maxBytes", minimum=0, int64=True,
-        description="Upper bound on the bytes of all entries; 0 means no limit (LRU eviction).")
+        description="Bytes this deployment's entry may take; 0 takes the node's limit. Under the "
+        "operator it never evicts other entries (only the platform's limit, chart value "
+        "nodeCache.maxBytes, does) and may not exceed that limit; a larger entry fails its fill. "
+        "Without node limits (a loader run by hand) it bounds all entries (LRU eviction).")
     min_free_bytes: int = setting(
         0, crd="cache.minFreeBytes", minimum=0, int64=True,
-        description="Free space to keep on the cache filesystem; eviction runs until it holds.")
+        description="Free space (bytes) a fill must leave on the cache filesystem; 0 takes the "
+        "node's floor. Under the operator eviction keeps only the platform's floor (chart value "
+        "nodeCache.minFreeBytes); a deployment may ask for more, never less, and a fill that "
+        "would leave less than it asks fails instead of evicting for it.")
+    node_max_bytes: int | None = setting(
+        None, crd=None, minimum=0,
+        description="Bytes all entries of the node cache may take, written by the operator from "
+        "the platform's nodeCache.maxBytes (0: no limit); eviction follows it. None (a document "
+        "not rendered by the operator): cache.max_bytes is the node's limit.")
+    node_min_free_bytes: int | None = setting(
+        None, crd=None, minimum=0,
+        description="Free space eviction keeps on the cache filesystem, written by the operator "
+        "from the platform's nodeCache.minFreeBytes. None: cache.min_free_bytes is the node's.")
     verify: VerifyMode = setting(
         "sizes", crd="cache.verify",
         description="How readers check an entry, sizes (manifest and file sizes) or full "
         "(re-hash).")
+
+    @property
+    def node_limits(self) -> tuple[int, int]:
+        """(bytes all entries may take, free space to keep) that eviction follows: the node's,
+        where the operator wrote them, else this document's own (a loader run by hand is its
+        node's platform)."""
+        return (self.max_bytes if self.node_max_bytes is None else self.node_max_bytes,
+                self.min_free_bytes if self.node_min_free_bytes is None
+                else self.node_min_free_bytes)
 
 
 class Settings(Section):

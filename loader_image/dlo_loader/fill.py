@@ -31,6 +31,7 @@ from dlo_loader.errors import GroupError, LoaderError, RendezvousTimeout
 from dlo_loader import metrics
 from dlo_loader.plan import Plan, build_plan
 from dlo_loader.progress import Progress, human_bytes, rank_prefix, repeating
+from dlo_loader.room import make_room_within
 from dlo_loader.source import ObjectStore, parse_source
 from dlo_contract.cache import (
     CacheRoot,
@@ -41,7 +42,6 @@ from dlo_contract.cache import (
     checkpoint_identity,
     entry_id,
     find_entry,
-    make_room,
 )
 from dlo_contract.documents import EntryDocument, FillStatus, FillSummary
 from dlo_contract.errors import DloError
@@ -231,11 +231,11 @@ class _Fill:
         return self.request.world_size > 1 and self.loader.mode != "independent"
 
     def _make_room(self, eid: str, incoming: int) -> None:
-        """Evict unused entries, least recently used first, until this one fits within
-        cache.max_bytes and cache.min_free_bytes; the error names the entries in use."""
-        removed = make_room(self.root, eid, incoming_bytes=incoming,
-                            max_bytes=self.cache.max_bytes,
-                            min_free_bytes=self.cache.min_free_bytes, names=self.names)
+        """Evict unused entries, least recently used first, until this one fits within the
+        node's limits (the platform's, under the operator), then check this deployment's own
+        asks, which evict nothing (`room`); the error names the entries in use."""
+        removed = make_room_within(self.root, eid, incoming_bytes=incoming, cache=self.cache,
+                                   names=self.names)
         if removed:
             log.info("evicted %d unused cache entries to make room for %s: %s", len(removed),
                      human_bytes(incoming), ", ".join(removed))

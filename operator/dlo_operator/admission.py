@@ -1,51 +1,64 @@
 """`admit`: the one verdict on a DiffusionOffloadDeployment, for the operator and `dlo render`.
 
 In order: what the API server would refuse (`crd_verdict`: unknown fields, schema, CEL rules,
-the name), then the settings validator (`spec.parse_spec`), then the installation's host-path
-policy (`host_paths`). The first stage that refuses ends the check, and all its reasons go into
-one `SpecError`, whose message the operator writes into `Valid=False` and an Event and `dlo
-render` prints, word for word. Pure; it must not talk to the cluster.
+the name), then the settings validator (`spec.parse_spec`), then the platform's choices
+(`installation.InstallationConfig`, the chart's values): the host-path allowlists of the cache
+and of the DOD's own volumes (`host_paths`), the loader images and the node cache's limits
+(`platform_limits`), with the pod rules (`pod_rules`). The first stage that refuses ends the
+check, and all its reasons go into one `SpecError`, whose message the operator writes into
+`Valid=False` and an Event and `dlo render` prints, word for word. An admitted spec carries the
+node cache's effective limits in its settings. Pure; it must not talk to the cluster.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from dlo_operator.crd_verdict import crd_refusals
 from dlo_operator.errors import SpecError
 from dlo_operator.host_paths import (
-    DEFAULT_ALLOWED_HOST_PATHS,
     host_path_problems,
     host_paths_of,
     user_mount_paths,
+    user_volume_problems,
 )
+from dlo_operator.installation import InstallationConfig
 from dlo_operator.naming import KIND
+from dlo_operator.platform_limits import (
+    cache_limit_problems,
+    loader_image_problems,
+    with_platform_limits,
+)
 from dlo_operator.pod_rules import pod_problems
-from dlo_operator.spec import DEFAULT_LOADER_IMAGE, DeploymentSpec, parse_spec
+from dlo_operator.spec import DeploymentSpec, parse_spec
 
 _JUDGED = ("apiVersion", "kind", "metadata", "spec")
 """What a user writes; the status is the operator's own and `kubectl apply` does not send it."""
 
 
-def admit(document: Mapping[str, Any], *,
-          allowed_host_paths: Sequence[str] = DEFAULT_ALLOWED_HOST_PATHS,
-          loader_image: str = DEFAULT_LOADER_IMAGE) -> DeploymentSpec:
-    """The typed spec of `document`, or `SpecError` naming every refused field.
-    `allowed_host_paths` and `loader_image` are the installation's (the chart's values)."""
+def admit(document: Mapping[str, Any],
+          installation: InstallationConfig = InstallationConfig()) -> DeploymentSpec:
+    """The typed spec of `document`, with the node cache's effective limits in its settings,
+    or `SpecError` naming every refused field. `installation` holds the chart's values."""
     judged = {key: _plain(document[key]) for key in _JUDGED if key in document}
     refusals = crd_refusals(judged)
     if refusals:
         raise SpecError("; ".join(refusals),
                         hint=f"fix the fields named; `kubectl explain {KIND.lower()}.spec` "
                         "describes each")
-    spec = parse_spec(judged.get("spec"), default_loader_image=loader_image)
-    problems = host_path_problems(host_paths_of(spec), allowed=allowed_host_paths,
+    spec = parse_spec(judged.get("spec"), default_loader_image=installation.loader_image)
+    problems = host_path_problems(host_paths_of(spec), allowed=installation.allowed_host_paths,
                                   user_mounts=user_mount_paths(spec))
+    problems += user_volume_problems(spec.volumes,
+                                     allowed=installation.allowed_user_host_paths,
+                                     cache_roots=installation.allowed_host_paths)
+    problems += loader_image_problems(spec, installation)
+    problems += cache_limit_problems(spec.settings, installation)
     problems += pod_problems(spec)
     if problems:
         raise SpecError("; ".join(problems))
-    return spec
+    return spec.model_copy(update={"settings": with_platform_limits(spec.settings, installation)})
 
 
 def _plain(value: Any) -> Any:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 
 from dlo_contract.names import OPERATOR_METRICS_PORT
+from dlo_operator import installation
 from dlo_operator.errors import OperatorError
-from dlo_operator.render import add_installation_flags, allowed_host_paths
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
 DEFAULT_METRICS_PORT = OPERATOR_METRICS_PORT
@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT, metavar="PORT",
                         help="serve Prometheus metrics at :PORT/metrics; 0 serves none "
                         f"(default {DEFAULT_METRICS_PORT})")
-    add_installation_flags(parser)
+    installation.add_flags(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,7 +53,6 @@ def run(args: argparse.Namespace) -> int:
         namespaces=list(args.namespace),
         standalone=True,
         liveness_endpoint=args.liveness,
-        memo=kopf.Memo(allowed_host_paths=allowed_host_paths(args),
-                       loader_image=args.loader_image),
+        memo=kopf.Memo(installation=installation.from_args(args)),
     )
     return 0

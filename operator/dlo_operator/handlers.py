@@ -27,12 +27,12 @@ import kopf
 
 from dlo_operator import metrics, progress
 from dlo_operator.errors import KubeError, KubeTransientError, SpecError
-from dlo_operator.host_paths import DEFAULT_ALLOWED_HOST_PATHS
+from dlo_operator.installation import InstallationConfig
 from dlo_operator.kube import KubeClient
 from dlo_operator.naming import ANNOTATION_FILL_SUMMARY, GROUP, LABEL_DEPLOYMENT, PLURAL, VERSION
 from dlo_operator.reconcile import ReconcileConfig, reconcile
 from dlo_operator.prefill_stage import BackoffConfig
-from dlo_operator.spec import DEFAULT_LOADER_IMAGE, parse_spec
+from dlo_operator.spec import parse_spec
 
 registry = kopf.OperatorRegistry()
 DOD = (GROUP, VERSION, PLURAL)
@@ -67,8 +67,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.retries = {}
     memo.config = ReconcileConfig(
         backoff=BackoffConfig(base_s=float(os.environ.get(PREFILL_BACKOFF_ENV) or 10.0)),
-        allowed_host_paths=tuple(memo.get("allowed_host_paths") or DEFAULT_ALLOWED_HOST_PATHS),
-        loader_image=memo.get("loader_image") or DEFAULT_LOADER_IMAGE)
+        installation=memo.get("installation") or InstallationConfig())
 
 
 @kopf.on.login(registry=registry)

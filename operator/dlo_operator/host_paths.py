@@ -6,13 +6,22 @@ one of the allowed host paths (the chart's `allowedHostPaths`, the operator's
 `--allowed-host-path`, default `/var/lib/dlo`), and must not overlap the paths the containers
 mount for themselves, where a hostPath would hide the settings, the entry file or a user volume.
 The CRD cannot know the allowlist (an installation choice), so only the operator and
-`dlo render` check it. Pure; called by `admission`.
+`dlo render` check it.
+
+A DOD's own `spec.volumes` reach the node only where the platform allows: a hostPath must lie
+under the chart's `allowedUserHostPaths` (`--allowed-user-host-path`, default none) and outside
+the node cache's directories (the cache reaches pods only through the operator's own volumes);
+`gitRepo` and `flexVolume`, which make the kubelet run a program on the node with what the pod
+wrote, are refused outright. Paths are compared segment by segment, never as strings
+(`/var/lib/dlo-evil` is not under `/var/lib/dlo`). Pure; called by `admission`.
 """
 
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import PurePosixPath
+from typing import Any
 
 from dlo_contract.names import DEFAULT_CACHE_ROOT, RUN_DIR, SETTINGS_MOUNT
 from dlo_operator.naming import LOADER_TMP, SHM_PATH
@@ -30,7 +39,9 @@ def normalized(path: str) -> bool:
 
 
 def within(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
+    """`path` is `root` or lies below it, segment by segment: `/var/lib/dlo-evil` is not below
+    `/var/lib/dlo`. Both are normalized (`normalized`; the chart's schema checks the roots)."""
+    return PurePosixPath(path).is_relative_to(PurePosixPath(root))
 
 
 def overlaps(a: str, b: str) -> bool:
@@ -80,3 +91,49 @@ def host_paths_of(spec: DeploymentSpec) -> list[tuple[str, str]]:
 def user_mount_paths(spec: DeploymentSpec) -> list[str]:
     """Where the user's own volumes are mounted in the inference container."""
     return [str(m.get("mountPath", "")) for m in spec.inference.volume_mounts]
+
+
+NODE_PROGRAM_VOLUMES: dict[str, str] = {
+    "gitRepo": "the kubelet runs git on the node, as root, with the repository the pod names "
+    "(CVE-2024-10220); clone it in an init container into an emptyDir instead",
+    "flexVolume": "the kubelet runs the node's driver program with the options the pod gives; "
+    "use a CSI volume or a persistentVolumeClaim instead",
+}
+"""Volume types that reach the node other than through a hostPath; no chart value allows them."""
+
+
+def user_volume_problems(volumes: Sequence[Mapping[str, Any]], *, allowed: Sequence[str],
+                         cache_roots: Sequence[str]) -> list[str]:
+    """One message per `spec.volumes` item that reaches the node where the platform did not
+    allow it. `allowed` is the chart's `allowedUserHostPaths`, `cache_roots` its
+    `allowedHostPaths` (the node cache's directories, which user volumes may not overlap)."""
+    problems: list[str] = []
+    for index, volume in enumerate(volumes):
+        field = f"spec.volumes[{index}]"
+        problems += [f"{field}.{kind} is refused: {why}" for kind, why in
+                     NODE_PROGRAM_VOLUMES.items() if kind in volume]
+        if "hostPath" in volume:
+            problem = _user_host_path_problem(f"{field}.hostPath.path", volume["hostPath"],
+                                              allowed, cache_roots)
+            problems += [problem] if problem else []
+    return problems
+
+
+def _user_host_path_problem(field: str, source: Any, allowed: Sequence[str],
+                            cache_roots: Sequence[str]) -> str | None:
+    path = source.get("path") if isinstance(source, Mapping) else None
+    if not isinstance(path, str) or not (normalized(path) or path == "/"):
+        return (f"{field}={path!r} must be an absolute, normalized path (no '.', '..', '//' or "
+                "trailing '/')")
+    if not any(within(path, root) for root in allowed):
+        listed = f"allowed: {', '.join(allowed)}" if allowed else "none is allowed"
+        return (f"{field}={path!r} is not under a node directory the platform lets DODs mount "
+                f"(chart value allowedUserHostPaths; {listed}); use another volume type "
+                "(emptyDir, persistentVolumeClaim, configMap, secret), or ask the cluster "
+                "administrator to add a directory to allowedUserHostPaths")
+    clash = next((root for root in cache_roots if overlaps(path, root)), None)
+    if clash is not None:
+        return (f"{field}={path!r} overlaps the node cache directory {clash!r} (chart value "
+                "allowedHostPaths), which pods reach only through the operator's own volumes; "
+                "mount a directory outside it")
+    return None

@@ -5,8 +5,8 @@ timer): observe the children and pods, decide, apply only the children that drif
 manifests (comparing just the fields this operator sets, so fields other controllers own are
 never fought over), delete what is no longer used, post the Events, and write the status.
 
-The spec is admitted first (`admission`: CRD verdict, settings validator, host-path allowlist,
-pod rules); a refused spec gets `Valid=False` and one Warning Event, and its children stay as
+The spec is admitted first (`admission`: CRD verdict, settings validator, the platform's
+choices, pod rules); a refused spec gets `Valid=False` and one Warning Event, and its children stay as
 they are. An API error while applying gets `Applied=False` and a Warning Event per attempt:
 conflicts, throttling, 5xx and timeouts are retried after `backoff_delay` (`ApplyRetrying`),
 anything else (`ApplyFailed`) waits for the next change of the spec. A pod falling into
@@ -39,7 +39,7 @@ from dlo_operator.conditions import (
 )
 from dlo_operator.decision import Decision, Observed, Stage
 from dlo_operator.errors import KubeError, KubeTransientError, SpecError
-from dlo_operator.host_paths import DEFAULT_ALLOWED_HOST_PATHS
+from dlo_operator.installation import InstallationConfig
 from dlo_operator.kube import KubeClient, backoff_delay
 from dlo_operator.manifests import optional_child_names
 from dlo_operator.naming import (
@@ -52,7 +52,6 @@ from dlo_operator.naming import (
 )
 from dlo_operator.prefill_stage import BackoffConfig, PrefillState
 from dlo_operator.rollout import decide
-from dlo_operator.spec import DEFAULT_LOADER_IMAGE
 from dlo_operator.status import (
     APPLIED,
     APPLY_RETRYING,
@@ -77,8 +76,8 @@ elsewhere, or are steps of a rollout)."""
 class ReconcileConfig:
     backoff: BackoffConfig = BackoffConfig()
     """Prefill retries."""
-    allowed_host_paths: tuple[str, ...] = DEFAULT_ALLOWED_HOST_PATHS
-    loader_image: str = DEFAULT_LOADER_IMAGE
+    installation: InstallationConfig = InstallationConfig()
+    """The platform's choices (the chart's values, `dlo operator run`'s flags)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,8 +106,7 @@ def reconcile(kube: KubeClient, dod: Mapping[str, Any], config: ReconcileConfig,
     pods = kube.list("Pod", owner.namespace, {LABEL_DEPLOYMENT: owner.name})
     workload = [p for p in pods if LABEL_ROLE not in labels_of(p)]
     try:
-        spec = admit(dod, allowed_host_paths=config.allowed_host_paths,
-                     loader_image=config.loader_image)
+        spec = admit(dod, config.installation)
     except SpecError as exc:
         log.error("%s/%s: spec refused, children left as they are: %s", owner.namespace,
                   owner.name, exc)

@@ -1,8 +1,8 @@
 """`dlo render FILE.yaml`: print the manifests the operator would create, without a cluster.
 
 Reads one or more `DiffusionOffloadDeployment` documents and judges each as the cluster would
-(`admission.admit`: the API server's schema and CEL rules, the settings validator, the host-path
-allowlist), then prints its children as a YAML stream. Owner references are left out: they need
+(`admission.admit`: the API server's schema and CEL rules, the settings validator, the platform's
+choices, which take the same flags as `dlo operator run`), then prints its children as a YAML stream. Owner references are left out: they need
 the DOD's uid, which only the cluster assigns. A refused document fails with the message that
 `Valid=False` and the Event would carry in the cluster.
 """
@@ -11,59 +11,40 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from dlo_operator.admission import admit
 from dlo_operator.errors import SpecError
+from dlo_operator.installation import InstallationConfig, add_flags, from_args
 from dlo_operator.manifests import build_children
 from dlo_operator.naming import API_VERSION, KIND, Owner
-from dlo_operator.spec import DEFAULT_LOADER_IMAGE
-from dlo_operator.admission import admit
-from dlo_operator.host_paths import DEFAULT_ALLOWED_HOST_PATHS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", type=Path, help="YAML file with DiffusionOffloadDeployment(s)")
     parser.add_argument("-n", "--namespace", default="default",
                         help="namespace for documents that name none (default: default)")
-    add_installation_flags(parser)
-
-
-def add_installation_flags(parser: argparse.ArgumentParser) -> None:
-    """What an installation decides (the chart's values), shared with `dlo operator run`."""
-    parser.add_argument("--allowed-host-path", action="append", default=[], metavar="DIR",
-                        dest="allowed_host_paths",
-                        help="a node directory under which cache.hostPath and "
-                        "offload.runtimeCacheRoot may lie (repeatable; default "
-                        f"{', '.join(DEFAULT_ALLOWED_HOST_PATHS)})")
-    parser.add_argument("--loader-image", default=DEFAULT_LOADER_IMAGE, metavar="IMAGE",
-                        help="loader image of DODs that name none in spec.loader.image "
-                        f"(default {DEFAULT_LOADER_IMAGE})")
+    add_flags(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     sys.stdout.write(render_file(args.file, namespace=args.namespace,
-                                 allowed_host_paths=allowed_host_paths(args),
-                                 loader_image=args.loader_image))
+                                 installation=from_args(args)))
     return 0
 
 
-def allowed_host_paths(args: argparse.Namespace) -> tuple[str, ...]:
-    return tuple(args.allowed_host_paths) or DEFAULT_ALLOWED_HOST_PATHS
-
-
 def render_file(path: Path, *, namespace: str = "default",
-                allowed_host_paths: Sequence[str] = DEFAULT_ALLOWED_HOST_PATHS,
-                loader_image: str = DEFAULT_LOADER_IMAGE) -> str:
+                installation: InstallationConfig = InstallationConfig()) -> str:
     try:
         documents = list(yaml.safe_load_all(path.read_text()))
     except (OSError, yaml.YAMLError) as exc:
         raise SpecError(f"cannot read {path}: {exc}") from exc
     manifests = [m for doc in documents if doc is not None
-                 for m in render_document(doc, namespace, allowed_host_paths, loader_image)]
+                 for m in render_document(doc, namespace, installation)]
     return yaml.dump_all(manifests, Dumper=_Dumper, sort_keys=False)
 
 
@@ -80,8 +61,8 @@ _Dumper.add_representer(str, _str)
 
 
 def render_document(document: Any, namespace: str,
-                    allowed_host_paths: Sequence[str] = DEFAULT_ALLOWED_HOST_PATHS,
-                    loader_image: str = DEFAULT_LOADER_IMAGE) -> Iterable[dict[str, Any]]:
+                    installation: InstallationConfig = InstallationConfig(),
+                    ) -> Iterable[dict[str, Any]]:
     if not isinstance(document, dict) or (document.get("apiVersion"), document.get("kind")) != (
             API_VERSION, KIND):
         found = document.get("kind") if isinstance(document, dict) else type(document).__name__
@@ -91,7 +72,7 @@ def render_document(document: Any, namespace: str,
     if not owner.name:
         raise SpecError(f"a {KIND} needs metadata.name")
     try:
-        spec = admit(document, allowed_host_paths=allowed_host_paths, loader_image=loader_image)
+        spec = admit(document, installation)
     except SpecError as exc:
         raise SpecError(f"{owner.namespace}/{owner.name}: {exc}", hint=exc.hint) from exc
     return build_children(owner, spec)

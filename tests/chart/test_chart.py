@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from dlo_operator import cli as operator_cli
+from dlo_operator.installation import InstallationConfig, from_args
 
 ROOT = Path(__file__).parents[2]
 CHART = ROOT / "charts" / "dlo-operator"
@@ -28,6 +29,10 @@ NON_DEFAULT = {
     "livenessPort": 9090,
     "allowedHostPaths": ["/mnt/nvme/dlo", "/var/lib/dlo"],
     "loaderImage": {"repository": "registry.example.com/dlo-loader", "tag": "1.2.3"},
+    "allowedLoaderImages": ["registry.example.com/dlo-loader@sha256:" + "ab" * 32,
+                            "registry.example.com/dlo-loader:1.2.4"],
+    "allowedUserHostPaths": ["/mnt/datasets", "/srv/dlo-user"],
+    "nodeCache": {"maxBytes": 2_000_000_000_000, "minFreeBytes": 50_000_000_000},
     "podAnnotations": {"scrape": "false"},
     "metrics": {"port": 9191, "serviceMonitor": {"enabled": True, "interval": "15s",
                                                   "labels": {"release": "prom"}},
@@ -87,7 +92,8 @@ def test_defaults_watch_every_namespace_with_a_cluster_role() -> None:
     assert container["args"] == ["operator", "run", "--all-namespaces",
                                  "--liveness=http://0.0.0.0:8080/healthz", "--metrics-port=8081",
                                  "--loader-image=dlo-loader:0.1.0",
-                                 "--allowed-host-path=/var/lib/dlo"]
+                                 "--allowed-host-path=/var/lib/dlo",
+                                 "--node-cache-max-bytes=0", "--node-cache-min-free-bytes=0"]
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}
     assert container["resources"]["requests"] == {"cpu": "100m", "memory": "128Mi"}
     assert container["image"] == "dlo-operator:0.1.0"
@@ -107,7 +113,13 @@ def test_watching_namespaces_uses_namespaced_roles_only() -> None:
     assert args == ["--debug", "operator", "run", "--namespace=inference", "--namespace=batch",
                     "--liveness=http://0.0.0.0:9090/healthz", "--metrics-port=9191",
                     "--loader-image=registry.example.com/dlo-loader:1.2.3",
-                    "--allowed-host-path=/mnt/nvme/dlo", "--allowed-host-path=/var/lib/dlo"]
+                    "--allowed-host-path=/mnt/nvme/dlo", "--allowed-host-path=/var/lib/dlo",
+                    "--allowed-loader-image=registry.example.com/dlo-loader@sha256:" + "ab" * 32,
+                    "--allowed-loader-image=registry.example.com/dlo-loader:1.2.4",
+                    "--allowed-user-host-path=/mnt/datasets",
+                    "--allowed-user-host-path=/srv/dlo-user",
+                    "--node-cache-max-bytes=2000000000000",
+                    "--node-cache-min-free-bytes=50000000000"]
 
 
 def test_operator_command_line_in_the_deployment_is_accepted_by_dlo() -> None:
@@ -120,10 +132,14 @@ def test_operator_command_line_in_the_deployment_is_accepted_by_dlo() -> None:
         operator_cli.add_arguments(parser)
         parsed = parser.parse_args(args[2:])
         assert parsed.all_namespaces == (values is None)
-        assert parsed.allowed_host_paths == ((values or {}).get("allowedHostPaths")
-                                             or ["/var/lib/dlo"])
-        assert parsed.loader_image == ("dlo-loader:0.1.0" if values is None
-                                       else "registry.example.com/dlo-loader:1.2.3")
+        assert from_args(parsed) == (InstallationConfig() if values is None else (
+            InstallationConfig(
+                allowed_host_paths=("/mnt/nvme/dlo", "/var/lib/dlo"),
+                loader_image="registry.example.com/dlo-loader:1.2.3",
+                allowed_loader_images=tuple(values["allowedLoaderImages"]),
+                allowed_user_host_paths=("/mnt/datasets", "/srv/dlo-user"),
+                node_cache_max_bytes=2_000_000_000_000,
+                node_cache_min_free_bytes=50_000_000_000)))
 
 
 def test_rbac_grants_only_what_the_operator_uses() -> None:
@@ -142,6 +158,19 @@ def test_rbac_grants_only_what_the_operator_uses() -> None:
         ("batch", "jobs"): ["delete", "get", "list", "patch", "watch"],
         ("", "events"): ["create"],
     }
+
+
+@pytest.mark.parametrize(("values", "refused"), [
+    ({"nodeCache": {"maxBytes": -1}}, "minimum"),
+    ({"nodeCache": {"maxbytes": 1}}, "additional properties 'maxbytes'"),
+    ({"allowedUserHostPaths": ["/var/lib/../.."]}, "does not match pattern"),
+    ({"allowedUserHostPaths": ["data"]}, "does not match pattern"),
+    ({"allowedLoaderImages": ["evil image"]}, "does not match pattern"),
+])
+def test_the_platform_limits_are_checked_by_the_schema(values: dict[str, Any],
+                                                       refused: str) -> None:
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError, match=refused):
+        chart.validate_schema(values)
 
 
 def test_values_schema_is_closed() -> None:

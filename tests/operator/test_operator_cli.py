@@ -8,6 +8,7 @@ import kopf
 import pytest
 
 from dlo_operator import handlers, metrics
+from dlo_operator.installation import InstallationConfig
 from dlo_cli import main as cli
 
 
@@ -40,15 +41,27 @@ def test_namespaces_are_watched_one_by_one(kopf_runs: list[dict[str, Any]]) -> N
     assert kopf_runs == [{"registry": handlers.registry, "clusterwide": False,
                           "namespaces": ["a", "b"], "standalone": True,
                           "liveness_endpoint": "http://0.0.0.0:9000/healthz",
-                          "memo": kopf.Memo(allowed_host_paths=("/var/lib/dlo",),
-                                            loader_image="dlo-loader:0.1.0")}]
+                          "memo": kopf.Memo(installation=InstallationConfig())}]
 
 
 def test_the_installation_choices_reach_the_handlers(kopf_runs: list[dict[str, Any]]) -> None:
     assert cli.main(["operator", "run", "-A", "--allowed-host-path", "/mnt/nvme",
-                     "--allowed-host-path=/var/lib/dlo", "--loader-image=reg/dlo-loader:2"]) == 0
-    assert kopf_runs[0]["memo"] == kopf.Memo(allowed_host_paths=("/mnt/nvme", "/var/lib/dlo"),
-                                             loader_image="reg/dlo-loader:2")
+                     "--allowed-host-path=/var/lib/dlo", "--loader-image=reg/dlo-loader:2",
+                     "--allowed-loader-image=reg/dlo-loader:3", "--allowed-user-host-path=/data",
+                     "--node-cache-max-bytes=1000", "--node-cache-min-free-bytes", "10"]) == 0
+    assert kopf_runs[0]["memo"] == kopf.Memo(installation=InstallationConfig(
+        allowed_host_paths=("/mnt/nvme", "/var/lib/dlo"), loader_image="reg/dlo-loader:2",
+        allowed_loader_images=("reg/dlo-loader:3",), allowed_user_host_paths=("/data",),
+        node_cache_max_bytes=1000, node_cache_min_free_bytes=10))
+
+
+def test_a_node_cache_limit_must_be_a_byte_count(kopf_runs: list[dict[str, Any]],
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["operator", "run", "-A", "--node-cache-max-bytes=10GiB"])
+    assert "'10GiB' is not a byte count; pass a whole number of bytes, 0 or more" in (
+        capsys.readouterr().err)
+    assert kopf_runs == []
 
 
 def test_all_namespaces(kopf_runs: list[dict[str, Any]]) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from dlo_operator.errors import SpecError
+from dlo_operator.installation import InstallationConfig
 from dlo_operator.manifests import fill_group
 from dlo_operator.naming import Owner
 from dlo_operator.render import render_document
@@ -97,13 +98,16 @@ def test_an_optional_pod_disruption_budget(value: str, rendered: int | str) -> N
     assert not [key for key in render({}) if key.startswith("PodDisruptionBudget")]
 
 
-def test_the_loader_image_defaults_to_the_operators_and_the_dod_may_name_its_own() -> None:
+def test_the_loader_image_defaults_to_the_operators_and_the_dod_may_name_an_allowed_one() -> None:
     def loader_image(spec: dict[str, Any], **options: Any) -> str:
-        return pod(spec, **options)["spec"]["initContainers"][0]["image"]
+        installation = InstallationConfig(**options)
+        return pod(spec, installation=installation)["spec"]["initContainers"][0]["image"]
     assert loader_image({}) == "dlo-loader:0.1.0"
     assert loader_image({}, loader_image="registry.example.com/dlo-loader:2") == (
         "registry.example.com/dlo-loader:2")
-    assert loader_image({"loader": {"image": "mine:1"}}, loader_image="other:2") == "mine:1"
+    assert loader_image({"loader": {"image": "mine:1"}}, loader_image="other:2",
+                        allowed_loader_images=("mine:1",)) == "mine:1"
+    assert loader_image({"loader": {"image": "other:2"}}, loader_image="other:2") == "other:2"
 
 
 def test_the_rendezvous_address_needs_no_cluster_domain() -> None:

@@ -120,4 +120,23 @@ ROWS: tuple[BadCR, ...] = (
         "memoryLimitBytes": 8 << 30, "resources": {"limits": {"memory": "4Gi"}}}},
         "[loader-memory-container-limit] spec.loader.memoryLimitBytes=8589934592 does not fit",
         crd=False),
+    # The platform's choices with the chart's defaults (issue 33; other values:
+    # tests/operator/test_operator_platform_limits.py): no host path, only the chart's loader.
+    BadCR("user-host-path-root", {"volumes": [{"name": "h", "hostPath": {"path": "/"}}],
+                                  "inference": {"volumeMounts": [{"name": "h",
+                                                                  "mountPath": "/host"}]}},
+          "spec.volumes[0].hostPath.path='/' is not under a node directory the platform lets "
+          "DODs mount (chart value allowedUserHostPaths; none is allowed)", crd=False),
+    BadCR("user-host-path-kubelet", {"volumes": [{"name": "k", "hostPath": {
+        "path": "/var/lib/kubelet"}}]},
+          "spec.volumes[0].hostPath.path='/var/lib/kubelet' is not under a node directory",
+          crd=False),
+    BadCR("user-git-repo", {"volumes": [{"name": "g", "gitRepo": {"repository": "x"}}]},
+          "spec.volumes[0].gitRepo is refused", crd=False),
+    BadCR("loader-image-other", {"loader": {"image": "evil.example.com/miner:latest"}},
+          "spec.loader.image='evil.example.com/miner:latest' is not a loader image the platform "
+          "allows (chart values loaderImage and allowedLoaderImages: dlo-loader:0.1.0)",
+          crd=False),
+    BadCR("cache-host-path-prefix", {"cache": {"hostPath": "/var/lib/dlo-evil"}},
+          "spec.cache.hostPath='/var/lib/dlo-evil' is outside the allowed host paths", crd=False),
 )

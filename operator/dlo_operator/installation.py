@@ -1,0 +1,93 @@
+"""`InstallationConfig`: what the platform decides for every DOD (the chart's values), one record.
+
+A DOD author writes the spec; the platform team that installs the chart decides where on the
+nodes a DOD may put files, which loader code may run with the node cache writable, and how much
+of the node the cache may take. Those choices reach the operator as flags of `dlo operator run`
+(the chart's Deployment passes them) and `dlo render` takes the same flags, so a render refuses
+what the cluster would. `add_flags` declares the flags once for both commands and `from_args`
+reads them into the record that `admission.admit` checks every DOD against. Pure; no cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from dlo_operator.host_paths import DEFAULT_ALLOWED_HOST_PATHS
+from dlo_operator.spec import DEFAULT_LOADER_IMAGE
+
+
+@dataclass(frozen=True, kw_only=True)
+class InstallationConfig:
+    """The platform's choices; each field names the chart value that sets it."""
+
+    allowed_host_paths: tuple[str, ...] = DEFAULT_ALLOWED_HOST_PATHS
+    """Node directories for the node cache (`cache.hostPath`, `offload.runtimeCacheRoot`): chart
+    value `allowedHostPaths`, flag `--allowed-host-path`."""
+    loader_image: str = DEFAULT_LOADER_IMAGE
+    """Loader image of a DOD that names none: chart value `loaderImage`, flag `--loader-image`."""
+    allowed_loader_images: tuple[str, ...] = ()
+    """Further images `spec.loader.image` may name, compared as whole references (the loader
+    writes the node cache, so this is code the platform trusts): chart value
+    `allowedLoaderImages`, flag `--allowed-loader-image`. `loader_image` is always allowed."""
+    allowed_user_host_paths: tuple[str, ...] = ()
+    """Node directories a DOD's own `spec.volumes` may mount as hostPath: chart value
+    `allowedUserHostPaths`, flag `--allowed-user-host-path`. Empty (the default): none."""
+    node_cache_max_bytes: int = 0
+    """Bytes all entries of a node cache may take (0: no limit): chart value
+    `nodeCache.maxBytes`, flag `--node-cache-max-bytes`. Only this evicts other DODs' entries."""
+    node_cache_min_free_bytes: int = 0
+    """Free bytes kept on the cache filesystem (0: no floor): chart value
+    `nodeCache.minFreeBytes`, flag `--node-cache-min-free-bytes`."""
+
+    @property
+    def loader_images(self) -> tuple[str, ...]:
+        """Every image `spec.loader.image` may name."""
+        return tuple(dict.fromkeys((self.loader_image, *self.allowed_loader_images)))
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """The installation's flags, shared by `dlo operator run` and `dlo render`."""
+    parser.add_argument("--allowed-host-path", action="append", default=[], metavar="DIR",
+                        dest="allowed_host_paths",
+                        help="a node directory under which cache.hostPath and "
+                        "offload.runtimeCacheRoot may lie (repeatable; default "
+                        f"{', '.join(DEFAULT_ALLOWED_HOST_PATHS)})")
+    parser.add_argument("--loader-image", default=DEFAULT_LOADER_IMAGE, metavar="IMAGE",
+                        help="loader image of DODs that name none in spec.loader.image "
+                        f"(default {DEFAULT_LOADER_IMAGE})")
+    parser.add_argument("--allowed-loader-image", action="append", default=[], metavar="IMAGE",
+                        dest="allowed_loader_images",
+                        help="another image spec.loader.image may name, as a whole reference "
+                        "(repeatable; default: only --loader-image)")
+    parser.add_argument("--allowed-user-host-path", action="append", default=[], metavar="DIR",
+                        dest="allowed_user_host_paths",
+                        help="a node directory under which spec.volumes may mount a hostPath "
+                        "(repeatable; default: none)")
+    parser.add_argument("--node-cache-max-bytes", type=_bytes, default=0, metavar="BYTES",
+                        help="bytes all entries of a node cache may take; a DOD may ask for "
+                        "less in cache.maxBytes (default 0: no limit)")
+    parser.add_argument("--node-cache-min-free-bytes", type=_bytes, default=0, metavar="BYTES",
+                        help="free bytes to keep on the cache filesystem; a DOD may ask for "
+                        "more in cache.minFreeBytes (default 0: no floor)")
+
+
+def from_args(args: argparse.Namespace) -> InstallationConfig:
+    return InstallationConfig(
+        allowed_host_paths=tuple(args.allowed_host_paths) or DEFAULT_ALLOWED_HOST_PATHS,
+        loader_image=args.loader_image,
+        allowed_loader_images=tuple(args.allowed_loader_images),
+        allowed_user_host_paths=tuple(args.allowed_user_host_paths),
+        node_cache_max_bytes=args.node_cache_max_bytes,
+        node_cache_min_free_bytes=args.node_cache_min_free_bytes)
+
+
+def _bytes(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a byte count; pass a whole number of bytes, 0 or more")
+    return value
