@@ -30,7 +30,7 @@ from dlo_runtime.discovery import DiscoveredModel, ModuleDiscovery
 from dlo_runtime.execution_order import ExecutionOrder, OrderState, StepHooks
 from dlo_runtime.forward_gate import ForwardGate
 from dlo_runtime.hooks import BlockScheduler, DistributedLayerwiseOffloadHook
-from dlo_runtime.layout import BlockLayout, slot_sizes, views
+from dlo_runtime.layout import BlockLayout
 from dlo_runtime.misuse import MARK_ATTRIBUTE, OffloadMark, refuse_misuse
 from dlo_runtime.offload_plan import weight_bytes
 from dlo_runtime.run_stats import OffloadStats, StatsRecorder, load_bytes
@@ -40,7 +40,7 @@ from dlo_contract.settings import Settings, SettingsError
 from dlo_runtime.slots import DeviceSlots
 from dlo_runtime.streams import HostMemory, StreamSet
 from dlo_runtime.tensors import ModelTensors, OffloadError, restore_device
-from dlo_runtime.transfer import DirectSource, MappedSource, ShardStore, StagedSource
+from dlo_runtime.slot_feed import HostSource, SourceKind, build_feed, source_kind
 from dlo_contract.field_names import Names
 from dlo_contract.validation import names_for, validate
 
@@ -105,7 +105,7 @@ class DistributedLayerwiseOffloadBackend:
         self.enabled = False
         self.layouts: list[BlockLayout] = []
         self.slots: DeviceSlots | None = None
-        self._source: ShardStore | StagedSource | DirectSource | MappedSource | None = None
+        self._source: HostSource | None = None
         self._scheduler: BlockScheduler | None = None
         self._hooks: list[DistributedLayerwiseOffloadHook] = []
         self._tensors: ModelTensors | None = None
@@ -136,42 +136,17 @@ class DistributedLayerwiseOffloadBackend:
         tensors = ModelTensors(model)
         plan, self.host_plan = self.host_plan, None
         sources = tensors.sources(plan.take_tensors() if plan is not None else None)
-        align = self._streams.align_bytes
         self.layouts = tensors.layouts(
             [block.path for block in model.streamed], tensors.streamed_names, sources,
-            self.shard_count, align,
+            self.shard_count, self._streams.align_bytes,
         )
-        if self._in_place(plan):
-            # The blocks are used where the mapping holds them; the slots hold only the views
-            # that must be copied to be aligned ([Note: compute alignment]).
-            mapped = MappedSource(self.layouts, sources, self._streams)
-            self.slots = DeviceSlots(mapped.slot_sizes(), self._streams)
-            slot_views = mapped.bind(self.slots.slots)
-            self._source = mapped
-        else:
-            self.slots = DeviceSlots(slot_sizes(self.layouts), self._streams)
-            slot_views = [
-                [views(layout, slot.flats) for layout in self.layouts]
-                for slot in self.slots.slots
-            ]
-            self._source = self._build_source(sources, plan, slot_views)
-        tensors.replace_meta()
-        tensors.place_resident(sources, self.device)
-        on_demand_layouts = tensors.layouts(
-            [e.path for e in model.on_demand], tensors.on_demand_names, sources, 1, align
-        )
-        on_demand = OnDemandModules(
-            on_demand_layouts, tensors.on_demand_tensors, sources, self._streams
-        )
+        kind = source_kind(plan, grouped=self.group is not None, streams=self._streams)
+        feed = build_feed(kind, self.layouts, sources, self._streams, group=self.group,
+                          rank=self.rank)
+        self.slots, self._source = feed.slots, feed.source
+        on_demand = self._place(model, tensors, sources, plan)
         del sources
-        self._mapped_plan = None if plan is None or self.group is not None else plan
-        if plan is not None and self.group is not None:
-            # Shards, resident and on-demand copies are made: the mappings are no longer read.
-            plan.release_sources()
-        tensors.place_streamed_placeholders(
-            self.device, [[e.meta.dtype for e in layout.entries] for layout in self.layouts]
-        )
-        self._install_hooks(model, tensors, slot_views)
+        self._install_hooks(model, tensors, feed.slot_views)
         on_demand.attach([entry.module for entry in model.on_demand])
         self._tensors, self._on_demand = tensors, on_demand
         self.enabled = True
@@ -182,15 +157,41 @@ class DistributedLayerwiseOffloadBackend:
             # and a full collection with torch and diffusers loaded costs a cold start ~0.2 s.
             gc.collect()
         self.streamed_share = self.streamed_bytes / total_bytes if total_bytes else 0.0
+        self._log_enabled(model, kind, total_bytes)
+        return self
+
+    def _place(self, model: DiscoveredModel, tensors: ModelTensors,
+               sources: dict[str, torch.Tensor], plan: HostPlan | None) -> OnDemandModules:
+        """Put every tensor where it lives while enabled: resident ones on the device, the
+        on-demand modules' host copies in their arena, the streamed ones as placeholders; and
+        release the plan's mappings once nothing reads them any more."""
+        tensors.replace_meta()
+        tensors.place_resident(sources, self.device)
+        on_demand_layouts = tensors.layouts(
+            [e.path for e in model.on_demand], tensors.on_demand_names, sources, 1,
+            self._streams.align_bytes,
+        )
+        on_demand = OnDemandModules(
+            on_demand_layouts, tensors.on_demand_tensors, sources, self._streams
+        )
+        self._mapped_plan = None if plan is None or self.group is not None else plan
+        if plan is not None and self.group is not None:
+            # Shards, resident and on-demand copies are made: the mappings are no longer read.
+            plan.release_sources()
+        tensors.place_streamed_placeholders(
+            self.device, [[e.meta.dtype for e in layout.entries] for layout in self.layouts]
+        )
+        return on_demand
+
+    def _log_enabled(self, model: DiscoveredModel, kind: SourceKind, total_bytes: int) -> None:
         logger.info(
             "dlo: enabled on %s (%s plan, lists %s): %d streamed, %d resident blocks, "
             "%d on-demand modules, streamed share %.1f%% of %d weight bytes, mode %s over %d "
-            "rank(s), device slots %d bytes", type(self.dit).__name__, model.plan.source,
-            ",".join(model.plan.blocks), len(model.streamed), len(model.resident),
-            len(model.on_demand), 100 * self.streamed_share, total_bytes, self.mode,
-            self.shard_count, self.slot_bytes,
+            "rank(s), %s source, device slots %d bytes", type(self.dit).__name__,
+            model.plan.source, ",".join(model.plan.blocks), len(model.streamed),
+            len(model.resident), len(model.on_demand), 100 * self.streamed_share, total_bytes,
+            self.mode, self.shard_count, kind.value, self.slot_bytes,
         )
-        return self
 
     def _step_end(self) -> None:
         """A forward of the DiT returned (see `StepHooks`)."""
@@ -240,26 +241,6 @@ class DistributedLayerwiseOffloadBackend:
             hook = DistributedLayerwiseOffloadHook(position, self._scheduler)
             hook.attach(block.module)
             self._hooks.append(hook)
-
-    def _in_place(self, plan: HostPlan | None) -> bool:
-        """Rank-local blocks from a mapped entry on a device that computes on host memory."""
-        return (plan is not None and self.group is None and _kind(plan) != "ordinary"
-                and self._streams.reads_host_in_place)
-
-    def _build_source(
-        self,
-        sources: dict[str, torch.Tensor],
-        plan: HostPlan | None,
-        slot_views: list[list[list[torch.Tensor]]],
-    ) -> ShardStore | StagedSource | DirectSource:
-        """Shards (AllGather, or ordinary tensors), staged mapped views, or direct views."""
-        if plan is None or self.group is not None or _kind(plan) == "ordinary":
-            return ShardStore(
-                self.layouts, sources, self._streams, group=self.group, rank=self.rank
-            )
-        if plan.sources_pinned and self._streams.copies_registered_views:
-            return DirectSource(self.layouts, sources, self._streams, slot_views)
-        return StagedSource(self.layouts, sources, self._streams)
 
     def disable(self, *, restore: bool = True) -> None:
         """Synchronize, remove hooks, release the slots and the host sources.
@@ -350,11 +331,6 @@ class DistributedLayerwiseOffloadBackend:
         if self._source is None or self._on_demand is None:
             return []
         return self._source.host_tensors() + self._on_demand.host_tensors()
-
-
-def _kind(plan: HostPlan) -> str:
-    kind = plan.backing_kind
-    return str(getattr(kind, "value", kind))
 
 
 def host_bytes(tensors: list[torch.Tensor]) -> int:
