@@ -74,7 +74,9 @@ class LoaderPodConfig(Section):
 
     image: str = setting("", crd="loader.image",
                          description="Loader image (runs dlo cache fill); empty uses the "
-                         "operator's default, the chart value loaderImage.")
+                         "operator's default, the chart value loaderImage. Any other must be "
+                         "one of the chart value allowedLoaderImages: the loader writes the "
+                         "node cache.")
     image_pull_policy: PullPolicy = setting("IfNotPresent", crd="loader.imagePullPolicy",
                                             description="Pull policy of the loader image.")
     port: int = setting(DEFAULT_RENDEZVOUS_PORT, crd="loader.port", minimum=1, maximum=65535,
@@ -183,7 +185,8 @@ class DeploymentSpec(Section):
         (), crd="volumes",
         description="Extra pod volumes (core/v1 Volume), mounted through inference.volumeMounts; "
         "names may not reuse the operator's (settings, run, loader-tmp, cache, runtime-cache, "
-        "dshm).")
+        "dshm). A hostPath must lie under the chart value allowedUserHostPaths (default: none); "
+        "gitRepo and flexVolume are refused.")
     shm_size: str = setting(
         "", crd="shmSize", pattern=QUANTITY,
         description="Size limit of the memory-backed /dev/shm of the inference container (torch "
