@@ -64,8 +64,10 @@ class OffloadConfig(Section):
         "map them (no-AllGather only); off by default because it costs a hash pass per rank.")
     runtime_cache_root: str | None = setting(
         None, crd="offload.runtimeCacheRoot", pattern=f"^$|{NORMALIZED_PATH}",
-        description="Node directory for runtime entries, an absolute normalized path under the "
-        "operator's allowed host paths (default /var/lib/dlo); empty means cache.hostPath.")
+        description="Directory of this deployment's runtime entries. Under the operator, the "
+        "path in the inference container where its own directory of the namespace's node cache "
+        "is mounted writable, apart from cache.hostPath (neither inside the other); empty means "
+        "/var/lib/dlo/runtime there, and cache.hostPath for a document run by hand.")
     runtime_cache_lock_timeout_s: float = setting(
         600.0, crd="offload.runtimeCacheLockTimeoutSeconds", above=0,
         description="Seconds to wait for another process publishing the same runtime entry; "
@@ -169,13 +171,15 @@ class LoaderConfig(Section):
 
 
 class CacheConfig(Section):
-    """The node's content-addressed cache (hostPath), shared by every pod on the node."""
+    """The content-addressed cache; under the operator, one per namespace and node, shared by
+    the namespace's pods on that node."""
 
     root: str = setting(
         DEFAULT_CACHE_ROOT, crd="cache.hostPath", cli="--cache-root", pattern=NORMALIZED_PATH,
-        description="Host directory of the cache (holds v1/), mounted at the same path in the "
-        "pod: an absolute normalized path (no '.', '..', '//' or trailing '/') under the "
-        "operator's allowed host paths (default /var/lib/dlo).")
+        description="Directory of the cache (holds v1/): an absolute normalized path (no '.', "
+        "'..', '//' or trailing '/'). Under the operator, the path in the containers where the "
+        "namespace's node cache is mounted (writable by the loader, read-only for the server); "
+        "the node directory is the platform's (chart value nodeCache.hostPath), never the DOD's.")
     max_bytes: int = setting(
         0, crd="cache.maxBytes", minimum=0, int64=True,
         description="Bytes this deployment's entry may take; 0 takes the node's limit. Under the "

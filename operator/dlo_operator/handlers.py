@@ -11,25 +11,31 @@
   records that in an event, and kopf then removes its finalizer once the DOD's timers have
   stopped (a timer run in flight is waited for, `TIMER_EXIT_WAIT_S`, not kopf's minute).
 
+- node-cache claims and volumes: `provisioner` serves each claim of the node-cache StorageClass
+  with its volume once the scheduler chose the node, and deletes a volume whose claim is gone.
+
 Handlers are registered on `registry`, which `dlo operator run` and the tests pass to kopf.
 They must not build manifests or decide phases themselves.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
-from dlo_operator import metrics, progress
+from dlo_operator import metrics, progress, provisioner
 from dlo_operator.errors import KubeError, KubeTransientError, SpecError
 from dlo_operator.installation import InstallationConfig
 from dlo_operator.kube import KubeClient
 from dlo_operator.naming import ANNOTATION_FILL_SUMMARY, GROUP, LABEL_DEPLOYMENT, PLURAL, VERSION
+from dlo_operator.node_cache import LABEL_NODE_CACHE, NODE_CACHE_CLASS, NodeCacheConfig
 from dlo_operator.reconcile import ReconcileConfig, reconcile
 from dlo_operator.prefill_stage import BackoffConfig
 from dlo_operator.spec import parse_spec
@@ -68,6 +74,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.config = ReconcileConfig(
         backoff=BackoffConfig(base_s=float(os.environ.get(PREFILL_BACKOFF_ENV) or 10.0)),
         installation=memo.get("installation") or InstallationConfig())
+    memo.node_cache = NodeCacheConfig(root=memo.config.installation.node_cache_root)
 
 
 @kopf.on.login(registry=registry)
@@ -118,6 +125,22 @@ for _plural in _OWNED:
     def on_child_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo,
                        logger: logging.Logger, **_: Any) -> None:
         _quietly(memo, namespace, labels[LABEL_DEPLOYMENT], logger)
+
+
+@kopf.on.event("persistentvolumeclaims", field="spec.storageClassName", value=NODE_CACHE_CLASS,
+                registry=registry)
+def on_cache_claim(type: str, body: kopf.Body, namespace: str, name: str, memo: kopf.Memo,
+                   **_: Any) -> None:
+    step = (functools.partial(provisioner.release_claim, memo.kube, body) if type == "DELETED"
+            else functools.partial(provisioner.serve_claim, memo.kube, body, memo.node_cache))
+    provisioner.with_retries(step, f"claim {namespace}/{name}", time.sleep)
+
+
+@kopf.on.event("persistentvolumes", labels={LABEL_NODE_CACHE: kopf.PRESENT}, registry=registry)
+def on_cache_volume(type: str, body: kopf.Body, name: str, memo: kopf.Memo, **_: Any) -> None:
+    if type != "DELETED":
+        provisioner.with_retries(functools.partial(provisioner.reclaim_volume, memo.kube, body),
+                                 f"volume {name}", time.sleep)
 
 
 def _keep_summaries(memo: kopf.Memo, namespace: str, pods: Any, port: int,

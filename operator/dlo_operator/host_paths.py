@@ -81,11 +81,11 @@ def host_path_problems(paths: Sequence[tuple[str, str]], *, allowed: Sequence[st
 
 
 def host_paths_of(spec: DeploymentSpec) -> list[tuple[str, str]]:
-    """The DOD's host directories, each with its CR field."""
-    paths = [("cache.hostPath", spec.settings.cache.root)]
-    if spec.settings.offload.runtime_cache_root:
-        paths.append(("offload.runtimeCacheRoot", spec.settings.offload.runtime_cache_root))
-    return paths
+    """The DOD's host directories, each with its CR field: none. `cache.hostPath` and
+    `offload.runtimeCacheRoot` are paths in the containers; the node directory is the
+    platform's (`node_cache`), and `pod_rules` keeps the two paths off the containers' own."""
+    del spec
+    return []
 
 
 def user_mount_paths(spec: DeploymentSpec) -> list[str]:

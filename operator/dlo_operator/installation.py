@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from dlo_operator.host_paths import DEFAULT_ALLOWED_HOST_PATHS
+from dlo_operator.host_paths import DEFAULT_ALLOWED_HOST_PATHS, normalized
+from dlo_operator.node_cache import DEFAULT_NODE_CACHE_ROOT
 from dlo_operator.spec import DEFAULT_LOADER_IMAGE
 
 
@@ -39,6 +40,10 @@ class InstallationConfig:
     node_cache_min_free_bytes: int = 0
     """Free bytes kept on the cache filesystem (0: no floor): chart value
     `nodeCache.minFreeBytes`, flag `--node-cache-min-free-bytes`."""
+    node_cache_root: str = DEFAULT_NODE_CACHE_ROOT
+    """Node directory holding each namespace's cache, `<root>/namespaces/<namespace>`, which the
+    operator's PersistentVolumes serve (`node_cache`): chart value `nodeCache.hostPath`, flag
+    `--node-cache-root`."""
 
     @property
     def loader_images(self) -> tuple[str, ...]:
@@ -70,6 +75,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-cache-min-free-bytes", type=_bytes, default=0, metavar="BYTES",
                         help="free bytes to keep on the cache filesystem; a DOD may ask for "
                         "more in cache.minFreeBytes (default 0: no floor)")
+    parser.add_argument("--node-cache-root", type=_directory, default=DEFAULT_NODE_CACHE_ROOT,
+                        metavar="DIR", help="node directory holding each namespace's cache, "
+                        f"DIR/namespaces/NAMESPACE (default {DEFAULT_NODE_CACHE_ROOT})")
 
 
 def from_args(args: argparse.Namespace) -> InstallationConfig:
@@ -79,7 +87,16 @@ def from_args(args: argparse.Namespace) -> InstallationConfig:
         allowed_loader_images=tuple(args.allowed_loader_images),
         allowed_user_host_paths=tuple(args.allowed_user_host_paths),
         node_cache_max_bytes=args.node_cache_max_bytes,
-        node_cache_min_free_bytes=args.node_cache_min_free_bytes)
+        node_cache_min_free_bytes=args.node_cache_min_free_bytes,
+        node_cache_root=args.node_cache_root)
+
+
+def _directory(text: str) -> str:
+    if not normalized(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an absolute, normalized directory; pass one like "
+            f"{DEFAULT_NODE_CACHE_ROOT} (no '.', '..', '//' or trailing '/')")
+    return text
 
 
 def _bytes(text: str) -> int:

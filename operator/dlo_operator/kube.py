@@ -135,6 +135,48 @@ class KubeClient:
                    GROUP, VERSION, namespace, PLURAL, name, {"status": dict(status)},
                    _content_type=_MERGE)
 
+    def get_claim(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """One PersistentVolumeClaim, or None when it does not exist."""
+        return self._absent_is_none(f"PersistentVolumeClaim {namespace}/{name}",
+                                    self._core.read_namespaced_persistent_volume_claim,
+                                    name, namespace)
+
+    def get_node(self, name: str) -> dict[str, Any] | None:
+        """One Node, or None when it does not exist."""
+        return self._absent_is_none(f"Node {name}", self._core.read_node, name)
+
+    def create_volume(self, manifest: Mapping[str, Any]) -> None:
+        """Create one PersistentVolume; one of that name existing already is fine (its name
+        holds the claim's uid, so it serves the same claim)."""
+        name = manifest["metadata"]["name"]
+        try:
+            self._call(f"PersistentVolume {name}", self._core.create_persistent_volume,
+                       dict(manifest))
+        except KubeTransientError:
+            if self.get_volume(name) is None:
+                raise
+
+    def get_volume(self, name: str) -> dict[str, Any] | None:
+        return self._absent_is_none(f"PersistentVolume {name}",
+                                    self._core.read_persistent_volume, name)
+
+    def delete_volume(self, name: str) -> None:
+        """Delete one PersistentVolume (the object: the hostPath's bytes stay); gone is fine."""
+        try:
+            self._call(f"PersistentVolume {name}", self._core.delete_persistent_volume, name)
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
+
+    def _absent_is_none(self, what: str, method: Callable[..., Any],
+                        *args: Any) -> dict[str, Any] | None:
+        try:
+            return self._call(what, method, *args)
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
     def _call(self, what: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
             response = method(*args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S,

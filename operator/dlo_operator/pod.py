@@ -15,6 +15,12 @@ template depends on the replica count: a workload loader learns its fill group f
 fill-group document (`DLO_FILL_GROUP`, an optional ConfigMap key) and its own pod name, so scaling
 restarts no pod. `loader_container` is shared with the prefill Job. Pure; called by
 `statefulset.build_statefulset` and `prefill`. It must not decide names or labels (see `naming`).
+
+No volume here is a hostPath: the node cache is the pod's ephemeral claim (`node_cache`, see
+[Note: the node cache's tenant boundary] there), so every pod passes Pod Security `baseline`. The
+loader mounts its namespace's entries writable at `cache.hostPath` (a path in the containers);
+the inference container mounts them read-only there, and with the runtime cache its own DOD's
+directory writable at `offload.runtimeCacheRoot`, which never overlaps the entries.
 """
 
 from __future__ import annotations
@@ -45,11 +51,17 @@ from dlo_operator.naming import (
     Owner,
     selector_labels,
 )
-from dlo_operator.spec import DeploymentSpec
+from dlo_operator.node_cache import (
+    CACHE_SUBPATH,
+    CACHE_VOLUME,
+    build_cache_volume,
+    runtime_subpath,
+)
+from dlo_operator.spec import DeploymentSpec, runtime_cache_on
 
 GPU_RESOURCE = "nvidia.com/gpu"
 SHM_VOLUME = "dshm"
-OWN_VOLUMES = ("settings", "run", "loader-tmp", "cache", "runtime-cache", SHM_VOLUME)
+OWN_VOLUMES = ("settings", "run", "loader-tmp", CACHE_VOLUME, SHM_VOLUME)
 """Volume names the operator uses; a user's `volumes` entry may not reuse one."""
 
 LOADER_SECURITY_CONTEXT: dict[str, Any] = {
@@ -60,7 +72,9 @@ LOADER_SECURITY_CONTEXT: dict[str, Any] = {
     "seccompProfile": {"type": "RuntimeDefault"},
 }
 """The loader only reads the network and writes the cache: no capability is needed. It keeps the
-image's user so that it can write the root-owned hostPath directory without CAP_DAC_OVERRIDE."""
+image's user (root): the kubelet creates the namespace's directory root-owned and applies no
+fsGroup to a hostPath volume, so a non-root loader could not write it (Pod Security `baseline`
+allows root; `restricted` would not, see README "Pod Security")."""
 
 
 def build_pod_template(owner: Owner, spec: DeploymentSpec, revision: str,
@@ -77,7 +91,7 @@ def build_pod_template(owner: Owner, spec: DeploymentSpec, revision: str,
         "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
         "affinity": _affinity(owner, spec),
         "initContainers": [loader_container(spec, group_env, sidecar=True)],
-        "containers": [_inference_container(spec)],
+        "containers": [_inference_container(owner.name, spec)],
         "volumes": volumes(owner.settings_name(revision), spec),
     }
     if spec.service_account_name:
@@ -99,29 +113,17 @@ def build_pod_template(owner: Owner, spec: DeploymentSpec, revision: str,
     }
 
 
-def _runtime_cache_separate(spec: DeploymentSpec) -> bool:
-    """The runtime cache needs its own hostPath when it lives outside `cache.root`."""
-    settings = spec.settings
-    return settings.offload.enable_runtime_cache and (
-        settings.runtime_cache_root != settings.cache.root)
-
-
 def volumes(settings_configmap: str, spec: DeploymentSpec) -> list[dict[str, Any]]:
-    """Settings (the revision's ConfigMap), the run and tmp dirs, the node cache."""
+    """Settings (the revision's ConfigMap), the run and tmp dirs, the node cache (the pod's
+    claim of its namespace's directory on its node)."""
     volumes: list[dict[str, Any]] = [
         {"name": "settings", "configMap": {
             "name": settings_configmap, "items": [{"key": SETTINGS_KEY, "path": SETTINGS_KEY}],
         }},
         {"name": "run", "emptyDir": {}},
         {"name": "loader-tmp", "emptyDir": {}},
-        {"name": "cache", "hostPath": {
-            "path": spec.settings.cache.root, "type": "DirectoryOrCreate",
-        }},
+        build_cache_volume(),
     ]
-    if _runtime_cache_separate(spec):
-        volumes.append({"name": "runtime-cache", "hostPath": {
-            "path": spec.settings.runtime_cache_root, "type": "DirectoryOrCreate",
-        }})
     shm: dict[str, Any] = {"medium": "Memory"}
     if spec.shm_size:
         shm["sizeLimit"] = spec.shm_size
@@ -152,7 +154,8 @@ def loader_container(spec: DeploymentSpec, group_env: list[dict[str, Any]], *,
             {"name": "settings", "mountPath": SETTINGS_MOUNT, "readOnly": True},
             {"name": "run", "mountPath": RUN_DIR},
             {"name": "loader-tmp", "mountPath": LOADER_TMP},
-            {"name": "cache", "mountPath": spec.settings.cache.root},
+            {"name": CACHE_VOLUME, "mountPath": spec.settings.cache.root,
+             "subPath": CACHE_SUBPATH},
         ],
     }
     if sidecar:
@@ -193,19 +196,21 @@ def _credential_env(spec: DeploymentSpec) -> list[dict[str, Any]]:
     ]
 
 
-def _inference_container(spec: DeploymentSpec) -> dict[str, Any]:
-    """Contract C3: settings and entry file in `DLO_*` (the entry file names the cache root); the cache is read-only
-    unless the runtime cache publishes entries from this container."""
+def _inference_container(dod: str, spec: DeploymentSpec) -> dict[str, Any]:
+    """Contract C3: settings and entry file in `DLO_*` (the entry file names the cache root).
+    The entries are read-only, always: a server never writes what another pod maps. The runtime
+    cache publishes into its own DOD's directory (`runtime/<dod>` of the claim), writable."""
     inference = spec.inference
     settings = spec.settings
-    cache_writable = settings.offload.enabled and settings.offload.enable_runtime_cache
     mounts: list[dict[str, Any]] = [
         {"name": "settings", "mountPath": SETTINGS_MOUNT, "readOnly": True},
         {"name": "run", "mountPath": RUN_DIR, "readOnly": True},
-        {"name": "cache", "mountPath": settings.cache.root, "readOnly": not cache_writable},
+        {"name": CACHE_VOLUME, "mountPath": settings.cache.root, "subPath": CACHE_SUBPATH,
+         "readOnly": True},
     ]
-    if _runtime_cache_separate(spec):
-        mounts.append({"name": "runtime-cache", "mountPath": settings.runtime_cache_root})
+    if runtime_cache_on(settings):
+        mounts.append({"name": CACHE_VOLUME, "mountPath": settings.runtime_cache_root,
+                       "subPath": runtime_subpath(dod)})
     mounts.append({"name": SHM_VOLUME, "mountPath": SHM_PATH})
     mounts += [copy.deepcopy(dict(m)) for m in inference.volume_mounts]
     env = [copy.deepcopy(dict(e)) for e in inference.env] + [

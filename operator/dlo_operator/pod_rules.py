@@ -13,10 +13,12 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from dlo_operator.host_paths import OWN_MOUNT_PATHS, overlaps, user_mount_paths
 from dlo_contract.validation import cr_names
 from dlo_operator.naming import Owner, selector_labels
+from dlo_operator.node_cache import DEFAULT_RUNTIME_CACHE_PATH
 from dlo_operator.pod import GPU_RESOURCE, OWN_VOLUMES
-from dlo_operator.spec import DeploymentSpec
+from dlo_operator.spec import DeploymentSpec, runtime_cache_on
 
 LOADER_BACKEND_MESSAGE = (
     f"[loader-backend-gloo] {cr_names('loader.backend')}=nccl needs a GPU, but the loader is a "
@@ -26,7 +28,7 @@ LOADER_BACKEND_MESSAGE = (
 def pod_problems(spec: DeploymentSpec) -> list[str]:
     found = (_gpu_limit(spec), _ranks(spec), _loader_memory(spec), _backend(spec),
              _reserved_labels(spec), _volume_names(spec), _mounts(spec), _inference_ports(spec),
-             _ports(spec))
+             _ports(spec), _cache_paths(spec), _runtime_cache_apart(spec))
     return [problem for problem in found if problem]
 
 
@@ -107,6 +109,39 @@ def _mounts(spec: DeploymentSpec) -> str | None:
     names = ", ".join(map(repr, unknown))
     return (f"[volume-mounts-known] spec.inference.volumeMounts mounts {names}, which "
             "spec.volumes does not define; add the volume or remove the mount")
+
+
+def _cache_paths(spec: DeploymentSpec) -> str | None:
+    """Where the containers see the node cache may not hide, or lie in, a mount of their own
+    (the settings, the entry file, scratch space, shared memory, a user volume)."""
+    settings = spec.settings
+    paths = [("cache.hostPath", settings.cache.root)]
+    if runtime_cache_on(settings):
+        paths.append(("offload.runtimeCacheRoot", settings.runtime_cache_root))
+    own = [*OWN_MOUNT_PATHS, *user_mount_paths(spec)]
+    for field, path in paths:
+        clash = next((mount for mount in own if overlaps(path, mount)), None)
+        if clash is not None:
+            return (f"spec.{field}={path!r} overlaps the container mount path {clash!r}; "
+                    "choose a directory that neither contains nor lies inside it")
+    return None
+
+
+def _runtime_cache_apart(spec: DeploymentSpec) -> str | None:
+    """The inference container mounts the entries read-only at `cache.hostPath` and its DOD's
+    runtime cache writable at `offload.runtimeCacheRoot`: one inside the other would hide one
+    mount under the other (and the same path cannot be both)."""
+    settings = spec.settings
+    if not runtime_cache_on(settings) or not overlaps(settings.runtime_cache_root,
+                                                      settings.cache.root):
+        return None
+    default = (" (the default of an empty runtimeCacheRoot)"
+               if settings.runtime_cache_root == DEFAULT_RUNTIME_CACHE_PATH else "")
+    return (f"[runtime-cache-apart] spec.offload.runtimeCacheRoot="
+            f"{settings.runtime_cache_root!r}{default} and spec.cache.hostPath="
+            f"{settings.cache.root!r} overlap; the entries are read-only in the inference "
+            "container and its runtime cache is writable: set spec.offload.runtimeCacheRoot to "
+            "a path that neither contains nor lies inside spec.cache.hostPath")
 
 
 _PORT_NAME = re.compile(r"^(?=.*[a-z])(?!.*--)[a-z0-9](?:[a-z0-9-]*[a-z0-9])?$")

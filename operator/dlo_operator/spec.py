@@ -28,11 +28,12 @@ from dlo_contract.schema import Leaf, describe, leaves
 from dlo_contract.settings import Settings, SettingsError
 from dlo_contract.validation import cr_names, validate
 from dlo_operator.errors import SpecError
+from dlo_operator.node_cache import DEFAULT_RUNTIME_CACHE_PATH
 
 __all__ = [
     "DEFAULT_LOADER_IMAGE", "DEFAULT_LOADER_RESOURCES", "CR_LEAVES",
     "CredentialsConfig", "DeploymentSpec", "InferenceConfig", "LoaderPodConfig", "parse_spec",
-    "settings_from_spec",
+    "runtime_cache_on", "settings_from_spec",
 ]
 
 CR_LEAVES: tuple[Leaf, ...] = tuple(leaf for leaf in leaves(DeploymentSpec) if leaf.meta.crd)
@@ -71,10 +72,26 @@ def parse_spec(spec: Mapping[str, Any] | None, *,
         settings = validate(deployment.settings, names=cr_names)
     except SettingsError as exc:
         raise SpecError(str(exc), hint=exc.hint) from exc
-    update: dict[str, Any] = {"settings": settings}
+    update: dict[str, Any] = {"settings": _runtime_cache_path(settings)}
     if not deployment.loader.image:
         update["loader"] = deployment.loader.model_copy(update={"image": default_loader_image})
     return deployment.model_copy(update=update)
+
+
+def runtime_cache_on(settings: Settings) -> bool:
+    """Whether the inference container publishes runtime-cache entries."""
+    return settings.offload.enabled and settings.offload.enable_runtime_cache
+
+
+def _runtime_cache_path(settings: Settings) -> Settings:
+    """An empty `offload.runtimeCacheRoot` with the runtime cache on means
+    `DEFAULT_RUNTIME_CACHE_PATH` in the containers (not the entries' `cache.hostPath`: the
+    entries are read-only there), written into the settings document the runtime reads."""
+    if not runtime_cache_on(settings) or settings.offload.runtime_cache_root:
+        return settings
+    offload = settings.offload.model_copy(
+        update={"runtime_cache_root": DEFAULT_RUNTIME_CACHE_PATH})
+    return settings.model_copy(update={"offload": offload})
 
 
 def settings_from_spec(spec: Mapping[str, Any]) -> Settings:

@@ -32,7 +32,8 @@ NON_DEFAULT = {
     "allowedLoaderImages": ["registry.example.com/dlo-loader@sha256:" + "ab" * 32,
                             "registry.example.com/dlo-loader:1.2.4"],
     "allowedUserHostPaths": ["/mnt/datasets", "/srv/dlo-user"],
-    "nodeCache": {"maxBytes": 2_000_000_000_000, "minFreeBytes": 50_000_000_000},
+    "nodeCache": {"hostPath": "/mnt/nvme/dlo", "maxBytes": 2_000_000_000_000,
+                  "minFreeBytes": 50_000_000_000},
     "podAnnotations": {"scrape": "false"},
     "metrics": {"port": 9191, "serviceMonitor": {"enabled": True, "interval": "15s",
                                                   "labels": {"release": "prom"}},
@@ -84,7 +85,7 @@ def test_rendered_manifests_and_crd_are_valid_for_every_version(
 def test_defaults_watch_every_namespace_with_a_cluster_role() -> None:
     kinds = by_kind(render())
     assert sorted(kinds) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
-                             "ServiceAccount"]
+                             "ServiceAccount", "StorageClass"]
     deployment = kinds["Deployment"][0]
     assert (deployment["spec"]["replicas"], deployment["spec"]["strategy"]) == (
         1, {"type": "Recreate"})
@@ -93,18 +94,28 @@ def test_defaults_watch_every_namespace_with_a_cluster_role() -> None:
                                  "--liveness=http://0.0.0.0:8080/healthz", "--metrics-port=8081",
                                  "--loader-image=dlo-loader:0.1.0",
                                  "--allowed-host-path=/var/lib/dlo",
-                                 "--node-cache-max-bytes=0", "--node-cache-min-free-bytes=0"]
+                                 "--node-cache-max-bytes=0", "--node-cache-min-free-bytes=0",
+                                 "--node-cache-root=/var/lib/dlo"]
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}
     assert container["resources"]["requests"] == {"cpu": "100m", "memory": "128Mi"}
     assert container["image"] == "dlo-operator:0.1.0"
-    binding = kinds["ClusterRoleBinding"][0]
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "dlo-dlo-operator",
-                                    "namespace": "dlo-system"}]
+    for binding in kinds["ClusterRoleBinding"]:
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "dlo-dlo-operator",
+                                        "namespace": "dlo-system"}]
+    [storage_class] = kinds["StorageClass"]
+    assert (storage_class["metadata"]["name"], storage_class["provisioner"],
+            storage_class["volumeBindingMode"], storage_class["reclaimPolicy"]) == (
+        "dlo-node-cache", "dlo.dev/node-cache", "WaitForFirstConsumer", "Delete")
 
 
 def test_watching_namespaces_uses_namespaced_roles_only() -> None:
     kinds = by_kind(render(NON_DEFAULT))
-    assert "ClusterRole" not in kinds and "ClusterRoleBinding" not in kinds
+    # Cluster-wide only the node-cache provisioner's volumes and nodes (no Role can grant them).
+    assert [r["metadata"]["name"] for r in kinds["ClusterRole"]] == ["dlo-dlo-operator-node-cache"]
+    assert {rule["resources"][0] for rule in kinds["ClusterRole"][0]["rules"]} == {
+        "persistentvolumes", "nodes"}
+    assert [b["roleRef"]["name"] for b in kinds["ClusterRoleBinding"]] == [
+        "dlo-dlo-operator-node-cache"]
     assert [(r["metadata"]["namespace"]) for r in kinds["Role"]] == ["inference", "batch"]
     bindings = kinds["RoleBinding"]
     assert [(b["metadata"]["namespace"], b["subjects"][0]["name"]) for b in bindings] == [
@@ -119,7 +130,8 @@ def test_watching_namespaces_uses_namespaced_roles_only() -> None:
                     "--allowed-user-host-path=/mnt/datasets",
                     "--allowed-user-host-path=/srv/dlo-user",
                     "--node-cache-max-bytes=2000000000000",
-                    "--node-cache-min-free-bytes=50000000000"]
+                    "--node-cache-min-free-bytes=50000000000",
+                    "--node-cache-root=/mnt/nvme/dlo"]
 
 
 def test_operator_command_line_in_the_deployment_is_accepted_by_dlo() -> None:
@@ -139,11 +151,12 @@ def test_operator_command_line_in_the_deployment_is_accepted_by_dlo() -> None:
                 allowed_loader_images=tuple(values["allowedLoaderImages"]),
                 allowed_user_host_paths=("/mnt/datasets", "/srv/dlo-user"),
                 node_cache_max_bytes=2_000_000_000_000,
-                node_cache_min_free_bytes=50_000_000_000)))
+                node_cache_min_free_bytes=50_000_000_000,
+                node_cache_root="/mnt/nvme/dlo")))
 
 
 def test_rbac_grants_only_what_the_operator_uses() -> None:
-    rules = by_kind(render())["ClusterRole"][0]["rules"]
+    rules = [rule for role in by_kind(render())["ClusterRole"] for rule in role["rules"]]
     granted = {(g, r): sorted(rule["verbs"]) for rule in rules
                for g in rule["apiGroups"] for r in rule["resources"]}
     assert granted == {
@@ -157,6 +170,9 @@ def test_rbac_grants_only_what_the_operator_uses() -> None:
         ("policy", "poddisruptionbudgets"): ["delete", "get", "list", "patch", "watch"],
         ("batch", "jobs"): ["delete", "get", "list", "patch", "watch"],
         ("", "events"): ["create"],
+        ("", "persistentvolumeclaims"): ["get", "list", "watch"],
+        ("", "persistentvolumes"): ["create", "delete", "get", "list", "watch"],
+        ("", "nodes"): ["get"],
     }
 
 

@@ -40,8 +40,9 @@ def env(container: dict[str, Any]) -> dict[str, Any]:
 
 
 def mounts(container: dict[str, Any]) -> dict[str, tuple[str, bool]]:
-    return {m["name"]: (m["mountPath"], m.get("readOnly", False))
-            for m in container["volumeMounts"]}
+    """`volume` or `volume/subPath` -> (mount path, read-only)."""
+    return {"/".join(filter(None, (m["name"], m.get("subPath")))): (
+        m["mountPath"], m.get("readOnly", False)) for m in container["volumeMounts"]}
 
 
 def test_children_are_owned_and_applied_in_dependency_order() -> None:
@@ -127,7 +128,7 @@ def test_loader_learns_its_group_from_the_fill_group_document_not_the_replicas()
                      "masterPort": 29500}
     assert mounts(loader) == {"settings": ("/etc/dlo", True), "run": ("/run/dlo", False),
                               "loader-tmp": ("/tmp", False),
-                              "cache": ("/var/lib/dlo/cache", False)}
+                              "node-cache/cache": ("/var/lib/dlo/cache", False)}
 
 
 def test_the_workload_loader_is_a_native_sidecar_and_the_prefill_loader_is_not() -> None:
@@ -182,20 +183,49 @@ def test_inference_container_gets_contract_c3_and_a_read_only_cache() -> None:
                               "DLO_ENTRY_FILE": "/run/dlo/entry.json",
                               "DLO_ENTRY_WAIT_SECONDS": "3600"}
     assert mounts(inference) == {"settings": ("/etc/dlo", True), "run": ("/run/dlo", True),
-                                 "cache": ("/var/lib/dlo/cache", True),
+                                 "node-cache/cache": ("/var/lib/dlo/cache", True),
                                  "dshm": ("/dev/shm", False)}
     assert inference["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert inference["resources"] == {"limits": {"memory": "10Gi", "nvidia.com/gpu": "8"}}
 
 
-def test_runtime_cache_makes_the_cache_writable_and_mounts_a_separate_root() -> None:
-    sts = statefulset({**MINIMAL, "offload": {
-        "useAllgather": False, "enableRuntimeCache": True, "runtimeCacheRoot": "/mnt/rt"}})
-    _, inference = containers(sts)
-    assert mounts(inference)["cache"] == ("/var/lib/dlo/cache", False)
-    assert mounts(inference)["runtime-cache"] == ("/mnt/rt", False)
-    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
-    assert volumes["runtime-cache"]["hostPath"] == {"path": "/mnt/rt", "type": "DirectoryOrCreate"}
+def test_the_runtime_cache_writes_its_own_dods_directory_and_the_entries_stay_read_only() -> None:
+    """Attack 5 of issue 33: with the runtime cache on, the inference container mounted the
+    whole cache root writable. Now the entries are read-only and the runtime cache is the DOD's
+    own directory of its namespace's claim (`runtime/<dod>`), beside the entries."""
+    runtime = {"useAllgather": False, "enableRuntimeCache": True}
+    for offload, path in (({**runtime, "runtimeCacheRoot": "/mnt/rt"}, "/mnt/rt"),
+                          (runtime, "/var/lib/dlo/runtime")):
+        sts = statefulset({**MINIMAL, "offload": offload})
+        loader, inference = containers(sts)
+        assert {k: v for k, v in mounts(inference).items() if k.startswith("node-cache")} == {
+            "node-cache/cache": ("/var/lib/dlo/cache", True),
+            "node-cache/runtime/flux": (path, False)}
+        assert [k for k in mounts(loader) if k.startswith("node-cache")] == ["node-cache/cache"]
+        settings = json.loads(build_children(OWNER, parse_spec({**MINIMAL, "offload": offload}))[
+            0]["data"]["settings.json"])
+        assert settings["offload"]["runtime_cache_root"] == path
+        volumes = sts["spec"]["template"]["spec"]["volumes"]
+        assert [v["name"] for v in volumes if "ephemeral" in v] == ["node-cache"]
+        assert not [v for v in volumes if "hostPath" in v]
+    other = containers(statefulset({**MINIMAL, "offload": runtime}, Owner(name="wan",
+                                                                          namespace="ml")))[1]
+    assert mounts(other)["node-cache/runtime/wan"] == ("/var/lib/dlo/runtime", False)
+
+
+def test_no_pod_mounts_a_node_directory_and_the_cache_is_the_pods_own_claim() -> None:
+    """Attack 4 of issue 33: every pod mounted the node's whole cache root. Now the workload and
+    prefill pods hold one claim each of the operator's node-cache class, which serves only the
+    pod's namespace's directory (tests/operator/test_operator_node_cache.py)."""
+    spec = parse_spec(MINIMAL)
+    workload = build_children(OWNER, spec)[3]["spec"]["template"]["spec"]
+    prefill = build_prefill_job(OWNER, spec, ["a", "b"])["spec"]["template"]["spec"]
+    for pod in (workload, prefill):
+        [cache] = [v for v in pod["volumes"] if v["name"] == "node-cache"]
+        assert cache == {"name": "node-cache", "ephemeral": {"volumeClaimTemplate": {"spec": {
+            "accessModes": ["ReadWriteOnce"], "storageClassName": "dlo-node-cache",
+            "resources": {"requests": {"storage": "1Gi"}}}}}}
+        assert "hostPath" not in json.dumps(pod)
 
 
 def test_a_settings_change_changes_the_pod_template() -> None:

@@ -16,6 +16,7 @@ from dlo_operator.manifests import build_children
 from dlo_operator.naming import MAX_NAME_LENGTH, Owner
 from dlo_operator.prefill import build_prefill_job, build_prefill_service
 from dlo_operator.spec import parse_spec
+from support.pod_security import violations
 
 KUBERNETES_VERSIONS = [f"1.{minor}" for minor in range(29, 38)]
 EXAMPLES = sorted(Path(__file__).parents[2].joinpath("examples").glob("*.yaml"))
@@ -90,6 +91,18 @@ def test_every_built_manifest_is_valid_for(version: str) -> None:
     for case, manifest in MANIFESTS:
         checked = kubernetes_validate.validate(manifest, version, strict=True)
         assert checked == version, case
+
+
+def test_every_pod_the_operator_renders_passes_pod_security_baseline() -> None:
+    """Tenant namespaces run under `pod-security.kubernetes.io/enforce: baseline`: no pod of a
+    StatefulSet or prefill Job, of any spec or example here, mounts a hostPath or asks for more
+    (issue 33; the checker is tested on known-bad pods in test_operator_pod_security.py)."""
+    pods = [(case, manifest["spec"]["template"]) for case, manifest in MANIFESTS
+            if manifest["kind"] in ("StatefulSet", "Job")]
+    assert len(pods) == 2 * (len(SPECS) + len(EXAMPLES))
+    for case, template in pods:
+        assert violations(template["spec"], "baseline",
+                          (template.get("metadata") or {}).get("annotations")) == [], case
 
 
 def test_strict_validation_catches_a_misspelled_field() -> None:

@@ -121,9 +121,22 @@ def test_the_rendezvous_address_needs_no_cluster_domain() -> None:
     ({"podLabels": {"dlo.dev/deployment": "other"}},
      "[pod-labels-reserved] spec.podLabels sets dlo.dev/deployment, which the operator uses to "
      "select the DOD's pods; remove them"),
-    ({"volumes": [{"name": "cache", "emptyDir": {}}]},
-     "[volume-names] spec.volumes names 'cache' more than once or as one of the operator's own "
-     "volumes (settings, run, loader-tmp, cache, runtime-cache, dshm); rename them"),
+    ({"volumes": [{"name": "node-cache", "emptyDir": {}}]},
+     "[volume-names] spec.volumes names 'node-cache' more than once or as one of the operator's "
+     "own volumes (settings, run, loader-tmp, node-cache, dshm); rename them"),
+    ({"offload": {"useAllgather": False, "enableRuntimeCache": True}, "cache": {
+        "hostPath": "/var/lib/dlo"}},
+     "[runtime-cache-apart] spec.offload.runtimeCacheRoot='/var/lib/dlo/runtime' (the default "
+     "of an empty runtimeCacheRoot) and spec.cache.hostPath='/var/lib/dlo' overlap; the entries "
+     "are read-only in the inference container and its runtime cache is writable: set "
+     "spec.offload.runtimeCacheRoot to a path that neither contains nor lies inside "
+     "spec.cache.hostPath"),
+    ({"offload": {"useAllgather": False, "enableRuntimeCache": True,
+                  "runtimeCacheRoot": "/var/lib/dlo/cache"}},
+     "[runtime-cache-apart] spec.offload.runtimeCacheRoot='/var/lib/dlo/cache' and "
+     "spec.cache.hostPath='/var/lib/dlo/cache' overlap; the entries are read-only in the "
+     "inference container and its runtime cache is writable: set spec.offload.runtimeCacheRoot "
+     "to a path that neither contains nor lies inside spec.cache.hostPath"),
     ({"inference": {"image": "s:1", "volumeMounts": [{"name": "x", "mountPath": "/x"}]}},
      "[volume-mounts-known] spec.inference.volumeMounts mounts 'x', which spec.volumes does "
      "not define; add the volume or remove the mount"),

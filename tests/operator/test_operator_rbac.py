@@ -41,10 +41,9 @@ drives that life, with stand-in Job and StatefulSet controllers."""
 def chart_rules() -> dict[tuple[str, str], set[str]]:
     with helm.Chart.load(CHART) as chart:
         rendered = chart.render(None, name="dlo", namespace="dlo-system", is_install=True)
-    role = next(doc for name, text in rendered.items() if name.endswith(".yaml")
-                for doc in yaml.safe_load_all(text)
-                if doc and doc["kind"] == "ClusterRole")
-    return {(group, resource): set(rule["verbs"]) for rule in role["rules"]
+    roles = [doc for name, text in rendered.items() if name.endswith(".yaml")
+             for doc in yaml.safe_load_all(text) if doc and doc["kind"] == "ClusterRole"]
+    return {(group, resource): set(rule["verbs"]) for role in roles for rule in role["rules"]
             for group in rule["apiGroups"] for resource in rule["resources"]}
 
 
@@ -60,6 +59,10 @@ def used_rules(requests: list[Any]) -> dict[tuple[str, str], set[str]]:
 AFTER_A_SIDECAR_PUBLISHED = {("", "pods"): {"patch"}}
 """The operator keeps a published sidecar loader's fill summary on its pod; tests/operator/
 test_operator_metrics.py drives that with a real loader endpoint."""
+AFTER_A_CACHE_CLAIM = {("", "persistentvolumes"): {"create", "get", "delete"},
+                       ("", "persistentvolumeclaims"): {"get"}, ("", "nodes"): {"get"}}
+"""Used only by the node-cache provisioner once a pod's claim is scheduled and once a volume's
+claim is gone; tests/operator/test_operator_node_cache.py drives both."""
 
 
 async def test_the_chart_grants_exactly_the_verbs_the_operator_uses(
@@ -93,7 +96,8 @@ async def test_the_chart_grants_exactly_the_verbs_the_operator_uses(
     used = used_rules([r for r in list(cluster)
                        if r.headers.get("User-Agent") != TEST_USER_AGENT])
     expected = dict(used)
-    for extra in (NOT_OBSERVABLE, AFTER_A_MODEL_CHANGE, AFTER_A_SIDECAR_PUBLISHED):
+    for extra in (NOT_OBSERVABLE, AFTER_A_MODEL_CHANGE, AFTER_A_SIDECAR_PUBLISHED,
+                  AFTER_A_CACHE_CLAIM):
         for rule, verbs in extra.items():
             expected[rule] = expected.get(rule, set()) | verbs
     assert expected == chart_rules()

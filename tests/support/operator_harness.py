@@ -141,6 +141,13 @@ async def cluster(tmp_path: Path,
             emulator.resources[resource] = kmock.ResourceInfo(
                 kind=kind, singular=kind.lower(), namespaced=True, subresources={"status"},
                 verbs={"get", "list", "watch", "create", "patch", "delete"})
+        emulator.resources["v1/persistentvolumeclaims"] = kmock.ResourceInfo(
+            kind="PersistentVolumeClaim", singular="persistentvolumeclaim", namespaced=True,
+            subresources={"status"}, verbs={"get", "list", "watch", "create", "patch", "delete"})
+        for resource, kind in (("v1/persistentvolumes", "PersistentVolume"), ("v1/nodes", "Node")):
+            emulator.resources[resource] = kmock.ResourceInfo(
+                kind=kind, singular=kind.lower(), namespaced=False, subresources={"status"},
+                verbs={"get", "list", "watch", "create", "patch", "delete"})
         # kopf waits for these to be discoverable even when it scans neither of them.
         emulator.resources["v1/namespaces"] = kmock.ResourceInfo(
             kind="Namespace", singular="namespace", namespaced=False, verbs={"get", "list"})

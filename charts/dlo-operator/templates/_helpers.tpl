@@ -33,7 +33,9 @@ them from the requests the operator makes): watch and patch its CR (kopf's final
 annotations) and the CR's status; read one CR when a pod or child changes; list and watch its
 pods and children (drift correction); read a child before applying it; annotate a workload pod with its sidecar loader's fill summary; server-side apply (patch)
 its children; delete superseded settings ConfigMaps and prefill Jobs, and the inference Service
-and PodDisruptionBudget once the spec turns them off; post events. `update` on the finalizers
+and PodDisruptionBudget once the spec turns them off; post events; read, list and watch the
+node-cache claims it serves (templates/node-cache-clusterrole.yaml holds its cluster-scoped
+rules). `update` on the finalizers
 subresource lets the children's owner references block the DOD's deletion where the API server
 enforces OwnerReferencesPermissionEnforcement. */}}
 {{- define "dlo-operator.rules" -}}
@@ -64,4 +66,7 @@ enforces OwnerReferencesPermissionEnforcement. */}}
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get", "list", "watch"]
 {{- end -}}
