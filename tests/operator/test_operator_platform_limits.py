@@ -166,7 +166,8 @@ def test_an_allowed_user_host_path_is_rendered_and_may_not_reach_the_node_cache(
 
 
 def test_host_paths_are_compared_as_paths_not_strings() -> None:
-    """`/var/lib/dlo-evil` shares a string prefix with `/var/lib/dlo` but lies outside it."""
+    """`/var/lib/dlo-evil` shares a string prefix with `/var/lib/dlo` but lies outside it: the
+    cache's allowlist (`allowedHostPaths`) and the DODs' own (`allowedUserHostPaths`)."""
     assert within("/var/lib/dlo/cache", "/var/lib/dlo") and within("/var/lib/dlo", "/var/lib/dlo")
     assert not within("/var/lib/dlo-evil", "/var/lib/dlo")
     assert host_path_problems([("cache.hostPath", "/var/lib/dlo-evil")],
@@ -174,10 +175,11 @@ def test_host_paths_are_compared_as_paths_not_strings() -> None:
         "spec.cache.hostPath='/var/lib/dlo-evil' is outside the allowed host paths "
         "(/var/lib/dlo); use a directory below one of them, or ask the cluster administrator to "
         "add it (chart value allowedHostPaths)"]
-    assert refusal({"cache": {"hostPath": "/var/lib/dlo-evil/cache"}}, InstallationConfig()) == (
-        "spec.cache.hostPath='/var/lib/dlo-evil/cache' is outside the allowed host paths "
-        "(/var/lib/dlo); use a directory below one of them, or ask the cluster administrator to "
-        "add it (chart value allowedHostPaths)")
+    assert refusal({"volumes": [{"name": "d", "hostPath": {"path": "/mnt/datasets-evil"}}]}) == (
+        "spec.volumes[0].hostPath.path='/mnt/datasets-evil' is not under a node directory the "
+        "platform lets DODs mount (chart value allowedUserHostPaths; allowed: /mnt/datasets); use "
+        "another volume type (emptyDir, persistentVolumeClaim, configMap, secret), or ask the "
+        "cluster administrator to add a directory to allowedUserHostPaths")
 
 
 def test_an_allowed_loader_image_is_the_whole_reference() -> None:
