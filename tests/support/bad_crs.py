@@ -67,19 +67,20 @@ ROWS: tuple[BadCR, ...] = (
           "spec.cache.hostPath: '/var/lib/../../etc'"),
     BadCR("host-path-trailing-slash", {"cache": {"hostPath": "/var/lib/dlo/cache/"}},
           "spec.cache.hostPath: '/var/lib/dlo/cache/'"),
+    # cache.hostPath and runtimeCacheRoot are paths in the containers (the node directory is
+    # the platform's): they may not hide a mount of the containers' own, nor overlap each other.
     BadCR("host-path-etc", {"cache": {"hostPath": "/etc"}},
-          "spec.cache.hostPath='/etc' is outside the allowed host paths (/var/lib/dlo)", crd=False),
-    BadCR("host-path-outside", {"cache": {"hostPath": "/mnt/nvme/dlo"}},
-          "spec.cache.hostPath='/mnt/nvme/dlo' is outside the allowed host paths", crd=False),
+          "spec.cache.hostPath='/etc' overlaps the container mount path '/etc/dlo'", crd=False),
     BadCR("runtime-root-relative", {"offload": {**RANK_LOCAL, "runtimeCacheRoot": "rt"}},
           "spec.offload.runtimeCacheRoot: 'rt'"),
-    BadCR("runtime-root-outside", {"offload": {**RANK_LOCAL, "runtimeCacheRoot": "/etc/dlo"}},
-          "spec.offload.runtimeCacheRoot='/etc/dlo' is outside the allowed host paths",
-          crd=False),
+    BadCR("runtime-root-hides-settings", {"offload": {**RANK_LOCAL,
+                                                      "runtimeCacheRoot": "/etc/dlo"}},
+          "spec.offload.runtimeCacheRoot='/etc/dlo' overlaps the container mount path "
+          "'/etc/dlo'", crd=False),
     BadCR("runtime-root-nested", {"offload": {
         **RANK_LOCAL, "runtimeCacheRoot": "/var/lib/dlo/cache/runtime"}},
-        "spec.offload.runtimeCacheRoot='/var/lib/dlo/cache/runtime' and "
-        "spec.cache.hostPath='/var/lib/dlo/cache' are nested", crd=False),
+        "[runtime-cache-apart] spec.offload.runtimeCacheRoot='/var/lib/dlo/cache/runtime' and "
+        "spec.cache.hostPath='/var/lib/dlo/cache' overlap", crd=False),
     # Bounds.
     BadCR("dp-zero", {"parallel": {"dp": 0}}, "spec.parallel.dp: 0 is less than the minimum of 1"),
     BadCR("cfg-parallel-3", {"parallel": {"cfgParallel": 3}},
