@@ -15,7 +15,7 @@ round is ready after a few chunks' worth of bytes whatever `readers` is). Parts 
 than `MIN_PART_BYTES` and a chunk has at most `MAX_PARTS`: every GET costs a request's latency and
 the client's CPU, so small chunks run fewer GETs than `readers` (at most `MAX_OPEN_CHUNKS` chunks
 of `MAX_PARTS` parts). Open chunks, and complete ones waiting for their round, each hold one of
-the buffers the memory budget leaves for fetching (see [Note: memory bound] in `exchange`): that
+the buffers the memory budget leaves for fetching (see [Note: memory bound] in `exchange_budget`): that
 bounds the read-ahead. Alone (no group), nothing waits on the order and no chunk is held whole:
 chunks stream to disk (see [Note: streaming alone] in `stream`).
 """

@@ -1,20 +1,25 @@
 """Every message the loader writes about a settings field names it as the document's origin
 does (see `support.field_names`): each is driven through `fill`, which resolves the namer once
-from the settings and hands it down, except where a fill cannot reach it on this machine (a
-full disk, an empty listing), which is driven through the unit the fill hands the namer to."""
+from the settings and hands it down, except where a fill of one loader cannot reach it (a full
+disk, an empty listing, a group's buffers), which is driven through the unit the fill hands the
+namer to."""
 
 from __future__ import annotations
 
 import errno
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from dlo_bench.faultproxy import FaultPlan, FaultProxy
 from dlo_bench.s3server import S3Server, free_port
+from dlo_loader.exchange import Exchange
 from dlo_loader.fill import FillRequest, fill
+from dlo_loader.plan import build_plan
+from dlo_loader.progress import Progress
 from dlo_loader.source import ObjectStore, parse_source
-from dlo_contract.cache import checkpoint_identity
+from dlo_contract.cache import ObjectIdentity, checkpoint_identity
 from dlo_contract.errors import DloError
 from dlo_contract.settings import CacheConfig, LoaderConfig, Settings
 from dlo_contract.validation import names_for
@@ -89,6 +94,18 @@ def _local_error(code: int):
     return drive
 
 
+def _group_buffers(env: Env, origin: str | None) -> str:
+    """A group of three whose budget holds two chunks: refused before any buffer or read."""
+    settings = _settings(env, origin, memory_limit_bytes=LOADER_SETTINGS["chunk_bytes"])
+    plan = build_plan([ObjectIdentity("model.safetensors", 1 << 24, "e")], mode="multi-reader",
+                      world_size=3, chunk_bytes=settings.loader.chunk_bytes)
+    with pytest.raises(DloError) as caught:
+        Exchange(plan, rank=1, grouped=True, read=lambda *args: 0, sink=None,
+                 progress=Progress(total_bytes=0, prefix=""), config=settings.loader,
+                 deadline=float("inf"), stop=threading.Event(), names=names_for(settings))
+    return text_of(caught.value)
+
+
 def _empty_listing(env: Env, origin: str | None) -> str:
     settings = _settings(env, origin)
     with pytest.raises(DloError) as caught:
@@ -105,8 +122,7 @@ CASES = (
     Case("store-gives-up", ("loader.max_retries",), _gives_up),
     Case("no-space-on-node", ("loader.readers",), _local_error(errno.ENOSPC)),
     Case("out-of-memory", ("loader.memory_limit_bytes",), _local_error(errno.ENOMEM)),
-    Case("group-buffers", ("loader.memory_limit_bytes", "loader.chunk_bytes"),
-         lambda env, o: _grouped(env, o, memory_limit_bytes=LOADER_SETTINGS["chunk_bytes"])),
+    Case("group-buffers", ("loader.memory_limit_bytes", "loader.chunk_bytes"), _group_buffers),
     Case("fill-deadline", ("loader.timeout_s",), lambda env, o: _fill(env, o, timeout_s=1e-6)),
     Case("rendezvous-timeout", ("loader.on_rendezvous_timeout",), _waiting),
     Case("entry-over-cache-limit", ("cache.max_bytes", "loader.include"),

@@ -1,0 +1,70 @@
+"""How one exchange spends the loader's memory budget: a pure computation, checked once.
+
+Owns `memory_budget`: from the plan, the settings and whether a group takes part, the bytes of
+one buffer slot, how many buffers the budget holds, how many rounds run at once and how many
+buffers the rounds receive into; it refuses a budget that cannot hold one round. Called by
+`exchange` before it allocates or reads anything; it allocates nothing.
+
+[Note: memory bound] `memory_limit_bytes // slot` buffers exist at most (a slot: a chunk and the
+page of its round state): with a group, a round buffer of N slots per round in flight and one
+more (a round being written), and the rest for fetched chunks, which a reader takes a buffer for
+before it opens a chunk and the writer returns once the chunk is on disk (and forwarded). A
+budget too small for two rounds in flight (3N + 4 slots: two chunks sent, two read ahead) runs
+one at a time (at least 2N + 1 slots). Readers open chunks in plan order, so the chunk the main
+thread waits for always holds a buffer or is done: no deadlock. Alone, no chunk buffer exists:
+each reader streams through one `stream.PIECE_BYTES` piece.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dlo_loader.errors import LoaderError
+from dlo_loader.plan import Plan
+from dlo_loader.rounds import STATE_BYTES, aligned
+from dlo_contract.field_names import Names, document_names
+from dlo_contract.settings import LoaderConfig
+
+ROUNDS_IN_FLIGHT = 2
+"""Rounds posted to the group at once when the memory budget allows (see [Note: rounds in
+flight] in `exchange`); each needs a round buffer, and one more is written meanwhile."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One exchange's share of `loader.memory_limit_bytes` (see [Note: memory bound])."""
+
+    slot: int
+    """Bytes per chunk buffer and per rank in a round buffer: the chunk, then (with a group) its
+    round state; direct writes need every slot page-aligned."""
+    buffers: int
+    """Slots the budget holds (at least two)."""
+    in_flight: int
+    """Rounds posted at once: `ROUNDS_IN_FLIGHT` when the budget holds their round buffers (plus
+    one being written) and fetch buffers for the chunks they send and as many read ahead, else
+    one."""
+    receive: int
+    """Slots held by round buffers (0 alone)."""
+
+    def fetch_buffers(self, fetched: int) -> int:
+        """Chunk buffers left for the readers beside `fetched` chunks already read."""
+        return max(self.buffers - self.receive - fetched, 1)
+
+
+def memory_budget(plan: Plan, config: LoaderConfig, *, grouped: bool,
+                  names: Names = document_names) -> Budget:
+    """The budget of an exchange of `plan`, or a `LoaderError` naming the settings (through
+    `names`) when a group's rounds do not fit."""
+    slot = aligned(plan.chunk_bytes) + (STATE_BYTES if grouped else 0)
+    buffers = max(config.memory_limit_bytes // slot, 2)
+    pipelined = buffers - (ROUNDS_IN_FLIGHT + 1) * plan.world_size >= 2 * ROUNDS_IN_FLIGHT
+    in_flight = ROUNDS_IN_FLIGHT if pipelined else 1
+    receive = (in_flight + 1) * plan.world_size if grouped else 0
+    if grouped and buffers - receive < 1:
+        raise LoaderError(
+            f"{names('loader.memory_limit_bytes')}={config.memory_limit_bytes} holds "
+            f"{buffers} chunks of {plan.chunk_bytes} bytes (and a page each); "
+            f"{plan.world_size} loaders need at least {receive + 1}",
+            hint=f"raise {names('loader.memory_limit_bytes')} or lower "
+                 f"{names('loader.chunk_bytes')}")
+    return Budget(slot=slot, buffers=buffers, in_flight=in_flight, receive=receive)
