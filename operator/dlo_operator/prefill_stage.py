@@ -6,14 +6,14 @@ says what to keep applied, the new record and the Events: the Job started (`Pref
 running (its pods' rows; a pod that cannot start its loader is named, `Decision.stuck`, and one
 that can never be scheduled, pinned to a node no pod of the DOD runs on any more, fails the
 attempt), succeeded (restart the pods, once the loaders' summaries are in), failed (delete it;
-retry after a doubling delay, `BackoffConfig`). Pure; called by `rollout` only. The Job and
-its Service are built by `prefill`; must not call the cluster.
+retry after a doubling delay, `BackoffConfig`). Each outcome is one function that words its
+Decision and Event; the record is a `prefill_record.PrefillRecord`. Pure; called by `rollout`
+only. The Job and its Service are built by `prefill`; must not call the cluster.
 """
 
 from __future__ import annotations
 
 import datetime
-import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,17 +25,12 @@ from dlo_operator.manifests import restart_children
 from dlo_operator.naming import LABEL_REVISION, Owner, labels_of
 from dlo_operator.pod_troubles import NOT_STARTING, Trouble, TroubleReason, pod_troubles
 from dlo_operator.prefill import build_prefill_job, build_prefill_service, pinned_nodes
+from dlo_operator.prefill_record import (
+    PrefillRecord, PrefillState, format_time, parse_time, record_of,
+)
 from dlo_operator.spec import DeploymentSpec
 from dlo_operator.statefulset import live_replicas
 from dlo_operator.status import LoaderState, prefill_node
-
-
-class PrefillState(str, enum.Enum):
-    RUNNING = "Running"
-    SUCCEEDED = "Succeeded"
-    FAILED = "Failed"
-    SUPERSEDED = "Superseded"
-    """Ended unfinished: the spec no longer needs it (e.g. the model was reverted)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,82 +48,98 @@ def prefill_step(owner: Owner, spec: DeploymentSpec, seen: Observed,
                  backoff: BackoffConfig) -> Decision:
     """The entry changed: fill it on the serving nodes first; roll only once all hold it."""
     rev = revision(spec)
-    name = owner.prefill_name(rev)
-    job = next((j for j in seen.jobs if j["metadata"]["name"] == name), None)
-    previous = dict(seen.prefill) if seen.prefill.get("revision") == rev else {}
-    attempt = int(previous.get("attempt", 0))
+    job = next((j for j in seen.jobs if j["metadata"]["name"] == owner.prefill_name(rev)), None)
+    previous = PrefillRecord.previous(seen.prefill, rev)
     keep = [build_configmap(owner, spec), build_prefill_service(owner, spec)]
     if job is None:
-        retry_at = _parse_time(previous.get("retryAt"))
-        if previous.get("state") == PrefillState.FAILED.value and retry_at and (
-                seen.now < retry_at):
-            decision = Decision(stage=Stage.BACKOFF, message=(  # the reason stays on show
-                f"prefill of revision {rev} failed (attempt {attempt}): {previous.get('message')}"
-                f"; old pods keep serving; next attempt at {previous['retryAt']}"), apply=keep)
-            decision.prefill = previous
-            return decision
-        nodes = serving_nodes(seen.pods)
-        decision = Decision(stage=Stage.PREFILLING, message=(
-            f"prefilling revision {rev} on {len(nodes)} nodes while the old pods serve"))
-        decision.apply = keep + [build_prefill_job(owner, spec, nodes)]
-        decision.prefill = {"revision": rev, "state": PrefillState.RUNNING.value,
-                            "attempt": attempt + 1, "nodes": [], "bytesFromStore": 0,
-                            "message": f"filling on {', '.join(nodes)}"}
-        decision.reports.append(Report(type=EventType.NORMAL, reason="PrefillStarted", message=(
-            f"prefilling the cache entry of revision {rev} on {len(nodes)} nodes "
-            f"({', '.join(nodes)}), attempt {attempt + 1}; the old pods keep serving")))
-        return decision
+        return _without_job(owner, spec, seen, previous, keep)
     pods = [p for p in seen.job_pods if labels_of(p).get(LABEL_REVISION) == rev]
     nodes = sorted((prefill_node(p) for p in pods), key=lambda n: (n["rank"], n["pod"]))
-    record = {"revision": rev, "attempt": max(attempt, 1), "nodes": nodes,
-              "bytesFromStore": sum(int(n.get("bytesFromStore", 0)) for n in nodes)}
-    state, why = _job_state(job), ""
-    stuck = _stuck(pods) if state is PrefillState.RUNNING else None
-    if stuck is not None and (gone := _gone(job, stuck, seen.pods)):
-        state, why = PrefillState.FAILED, (
-            f"{stuck.message}; the Job is pinned to {', '.join(gone)}, where no pod of this DOD "
-            "runs any more, so the next attempt fills the nodes that serve now")
+    record = record_of(rev, max(previous.attempt if previous else 0, 1), nodes)
+    state, stuck = _job_state(job), None
+    if state is PrefillState.RUNNING and (stuck := _stuck(pods)) is not None and (
+            gone := _gone(job, stuck, seen.pods)):
+        why = (f"{stuck.message}; the Job is pinned to {', '.join(gone)}, where no pod of this "
+               "DOD runs any more, so the next attempt fills the nodes that serve now")
+        return _failed(owner, record, seen, backoff, keep, why)
     if state is PrefillState.SUCCEEDED and _summaries_pending(nodes, job, seen.now):
         # The Job's success and its pods' termination messages arrive as separate events: the
         # record is final once the pods restart, so wait for the loaders' figures.
-        decision = Decision(stage=Stage.PREFILLING, message=(
+        return _running(record, keep, (
             f"prefill of revision {rev} succeeded; waiting for the loaders' summaries "
-            f"({_cached(nodes)}/{_completions(job, nodes)})"), apply=keep)
-        decision.prefill = {**record, "state": PrefillState.RUNNING.value,
-                            "message": decision.message}
-        return decision
+            f"({_cached(nodes)}/{_completions(job, nodes)})"))
     if state is PrefillState.SUCCEEDED:
-        decision = Decision(stage=Stage.RESTARTING, message=(
-            f"every node holds the entry of revision {rev}; restarting pods"))
-        decision.apply = restart_children(owner, spec, live_replicas(seen.statefulset))
-        decision.delete = [("Job", name)]
-        decision.prefill = {**record, "state": state.value, "message": (
-            f"{len(nodes)}/{len(nodes)} nodes hold the entry, "
-            f"{record['bytesFromStore']} bytes read from the store")}
-        decision.reports.append(Report(type=EventType.NORMAL, reason="PrefillSucceeded",
-                                       message=f"revision {rev}: {decision.prefill['message']}; "
-                                               "restarting pods"))
-        return decision
+        return _succeeded(owner, spec, seen, record)
     if state is PrefillState.FAILED:
-        delay = backoff.delay_s(record["attempt"])
-        retry_at = _format_time(seen.now + datetime.timedelta(seconds=delay))
-        why = why or _failure(nodes, job)
-        decision = Decision(stage=Stage.BACKOFF, message=(
-            f"prefill of revision {rev} failed: {why}; old pods keep serving"), apply=keep)
-        decision.delete = [("Job", name)]
-        decision.prefill = {**record, "state": state.value, "message": why,
-                            "retryAt": retry_at}
-        decision.reports.append(Report(type=EventType.WARNING, reason="PrefillFailed", message=(
-            f"prefill of revision {rev} (attempt {record['attempt']}) failed: {why}; the old "
-            f"pods keep serving; retrying in {delay:.0f} s")))
-        return decision
+        return _failed(owner, record, seen, backoff, keep, _failure(nodes, job))
     where = (f"prefill of revision {rev} is stuck: {stuck.message}" if stuck else
              f"prefilling revision {rev}: {_cached(nodes)}/{_completions(job, nodes)} nodes "
              "hold the entry")
-    decision = Decision(stage=Stage.PREFILLING, stuck=stuck, apply=keep,
-                        message=f"{where}; the old pods keep serving")
-    decision.prefill = {**record, "state": PrefillState.RUNNING.value,
-                        "message": decision.message}
+    decision = _running(record, keep, f"{where}; the old pods keep serving")
+    decision.stuck = stuck
+    return decision
+
+
+def _without_job(owner: Owner, spec: DeploymentSpec, seen: Observed,
+                 previous: PrefillRecord | None, keep: list[dict[str, Any]]) -> Decision:
+    """No Job of this revision: wait out the backoff of a failed attempt, else start one."""
+    rev, attempt = revision(spec), previous.attempt if previous else 0
+    if (previous is not None and previous.state is PrefillState.FAILED
+            and previous.retry_at and seen.now < previous.retry_at):
+        decision = Decision(stage=Stage.BACKOFF, message=(  # the reason stays on show
+            f"prefill of revision {rev} failed (attempt {attempt}): {previous.message}; old "
+            f"pods keep serving; next attempt at {format_time(previous.retry_at)}"), apply=keep)
+        decision.prefill = previous.to_status()
+        return decision
+    nodes = serving_nodes(seen.pods)
+    decision = Decision(stage=Stage.PREFILLING, message=(
+        f"prefilling revision {rev} on {len(nodes)} nodes while the old pods serve"))
+    decision.apply = keep + [build_prefill_job(owner, spec, nodes)]
+    decision.prefill = PrefillRecord(revision=rev, state=PrefillState.RUNNING,
+                                     attempt=attempt + 1,
+                                     message=f"filling on {', '.join(nodes)}").to_status()
+    decision.reports.append(Report(type=EventType.NORMAL, reason="PrefillStarted", message=(
+        f"prefilling the cache entry of revision {rev} on {len(nodes)} nodes "
+        f"({', '.join(nodes)}), attempt {attempt + 1}; the old pods keep serving")))
+    return decision
+
+
+def _running(record: PrefillRecord, keep: list[dict[str, Any]], message: str) -> Decision:
+    decision = Decision(stage=Stage.PREFILLING, message=message, apply=keep)
+    decision.prefill = record.with_state(PrefillState.RUNNING, message).to_status()
+    return decision
+
+
+def _succeeded(owner: Owner, spec: DeploymentSpec, seen: Observed,
+               record: PrefillRecord) -> Decision:
+    """Every node holds the entry: restart the pods and delete the Job."""
+    held = (f"{len(record.nodes)}/{len(record.nodes)} nodes hold the entry, "
+            f"{record.bytes_from_store} bytes read from the store")
+    decision = Decision(stage=Stage.RESTARTING, message=(
+        f"every node holds the entry of revision {record.revision}; restarting pods"))
+    decision.apply = restart_children(owner, spec, live_replicas(seen.statefulset))
+    decision.delete = [("Job", owner.prefill_name(record.revision))]
+    decision.prefill = record.with_state(PrefillState.SUCCEEDED, held).to_status()
+    decision.reports.append(Report(type=EventType.NORMAL, reason="PrefillSucceeded",
+                                   message=f"revision {record.revision}: {held}; "
+                                           "restarting pods"))
+    return decision
+
+
+def _failed(owner: Owner, record: PrefillRecord, seen: Observed, backoff: BackoffConfig,
+            keep: list[dict[str, Any]], why: str) -> Decision:
+    """The attempt failed: delete the Job and try again after the backoff."""
+    delay = backoff.delay_s(record.attempt)
+    retry_at = seen.now + datetime.timedelta(seconds=delay)
+    rev = record.revision
+    decision = Decision(stage=Stage.BACKOFF, message=(
+        f"prefill of revision {rev} failed: {why}; old pods keep serving"), apply=keep)
+    decision.delete = [("Job", owner.prefill_name(rev))]
+    decision.prefill = record.with_state(PrefillState.FAILED, why,
+                                         retry_at=retry_at).to_status()
+    decision.reports.append(Report(type=EventType.WARNING, reason="PrefillFailed", message=(
+        f"prefill of revision {rev} (attempt {record.attempt}) failed: {why}; the old "
+        f"pods keep serving; retrying in {delay:.0f} s")))
     return decision
 
 
@@ -177,7 +188,7 @@ def _summaries_pending(nodes: Sequence[Mapping[str, Any]], job: Mapping[str, Any
         return True
     if _cached(nodes) >= _completions(job, nodes):
         return False
-    done_at = _parse_time((job.get("status") or {}).get("completionTime"))
+    done_at = parse_time((job.get("status") or {}).get("completionTime"))
     return done_at is None or now < done_at + datetime.timedelta(seconds=SUMMARY_GRACE_S)
 
 
@@ -199,17 +210,3 @@ def _failure(nodes: Sequence[Mapping[str, Any]], job: Mapping[str, Any]) -> str:
         if condition.get("type") == "Failed":
             return f"Job {condition.get('reason', 'Failed')}: {condition.get('message', '')}"
     return "the prefill Job failed"
-
-
-def _format_time(moment: datetime.datetime) -> str:
-    return moment.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _parse_time(text: Any) -> datetime.datetime | None:
-    if not isinstance(text, str):
-        return None
-    try:
-        return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(
-            tzinfo=datetime.timezone.utc)
-    except ValueError:
-        return None
