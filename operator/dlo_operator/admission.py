@@ -52,8 +52,7 @@ def admit(document: Mapping[str, Any],
                                   user_mounts=user_mount_paths(spec))
     problems += user_volume_problems(spec.volumes,
                                      allowed=installation.allowed_user_host_paths,
-                                     cache_roots=(*installation.allowed_host_paths,
-                                                  installation.node_cache_root))
+                                     cache_roots=installation.cache_directories)
     problems += loader_image_problems(spec, installation)
     problems += cache_limit_problems(spec.settings, installation)
     problems += pod_problems(spec)

@@ -103,10 +103,10 @@ NODE_PROGRAM_VOLUMES: dict[str, str] = {
 
 
 def user_volume_problems(volumes: Sequence[Mapping[str, Any]], *, allowed: Sequence[str],
-                         cache_roots: Sequence[str]) -> list[str]:
+                         cache_roots: Sequence[tuple[str, str]]) -> list[str]:
     """One message per `spec.volumes` item that reaches the node where the platform did not
-    allow it. `allowed` is the chart's `allowedUserHostPaths`, `cache_roots` its
-    `allowedHostPaths` (the node cache's directories, which user volumes may not overlap)."""
+    allow it. `allowed` is the chart's `allowedUserHostPaths`, `cache_roots` the node cache's
+    directories, which user volumes may not overlap, each with the chart value that sets it."""
     problems: list[str] = []
     for index, volume in enumerate(volumes):
         field = f"spec.volumes[{index}]"
@@ -120,7 +120,7 @@ def user_volume_problems(volumes: Sequence[Mapping[str, Any]], *, allowed: Seque
 
 
 def _user_host_path_problem(field: str, source: Any, allowed: Sequence[str],
-                            cache_roots: Sequence[str]) -> str | None:
+                            cache_roots: Sequence[tuple[str, str]]) -> str | None:
     path = source.get("path") if isinstance(source, Mapping) else None
     if not isinstance(path, str) or not (normalized(path) or path == "/"):
         return (f"{field}={path!r} must be an absolute, normalized path (no '.', '..', '//' or "
@@ -131,9 +131,9 @@ def _user_host_path_problem(field: str, source: Any, allowed: Sequence[str],
                 f"(chart value allowedUserHostPaths; {listed}); use another volume type "
                 "(emptyDir, persistentVolumeClaim, configMap, secret), or ask the cluster "
                 "administrator to add a directory to allowedUserHostPaths")
-    clash = next((root for root in cache_roots if overlaps(path, root)), None)
+    clash = next(((root, value) for root, value in cache_roots if overlaps(path, root)), None)
     if clash is not None:
-        return (f"{field}={path!r} overlaps the node cache directory {clash!r} (chart value "
-                "allowedHostPaths), which pods reach only through the operator's own volumes; "
-                "mount a directory outside it")
+        return (f"{field}={path!r} overlaps the node cache directory {clash[0]!r} (chart value "
+                f"{clash[1]}), which pods reach only through the operator's own volumes; mount a "
+                "directory outside it")
     return None

@@ -46,6 +46,13 @@ class InstallationConfig:
     `--node-cache-root`."""
 
     @property
+    def cache_directories(self) -> tuple[tuple[str, str], ...]:
+        """The node directories of the node cache, each with the chart value that sets it: a
+        DOD's own volumes may not reach into them."""
+        return (*((path, "allowedHostPaths") for path in self.allowed_host_paths),
+                (self.node_cache_root, "nodeCache.hostPath"))
+
+    @property
     def loader_images(self) -> tuple[str, ...]:
         """Every image `spec.loader.image` may name."""
         return tuple(dict.fromkeys((self.loader_image, *self.allowed_loader_images)))

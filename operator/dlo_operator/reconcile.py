@@ -6,8 +6,8 @@ manifests (comparing just the fields this operator sets, so fields other control
 never fought over), delete what is no longer used, post the Events, and write the status.
 
 The spec is admitted first (`admission`: CRD verdict, settings validator, the platform's
-choices, pod rules); a refused spec gets `Valid=False` and one Warning Event, and its children stay as
-they are. An API error while applying gets `Applied=False` and a Warning Event per attempt:
+choices, pod rules); a refused spec gets `Valid=False` and one Warning Event, and its children
+stay as they are. An API error while applying gets `Applied=False` and a Warning Event per attempt:
 conflicts, throttling, 5xx and timeouts are retried after `backoff_delay` (`ApplyRetrying`),
 anything else (`ApplyFailed`) waits for the next change of the spec. A pod falling into
 trouble (the `Ready` condition's reason), or a prefill pod that cannot start (`PrefillStuck`),

@@ -1,10 +1,11 @@
 """`dlo render FILE.yaml`: print the manifests the operator would create, without a cluster.
 
 Reads one or more `DiffusionOffloadDeployment` documents and judges each as the cluster would
-(`admission.admit`: the API server's schema and CEL rules, the settings validator, the platform's
-choices, which take the same flags as `dlo operator run`), then prints its children as a YAML stream. Owner references are left out: they need
-the DOD's uid, which only the cluster assigns. A refused document fails with the message that
-`Valid=False` and the Event would carry in the cluster.
+(`admission.admit`: the API server's schema and CEL rules, the settings validator, the
+platform's choices, which take the same flags as `dlo operator run`), then prints its children
+as a YAML stream. Owner references are left out: they need the DOD's uid, which only the cluster
+assigns. A refused document fails with the message that `Valid=False` and the Event would carry
+in the cluster.
 """
 
 from __future__ import annotations

@@ -157,12 +157,17 @@ def test_an_allowed_user_host_path_is_rendered_and_may_not_reach_the_node_cache(
     children = {c["kind"]: c for c in render_document(document(allowed), NAMESPACE, PLATFORM)}
     volumes = children["StatefulSet"]["spec"]["template"]["spec"]["volumes"]
     assert {"name": "d", "hostPath": {"path": "/mnt/datasets/team-a"}} in volumes
-    platform = InstallationConfig(allowed_user_host_paths=("/var/lib",))
-    assert refusal({"volumes": [{"name": "c", "hostPath": {"path": "/var/lib/dlo/cache"}}]},
-                   platform) == (
-        "spec.volumes[0].hostPath.path='/var/lib/dlo/cache' overlaps the node cache directory "
-        "'/var/lib/dlo' (chart value allowedHostPaths), which pods reach only through the "
-        "operator's own volumes; mount a directory outside it")
+    platform = InstallationConfig(allowed_user_host_paths=("/var/lib", "/mnt"),
+                                  allowed_host_paths=("/mnt/cache",),
+                                  node_cache_root="/var/lib/dlo")
+    assert refusal({"volumes": [{"name": "c", "hostPath": {"path": "/var/lib/dlo/namespaces"}},
+                                {"name": "m", "hostPath": {"path": "/mnt"}}]}, platform) == (
+        "spec.volumes[0].hostPath.path='/var/lib/dlo/namespaces' overlaps the node cache "
+        "directory '/var/lib/dlo' (chart value nodeCache.hostPath), which pods reach only through "
+        "the operator's own volumes; mount a directory outside it; "
+        "spec.volumes[1].hostPath.path='/mnt' overlaps the node cache directory '/mnt/cache' "
+        "(chart value allowedHostPaths), which pods reach only through the operator's own "
+        "volumes; mount a directory outside it")
 
 
 def test_host_paths_are_compared_as_paths_not_strings() -> None:
