@@ -137,11 +137,11 @@ def _runtime_cache_apart(spec: DeploymentSpec) -> str | None:
         return None
     default = (" (the default of an empty runtimeCacheRoot)"
                if settings.runtime_cache_root == DEFAULT_RUNTIME_CACHE_PATH else "")
-    return (f"[runtime-cache-apart] spec.offload.runtimeCacheRoot="
-            f"{settings.runtime_cache_root!r}{default} and spec.cache.hostPath="
-            f"{settings.cache.root!r} overlap; the entries are read-only in the inference "
-            "container and its runtime cache is writable: set spec.offload.runtimeCacheRoot to "
-            "a path that neither contains nor lies inside spec.cache.hostPath")
+    runtime_root, host_path = cr_names("offload.runtime_cache_root"), cr_names("cache.root")
+    return (f"[runtime-cache-apart] {runtime_root}={settings.runtime_cache_root!r}{default} and "
+            f"{host_path}={settings.cache.root!r} overlap; the entries are read-only in the "
+            f"inference container and its runtime cache is writable: set {runtime_root} to a "
+            f"path that neither contains nor lies inside {host_path}")
 
 
 _PORT_NAME = re.compile(r"^(?=.*[a-z])(?!.*--)[a-z0-9](?:[a-z0-9-]*[a-z0-9])?$")

@@ -47,6 +47,9 @@ CASES = (
          lambda env, o: _problems(loader={"backend": "nccl"})),
     Case("metrics-port-clash", ("loader.metrics_port",),
          lambda env, o: _problems(loader={"metricsPort": 29500})),
+    Case("runtime-cache-apart", ("offload.runtime_cache_root", "cache.root"),
+         lambda env, o: _problems(offload={"useAllgather": False, "enableRuntimeCache": True,
+                                           "runtimeCacheRoot": "/var/lib/dlo/cache/runtime"})),
 )
 
 
