@@ -12,7 +12,9 @@ A DOD's own `spec.volumes` reach the node only where the platform allows: a host
 under the chart's `allowedUserHostPaths` (`--allowed-user-host-path`, default none) and outside
 the node cache's directories (the cache reaches pods only through the operator's own volumes);
 `gitRepo` and `flexVolume`, which make the kubelet run a program on the node with what the pod
-wrote, are refused outright. Paths are compared segment by segment, never as strings
+wrote, are refused outright, and so is an ephemeral volume of the node cache's StorageClass
+(`node_cache.NODE_CACHE_CLASS`, which the operator serves with the namespace's node cache
+directory). Paths are compared segment by segment, never as strings
 (`/var/lib/dlo-evil` is not under `/var/lib/dlo`). Pure; called by `admission`.
 """
 
@@ -25,6 +27,7 @@ from typing import Any
 
 from dlo_contract.names import DEFAULT_CACHE_ROOT, RUN_DIR, SETTINGS_MOUNT
 from dlo_operator.naming import LOADER_TMP, SHM_PATH
+from dlo_operator.node_cache import NODE_CACHE_CLASS
 from dlo_operator.spec import DeploymentSpec
 
 DEFAULT_ALLOWED_HOST_PATHS: tuple[str, ...] = ("/var/lib/dlo",)
@@ -112,11 +115,24 @@ def user_volume_problems(volumes: Sequence[Mapping[str, Any]], *, allowed: Seque
         field = f"spec.volumes[{index}]"
         problems += [f"{field}.{kind} is refused: {why}" for kind, why in
                      NODE_PROGRAM_VOLUMES.items() if kind in volume]
+        problems += [problem] if (problem := _node_cache_claim_problem(field, volume)) else []
         if "hostPath" in volume:
             problem = _user_host_path_problem(f"{field}.hostPath.path", volume["hostPath"],
                                               allowed, cache_roots)
             problems += [problem] if problem else []
     return problems
+
+
+def _node_cache_claim_problem(field: str, volume: Mapping[str, Any]) -> str | None:
+    """A generic ephemeral volume of the node cache's StorageClass would be served the
+    namespace's node cache directory, writable wherever the DOD mounts it."""
+    template = (volume.get("ephemeral") or {}).get("volumeClaimTemplate") or {}
+    chosen = (template.get("spec") or {}).get("storageClassName")
+    if chosen != NODE_CACHE_CLASS:
+        return None
+    return (f"{field}.ephemeral.volumeClaimTemplate.spec.storageClassName={chosen!r} is the node "
+            "cache's class, which only the operator's own volumes may claim (the node cache "
+            "reaches a DOD's containers read-only, through them); choose another StorageClass")
 
 
 def _user_host_path_problem(field: str, source: Any, allowed: Sequence[str],

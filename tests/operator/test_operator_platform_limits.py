@@ -140,6 +140,12 @@ def test_the_defaults_allow_no_host_path_and_only_the_charts_loader(
      "spec.volumes[0].gitRepo is refused: the kubelet runs git on the node, as root, with the "
      "repository the pod names (CVE-2024-10220); clone it in an init container into an "
      "emptyDir instead"),
+    ({"ephemeral": {"volumeClaimTemplate": {"spec": {
+        "storageClassName": "dlo-node-cache", "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": "1Gi"}}}}}},
+     "spec.volumes[0].ephemeral.volumeClaimTemplate.spec.storageClassName='dlo-node-cache' is "
+     "the node cache's class, which only the operator's own volumes may claim (the node cache "
+     "reaches a DOD's containers read-only, through them); choose another StorageClass"),
     ({"flexVolume": {"driver": "example.com/lvm"}},
      "spec.volumes[0].flexVolume is refused: the kubelet runs the node's driver program with "
      "the options the pod gives; use a CSI volume or a persistentVolumeClaim instead"),
