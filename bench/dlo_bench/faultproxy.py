@@ -7,7 +7,8 @@ object-store bytes each loader rank read without trusting the loader (one proxy 
 500 InternalError, a connection reset in the middle of the body, a truncated body (a short
 but well-formed response) and a stall (half the body, then silence for `stall_s`); it can also
 slow every read down, act as a store that ignores `If-Match` (`ignore_if_match`) or one whose
-listings name no checksum (`unlisted_checksums`). Other requests pass through untouched.
+listings name no checksum (`unlisted_checksums`); `reads_open` holds object reads until it is
+set. Other requests pass through untouched.
 
 Runs in threads of the calling process (`with FaultProxy(upstream) as proxy: proxy.url`). Used by
 the loader tests and benchmarks; it must not be imported by the loader.
@@ -78,6 +79,10 @@ class FaultProxy:
         """Body bytes of object reads delivered to the client, faults included."""
         self.object_requests = 0
         self.faults: Counter[str] = Counter()
+        self.reads_open = threading.Event()
+        """Object reads wait for this (set: they pass at once). A test clears it to hold a
+        loader's reads until something it waits for happened, and sets it to let them go."""
+        self.reads_open.set()
         self._server = _QuietServer(("127.0.0.1", 0), _handler_class(self))
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
@@ -93,6 +98,7 @@ class FaultProxy:
         self.close()
 
     def close(self) -> None:
+        self.reads_open.set()  # held reads end with the proxy, not with the process
         self._server.shutdown()
         self._server.server_close()
 
@@ -145,6 +151,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
     def _forward(self) -> None:
         is_object_read = self.command == "GET" and "Range" in self.headers
         fault = self.owner._next_fault() if is_object_read else None
+        if is_object_read:
+            self.owner.reads_open.wait()
         if is_object_read and self.owner.plan.delay_s:
             time.sleep(self.owner.plan.delay_s)
         length = int(self.headers.get("Content-Length") or 0)

@@ -9,11 +9,13 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dlo_bench.faultproxy import FAULT_KINDS, STALL, FaultPlan, FaultProxy
+from dlo_bench.faultproxy import FAULT_KINDS, FaultPlan, FaultProxy
 from dlo_bench.s3server import S3Server
 from dlo_contract.cache import (
     FileRecord,
@@ -28,9 +30,11 @@ from dlo_contract.cache import (
 from support.loader_fleet import (
     BUCKET,
     CHUNK_BYTES,
+    PROCESS_TIMEOUT_S,
     Checkpoint,
     Fleet,
     OpenWatch,
+    Outcome,
     entry_files,
     finish,
     included,
@@ -167,33 +171,72 @@ def test_two_rounds_in_flight_give_every_node_the_same_bytes(
         assert outcome.summary["bytes_from_store"] == counting[outcome.rank].object_bytes
 
 
+class Watched:
+    """A running loader whose output is read as it comes (two threads), so a test can wait for
+    a line it prints before the loader ends."""
+
+    def __init__(self, rank: int, process: subprocess.Popen[str]) -> None:
+        self.rank, self.process = rank, process
+        self._cond = threading.Condition()
+        self._lines: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        self._threads = [threading.Thread(target=self._read, args=(name,), daemon=True)
+                         for name in self._lines]
+        for thread in self._threads:
+            thread.start()
+
+    def _read(self, name: str) -> None:
+        for line in getattr(self.process, name):
+            with self._cond:
+                self._lines[name].append(line)
+                self._cond.notify_all()
+
+    def wait_for(self, text: str, timeout_s: float = 60.0) -> None:
+        """Return once a stderr line holds `text` (a hang guard bounds the wait)."""
+        with self._cond:
+            if not self._cond.wait_for(
+                    lambda: any(text in line for line in self._lines["stderr"]), timeout_s):
+                tail = "".join(self._lines["stderr"][-20:])
+                raise AssertionError(f"rank {self.rank} did not print {text!r}:\n{tail}")
+
+    def finish(self) -> Outcome:
+        returncode = self.process.wait(timeout=PROCESS_TIMEOUT_S)
+        for thread in self._threads:
+            thread.join()
+        self.process.stdout.close()  # type: ignore[union-attr]  (both are pipes)
+        self.process.stderr.close()  # type: ignore[union-attr]
+        stdout, stderr = ("".join(self._lines[name]) for name in ("stdout", "stderr"))
+        lines = stdout.strip().splitlines()
+        summary = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+        return Outcome(self.rank, returncode, stdout, stderr, summary)
+
+
 @pytest.mark.parametrize("in_flight", [1, 2])
 def test_a_rank_late_for_a_round_makes_every_rank_run_it_again(
     in_flight: int, s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
 ) -> None:
-    """Rank 1's first body stalls for longer than `LATE_AFTER_S`: rank 0 waits that long inside
-    the round, both learn rank 1 is late, settle what is in flight, wait for it with status
-    exchanges, run the round again and publish the same bytes."""
+    """Rank 1's store answers no read until rank 0 has seen rank 1 late for a round (its chunk
+    not complete `LATE_AFTER_S` after it joined the round): rank 0 waits that long inside the
+    round, both learn rank 1 is late, settle what is in flight, wait for it with status
+    exchanges, run the round again once its reads come, and publish the same bytes."""
     from dlo_loader.exchange import LATE_AFTER_S
 
-    # Rank 1 reads its first chunk before the group forms (see [Note: reading before the
-    # group]): it is late for round 0 only if the rendezvous plus `LATE_AFTER_S` ends before its
-    # stalled read is abandoned. Loaders start in seconds on a busy machine too: leave them 15.
-    stall_timeout_s = LATE_AFTER_S * 4
-    stalling = FaultPlan(kinds=(STALL,), limit=1, stall_s=stall_timeout_s * 3)
+    late = f"loader rank(s) 1 not ready after {LATE_AFTER_S:g} s; the round runs again"
     memory = {1: 8, 2: 16}[in_flight] * CHUNK_BYTES
-    with proxies(s3, FaultPlan(), stalling) as pair:
+    with proxies(s3, FaultPlan(), FaultPlan()) as pair:
+        pair[1].reads_open.clear()  # rank 1 reads nothing, before the group or in it
         fleet = Fleet(tmp_path, checkpoint.source, 2, [p.url for p in pair],
-                      settings={"stall_timeout_s": stall_timeout_s,
-                                "memory_limit_bytes": memory})
-        outcomes = fleet.run()
-    assert pair[1].faults[STALL] == 1
+                      settings={"memory_limit_bytes": memory})
+        loaders = [Watched(rank, fleet.start(rank)) for rank in range(2)]
+        try:
+            loaders[0].wait_for("not ready after")  # rank 0 has seen a rank late for a round
+        finally:
+            pair[1].reads_open.set()
+            outcomes = [loader.finish() for loader in loaders]
     for outcome in outcomes:
         assert outcome.returncode == 0, outcome.stderr
         assert f"exchange: {in_flight} round(s) in flight" in outcome.stderr
         assert entry_files(fleet.root(outcome.rank)) == included(checkpoint.files)
-        assert (f"loader rank(s) 1 not ready after {LATE_AFTER_S:g} s; the round runs again "
-                "once every rank is") in outcome.stderr
+        assert f"{late} once every rank is" in outcome.stderr
         assert "loader rank(s) 0 not ready" not in outcome.stderr
 
 
