@@ -3,7 +3,7 @@
 This package is the contract between the loader (which publishes checkpoint entries), the runtime
 (which maps them and publishes runtime entries) and the `dlo cache` commands. It uses the standard
 library only (awscrt, isal or xxhash only to hash entries that name those digests): no torch,
-boto3 or kopf. Layout and protocol: DESIGN.md section 4.
+boto3 or kopf. Layout and protocol: docs/design.md section 4.
 
     entry = entry_id(identity)
     path = publish_entry(root, entry, "checkpoint", identity, write, expected_bytes=n,

@@ -22,7 +22,7 @@ from dlo_contract.field_names import Names, document_names
 
 IDENTITY_FORMAT = 1
 # Ranks that only pick which slice of the same bytes a process uses: two processes that differ
-# only in these must share one runtime entry (DESIGN.md section 4).
+# only in these must share one runtime entry (docs/design.md section 4).
 _EXCLUDED_LAYOUT_KEYS = ("dp_rank", "sp_rank")
 
 

@@ -1,7 +1,7 @@
 """Publishing an entry: one writer per id, atomic appearance, nothing left behind on failure.
 
-Owns the writer's protocol of DESIGN.md section 4: take `.publish` (bounded wait) → join a valid
-entry if one is there → else, as lock owner, remove stale tmp dirs of this id → reserve the
+Owns the writer's protocol of docs/design.md section 4: take `.publish` (bounded wait) → join a
+valid entry if one is there → else, as lock owner, remove stale tmp dirs of this id → reserve the
 entry's bytes (`room`: evicting if asked, waiting for publications in progress; see [Note:
 room]) → the caller writes into a fresh tmp dir → `commit` checks the files, fsyncs, writes the
 manifest, renames tmp to `entries/<id>` and fsyncs the parent. Leaving without commit removes
