@@ -75,6 +75,10 @@ class FillSummary:
     objects or of their upload's parts (objects of at least one chunk)."""
     stage_seconds: dict[str, float] | None = None
     """Where the fill's time went, thread-seconds per stage: get, digest, write, exchange."""
+    wait_seconds: dict[str, float] | None = None
+    """How long the loader waited, in seconds: for its group's loaders to join (`group`), for
+    the nodes before its own in the group's order (`turn`), for another loader's publication
+    of the entry on its node (`publication`), for room in the node cache (`room`)."""
     error: str | None = None
     """One line: what went wrong and the hint, for the DOD status."""
 

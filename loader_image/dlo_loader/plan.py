@@ -8,7 +8,9 @@ large tensor is spread over several ranks; an object whose store checksum is of 
 is cut at its part boundaries instead (`chunk_bytes_for_parts`). Modes: `multi-reader` balances
 bytes over all ranks (largest chunks first, each to the least-loaded rank: no rank ends more than
 one chunk above the mean); `single-reader` gives rank 0 everything; `independent` is a group of
-one. Round `k` of the exchange moves the `k`-th chunk of every rank that has one round the ring.
+one. Where some ranks' nodes hold the entry already (`sources`), only they read, from disk, and
+the others read nothing from the store. Round `k` of the exchange moves the `k`-th chunk of
+every rank that has one round the ring.
 
 [Note: short chunks last] In a group, each rank reads its chunks longest first (file order
 among equal lengths), so the files' short last chunks make up the last rounds. Nothing of the
@@ -24,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -109,11 +111,12 @@ class Plan:
 def build_plan(
     files: tuple[ObjectIdentity, ...] | list[ObjectIdentity], *, mode: str, world_size: int,
     chunk_bytes: int, algorithms: Mapping[str, str] | None = None,
-    part_bytes: Mapping[str, int] | None = None,
+    part_bytes: Mapping[str, int] | None = None, sources: Sequence[int] = (),
 ) -> Plan:
     """Cut `files` into chunks and assign each an owner rank according to `mode`; `algorithms`:
     the digest of each file's chunks by key (`digest.ALGORITHM` for a file not named);
-    `part_bytes`: by key, the part size of each object to cut at its parts."""
+    `part_bytes`: by key, the part size of each object to cut at its parts; `sources`: the
+    ranks that read (those whose node holds the entry), in place of every rank."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {MODES}")
     if world_size < 1 or chunk_bytes < 1:
@@ -129,10 +132,11 @@ def build_plan(
         for number, offset in enumerate(range(0, obj.size, cut))
     ]
     group = 1 if mode == "independent" else world_size
+    readers = sorted(sources) if sources and group > 1 else list(range(group))
     if mode == "multi-reader":
-        owners = _balance([p[3] for p in pieces], group)
+        owners = [readers[i] for i in _balance([p[3] for p in pieces], len(readers))]
     else:
-        owners = [0] * len(pieces)
+        owners = [readers[0]] * len(pieces)
     chunks = tuple(
         Chunk(index=i, file=f, number=n, offset=o, length=n_bytes, owner=owner)
         for i, ((f, n, o, n_bytes), owner) in enumerate(zip(pieces, owners))

@@ -16,22 +16,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from dlo_contract.units import human_bytes
+
 DEFAULT_INTERVAL_S = 5.0
 STAGES = ("get", "digest", "write", "exchange")
 """Where a fill's time goes: ranged GETs (summed over reader threads), chunk digests, local
 writes (summed over the threads that write) and the peer exchange (the main thread's
 collectives)."""
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
-
-
-def human_bytes(count: float) -> str:
-    """`1536` -> `1.5 KiB`."""
-    value, unit = float(count), _UNITS[0]
-    for larger in _UNITS[1:]:
-        if abs(value) < 1024:
-            break
-        value, unit = value / 1024, larger
-    return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
 
 
 def rank_prefix(rank: int, world_size: int) -> str:

@@ -1,9 +1,11 @@
 """The loader group: rendezvous and collectives over torch.distributed.
 
 Owns every call to torch.distributed. `listen` opens rank 0's TCP store as early as its fill
-starts (see [Note: listening early]); `rendezvous` joins the N loaders at that store with a
-deadline (the store barrier waits for all N, so a late loader is found out before any
-collective starts); past it, `RendezvousTimeout`, and the caller applies its fallback policy.
+starts (see [Note: listening early]); `join` joins the N loaders at that store with a deadline
+(the store barrier waits for all N, so a late loader is found out before any collective starts);
+past it, `RendezvousTimeout`, and the caller applies its fallback policy. The `Rendezvous` it
+returns carries the members' small records through the store (node keys, claims: see [Note:
+node order] in `claim`) and forms the process group.
 `Group` offers what the exchange needs: a status exchange (who failed, who is ready; polled only
 while a rank is late for a round), an all-gather of one chunk per rank (gloo's ring), and an
 all-gather of small objects (plan fingerprints, chunk digest lists). Collectives use a short
@@ -33,6 +35,8 @@ _JOINED_KEY = "dlo/joined"
 _ALL_JOINED_KEY = "dlo/all-joined"
 _FORMED_KEY = "dlo/formed"
 """Counts the loaders whose process group is up (connected to every peer), for whoever watches."""
+_NODE_KEY = "dlo/node"
+"""`dlo/node/<rank>`: the member's node key (`claim.node_key`), posted as it joins."""
 
 
 @dataclass(frozen=True)
@@ -133,36 +137,89 @@ def listen(*, master_addr: str, master_port: int, world_size: int,
         return None
 
 
-def rendezvous(
-    *, backend: str, master_addr: str, master_port: int, rank: int, world_size: int,
-    timeout_s: float, collective_timeout_s: float, listening: dist.TCPStore | None = None,
-    names: Names = document_names,
-) -> Group:
-    """Join the group, or raise `RendezvousTimeout` when not all `world_size` loaders join in
-    `timeout_s` seconds (or the master cannot be reached); `listening`: rank 0's store from
-    `listen`, else it is made here; `names` spells the settings in the error."""
+class Rendezvous:
+    """The group's store before its process group exists: every loader has joined it; members
+    post small records under a topic (`post`) and wait for one another's (`wait_posted`), then
+    `form` the process group. Rank 0 hosts the store: it must outlive every member's use."""
+
+    def __init__(self, store: Any, *, rank: int, world_size: int, where: str) -> None:
+        self.rank, self.world_size, self.where = rank, world_size, where
+        self._store = store
+
+    def node_keys(self) -> list[str]:
+        """Every member's node key, posted as it joined (see `join`), by rank."""
+        return [value.decode() for value in self._store.multi_get(
+            [f"{_NODE_KEY}/{rank}" for rank in range(self.world_size)])]
+
+    def post(self, topic: str, value: str) -> None:
+        self._store.set(f"dlo/{topic}/{self.rank}", value)
+
+    def wait_posted(self, topic: str, ranks: list[int], deadline: float) -> list[str]:
+        """What `ranks` posted under `topic`, waiting for them until `deadline` (monotonic)."""
+        keys = [f"dlo/{topic}/{rank}" for rank in ranks]
+        try:
+            remaining = max(deadline - time.monotonic(), 0.001)
+            self._store.wait(keys, datetime.timedelta(seconds=remaining))
+            return [value.decode() for value in self._store.multi_get(keys)]
+        except (RuntimeError, dist.DistError) as exc:
+            raise GroupError(
+                f"loader rank(s) {', '.join(map(str, ranks))} of the group at {self.where} did "
+                f"not post their {topic} in time: {_first_line(exc)}",
+                hint="see the log of those loaders; a loader that died stops the group") from exc
+
+    def form(self, *, backend: str, collective_timeout_s: float) -> Group:
+        """The process group of every member (each one calls it)."""
+        try:
+            dist.init_process_group(
+                backend, store=self._store, rank=self.rank, world_size=self.world_size,
+                timeout=datetime.timedelta(seconds=collective_timeout_s),
+            )
+            self._store.add(_FORMED_KEY, 1)
+        except (RuntimeError, dist.DistError, OSError) as exc:
+            raise GroupError(
+                f"the loader group at {self.where} did not form: {_first_line(exc)}",
+                hint="another loader died or cannot be reached; see its log, then rerun every "
+                     "loader") from exc
+        log.info("formed the loader group of %d at %s (%s)", self.world_size, self.where,
+                 backend)
+        return Group(rank=self.rank, world_size=self.world_size, backend=backend,
+                     store=self._store)
+
+    def close(self) -> None:
+        self._store = None
+
+
+def join(
+    *, master_addr: str, master_port: int, rank: int, world_size: int, node_key: str,
+    timeout_s: float, listening: dist.TCPStore | None = None, names: Names = document_names,
+) -> Rendezvous:
+    """Join the group's store with this loader's `node_key` and wait until all `world_size`
+    loaders have, or raise `RendezvousTimeout` when they do not in `timeout_s` seconds (or the
+    master cannot be reached); `listening`: rank 0's store from `listen`, else it is made here;
+    `names` spells the settings in the error. Waits holding nothing (see [Note: node order] in
+    `claim`)."""
     deadline = time.monotonic() + timeout_s
     where = f"{master_addr}:{master_port}"
     try:
         store = listening if listening is not None else _store(
             master_addr, master_port, world_size, is_master=rank == 0, timeout_s=timeout_s)
+        store.set(f"{_NODE_KEY}/{rank}", node_key)  # before it counts as joined
         if store.add(_JOINED_KEY, 1) == world_size:
             store.set(_ALL_JOINED_KEY, "1")
-        # Every rank waits here until all have joined, so no collective starts with a late peer.
+        # Every rank waits here until all have joined, so a late loader is found out at once.
         remaining = max(deadline - time.monotonic(), 0.001)
         store.wait([_ALL_JOINED_KEY], datetime.timedelta(seconds=remaining))
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=collective_timeout_s),
-        )
-        store.add(_FORMED_KEY, 1)
     except (RuntimeError, dist.DistError, OSError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise RendezvousTimeout(
             f"rendezvous of {world_size} loaders at {where} did not complete within "
-            f"{timeout_s:g} s: {first}",
+            f"{timeout_s:g} s: {_first_line(exc)}",
             hint="start every loader (one per node) with the same master address and world "
                  f"size, or set {names('loader.on_rendezvous_timeout')}=independent",
         ) from exc
-    log.info("joined the loader group of %d at %s (%s)", world_size, where, backend)
-    return Group(rank=rank, world_size=world_size, backend=backend, store=store)
+    log.info("joined the loader group of %d at %s", world_size, where)
+    return Rendezvous(store, rank=rank, world_size=world_size, where=where)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

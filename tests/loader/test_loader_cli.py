@@ -117,7 +117,7 @@ def test_success_writes_the_entry_file_and_summary(
     assert summary == json.loads((tmp_path / "termination-log").read_text())
     assert set(summary) == {"status", "entry_id", "mode", "rank", "world_size", "bytes_from_store",
                             "bytes_from_peers", "bytes_to_peers", "seconds", "cached",
-                            "store_checksums", "stage_seconds"}
+                            "store_checksums", "stage_seconds", "wait_seconds"}
     document = json.loads(entry_file.read_text())
     assert document["entry_id"] == summary["entry_id"]
     assert Path(document["path"]).is_dir()

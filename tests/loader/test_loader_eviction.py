@@ -17,11 +17,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from dlo_bench.s3server import DUMMY_CREDENTIALS, S3Server
+from dlo_bench.faultproxy import FaultPlan, FaultProxy
+from dlo_bench.s3server import S3Server
 from safetensors.numpy import save_file
 from support.cache_fixtures import tmpfs, workers  # noqa: F401  (pytest fixtures)
 from support.cache_helpers import Workers, publish_files
-from support.loader_fleet import LOADER_SETTINGS, finish, upload_files
+from support.loader_fleet import (
+    LOADER_SETTINGS,
+    OpenWatch,
+    checkout_env,
+    finish,
+    upload_files,
+    wait_until,
+)
 from dlo_loader.fill import FillRequest, FillResult, fill
 from dlo_contract.cache import (
     CacheRoot,
@@ -47,23 +55,23 @@ def _checkpoint(tmp: Path, s3: S3Server, prefix: str, seed: int) -> tuple[str, i
     return upload_files(s3, prefix, files, tmp / f"up-{prefix}"), len(files["m.safetensors"])
 
 
-def _start(tmp: Path, s3: S3Server, root: Path, source: str, max_bytes: int, name: str,
+def _start(tmp: Path, endpoint: str, root: Path, source: str, max_bytes: int, name: str,
            *extra: str) -> subprocess.Popen[str]:
-    """`dlo cache fill` as the pod runs it (`extra`: e.g. `--keep-running`)."""
+    """`dlo cache fill` as the pod runs it (`extra`: e.g. `--keep-running`), with this
+    checkout's code."""
     config = tmp / f"{name}.json"
     config.write_text(json.dumps({"loader": LOADER_SETTINGS | {"source": source},
                                   "cache": {"root": str(root), "max_bytes": max_bytes}}))
     return subprocess.Popen(
         [sys.executable, "-m", "dlo_cli.main", "cache", "fill", "--config", str(config),
-         "--endpoint-url", s3.endpoint_url, "--entry-file", str(tmp / f"{name}-entry.json"),
+         "--endpoint-url", endpoint, "--entry-file", str(tmp / f"{name}-entry.json"),
          "--summary-file", str(tmp / f"{name}-summary"), *extra],
-        env={**DUMMY_CREDENTIALS, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
-        text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        env=checkout_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def _fill(tmp: Path, s3: S3Server, root: Path, source: str, max_bytes: int,
           name: str) -> dict:
-    outcome = finish(0, _start(tmp, s3, root, source, max_bytes, name))
+    outcome = finish(0, _start(tmp, s3.endpoint_url, root, source, max_bytes, name))
     assert outcome.summary, (outcome.stdout, outcome.stderr)
     return outcome.summary
 
@@ -106,11 +114,12 @@ def test_fill_evicts_the_unused_entry_and_keeps_the_one_in_use(
 
     assert failed["status"] == "error"
     assert failed["error"].startswith("no room for cache entry ")
-    assert (f"{other_size} bytes) in {root.path}: {HELD_BYTES} bytes in entries "
-            f"(cache.max_bytes={too_small})") in failed["error"]
+    assert (f"{other_size} bytes) in {root.path}: {HELD_BYTES} bytes in entries and 0 bytes "
+            f"reserved by fills in progress (cache.max_bytes={too_small})") in failed["error"]
     assert failed["error"].endswith(
-        f"after evicting 1 unused entries; in use: {held} ({HELD_BYTES} bytes) (hint: stop the "
-        "pods that map the entries in use, raise cache.maxBytes, or enlarge the volume)")
+        f"after evicting 1 unused entries; in use: {held} ({HELD_BYTES} bytes); fills in "
+        "progress: none (hint: stop the pods that map the entries in use, raise cache.max_bytes, "
+        "or enlarge the volume)")
     assert [info.entry_id for info in list_entries(root)] == [held]
     assert Workers.result(holder) == {"held": True}
 
@@ -125,7 +134,8 @@ def test_a_pods_loader_holds_its_entry_until_the_pod_ends(
     mine, mine_size = _checkpoint(tmp_path, s3, "held-by-pod", seed=3)
     other, other_size = _checkpoint(tmp_path, s3, "other-model", seed=4)
     room_for_one = max(mine_size, other_size) + 1000
-    sidecar = _start(tmp_path, s3, root, mine, room_for_one, "pod", "--keep-running")
+    sidecar = _start(tmp_path, s3.endpoint_url, root, mine, room_for_one, "pod",
+                     "--keep-running")
     entry_file = tmp_path / "pod-entry.json"
     try:
         deadline = time.monotonic() + 120
@@ -197,9 +207,11 @@ def test_a_loader_waiting_for_the_same_entry_joins_it_without_making_room(
             except Exception as exc:  # reported by the assertion below
                 outcome["error"] = exc
 
+        watch = OpenWatch(root.publish_lock(first.entry_id))
         waiting = threading.Thread(target=second_loader)
         waiting.start()
-        time.sleep(1.0)  # the second loader lists, then waits for the lock
+        watch.wait()  # the second loader listed and now tries the lock this publication holds
+        watch.close()
         (pub.tmp_dir / "m.safetensors").write_bytes(data)
         pub.commit("checkpoint", identity, [FileRecord("m.safetensors", size)])
     waiting.join(60)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import struct
 import threading
 import time
@@ -129,20 +130,19 @@ def test_waiting_for_the_group_says_what_happens_after_the_timeout(
     if policy == "fail":
         with pytest.raises(RendezvousTimeout):
             fill(request)
-        # It read its share while it waited; its progress lines end with the fill, so the
-        # summary the CLI prints next is the last line.
+        # It held nothing while it waited (see [Note: node order] in `claim`): no publication,
+        # no reads, and no progress lines after the summary the CLI prints next.
         assert "dlo-progress" not in {thread.name for thread in threading.enumerate()}
+        assert os.listdir(tmp_path / "cache" / "v1" / "tmp") == []
     else:
         result = fill(request)
-        # Chunks read for the group before the timeout are kept; one still in flight at the
-        # fallback is read again (test_loader_exchange.py shows the kept ones are not).
         total = sum(map(len, included(checkpoint.files).values()))
         assert result.mode == "independent"
-        assert total <= result.bytes_from_store < total + 4 * settings.loader.chunk_bytes
+        assert result.bytes_from_store == total  # it read nothing for the group
         assert verify_entry(tmp_path / "cache", result.entry_id, full=True) == []
     assert lines[0] == (
         f"[rank 1/3] waiting for 3 loaders at 127.0.0.1:{port}; after 1 s {then} "
-        f"(loader.on_rendezvous_timeout={policy}); this loader reads its own share meanwhile; a "
+        f"(loader.on_rendezvous_timeout={policy}); this loader holds nothing meanwhile; a "
         "loader that has not joined has not started (check the group's pods)")
 
 

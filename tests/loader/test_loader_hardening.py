@@ -19,7 +19,7 @@ import botocore.exceptions as bexc
 import pytest
 from dlo_bench.faultproxy import CORRUPT, STALL, FaultPlan, FaultProxy
 from dlo_bench.s3server import DUMMY_CREDENTIALS, S3Server
-from dlo_loader import fill as fill_module
+from dlo_loader import claim as claim_module
 from dlo_loader.digest import ALGORITHM, chunk_digest
 from dlo_loader.errors import LocalResourceError, SourceChanged, SourceError, SourceUnavailable
 from dlo_loader.fill import FillRequest, fill
@@ -182,7 +182,7 @@ with begin_publication(CacheRoot(sys.argv[1]), sys.argv[2], expected_bytes=0, lo
 def test_a_loader_waiting_for_another_publication_says_so(
     s3: S3Server, checkpoint: Checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(fill_module, "WAIT_LINE_INTERVAL_S", 0.2)
+    monkeypatch.setattr(claim_module, "WAIT_LINE_INTERVAL_S", 0.2)
     root = tmp_path / "cache"
     store = store_for(checkpoint.source, s3.endpoint_url)
     files = store.list(LoaderConfig().include)

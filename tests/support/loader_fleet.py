@@ -44,6 +44,19 @@ LOADER_SETTINGS = {
     "path_style": True,
 }
 PROCESS_TIMEOUT_S = 120
+CHECKOUT = Path(__file__).resolve().parents[2]
+PACKAGE_DIRS = ("contract", "cli", "runtime", "loader_image", "operator", "bench")
+"""Where this checkout's packages live (pyproject's `packages.find`)."""
+
+
+def checkout_env(**extra: str) -> dict[str, str]:
+    """The suite's environment for a `dlo` process, importing this checkout's packages first:
+    the virtual environment's editable install may point at another copy of the project."""
+    ours = os.pathsep.join(str(CHECKOUT / name) for name in PACKAGE_DIRS)
+    inherited = os.environ.get("PYTHONPATH")
+    path = ours + (os.pathsep + inherited if inherited else "")
+    return {**os.environ, **DUMMY_CREDENTIALS, "OMP_NUM_THREADS": "1", "PYTHONPATH": path,
+            **extra}
 
 
 def write_checkpoint(directory: Path, *, seed: int = 0) -> dict[str, bytes]:
@@ -130,8 +143,7 @@ class Fleet:
 
     def start(self, rank: int, *extra: str) -> subprocess.Popen[str]:
         (self.tmp / f"node{rank}").mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **DUMMY_CREDENTIALS, "OMP_NUM_THREADS": "1"}
-        return subprocess.Popen(self.command(rank, *extra), env=env, text=True,
+        return subprocess.Popen(self.command(rank, *extra), env=checkout_env(), text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     def run(self, *extra: str, ranks: list[int] | None = None) -> list[Outcome]:

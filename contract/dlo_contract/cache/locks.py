@@ -3,8 +3,9 @@
 Owns how a lock file is opened, locked with a bounded wait, checked against the path (so a lock
 file that was unlinked and recreated is never trusted), touched to record last use, and released.
 Kernel locks die with their process, so a writer killed by SIGKILL never leaves a held lock.
-Called by `publish` (`.publish`, exclusive), `entry` (`.use`, shared while mapped) and `evict`
-(`.use` exclusive, non-blocking). Must not know what an entry is or decide policy.
+Called by `publish` (`.publish`, exclusive), `entry` (`.use`, shared while mapped), `evict`
+(`.use` exclusive, non-blocking) and the loader (`node_key`). Must not know what an entry is or
+decide policy.
 """
 
 from __future__ import annotations
@@ -165,3 +166,15 @@ def is_locked(path: Path) -> bool:
         return True
     probe.release()
     return False
+
+
+_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def node_key(directory: Path) -> str:
+    """A key for the node a lock directory lives on: the same for every process that sees this
+    directory (every container of the node), different on another node or another cache root.
+    The kernel's boot id with the directory's device and inode; fill groups take their nodes'
+    publications in the order of these keys (the loader's [Note: node order])."""
+    info = os.stat(directory)
+    return f"{_BOOT_ID.read_text().strip()}/{info.st_dev}/{info.st_ino}"

@@ -71,9 +71,11 @@ def test_a_publication_waits_for_the_one_in_progress_and_takes_the_room_it_leave
         watch = OpenWatch(root.room_lock)
         waiting = threading.Thread(target=second)
         waiting.start()
-        watch.wait()  # the second publication decided once: no room beside the first
-        watch.wait()  # and again: it waits for the first
+        watch.wait()  # the second publication takes the room lock to decide
         watch.close()
+        again = OpenWatch(root.room_lock)  # sees only later decisions
+        again.wait()  # it decides again: the first found no room beside this one, it waits
+        again.close()
     finally:
         first.__exit__(None, None, None)  # the first gives up: its reservation goes
     waiting.join(60)

@@ -1,0 +1,151 @@
+"""The data path of a fill once its node's publication is taken: the exchange started, run, its
+bytes checked, and the entry committed.
+
+Owns how a fill reads (from the store, streamed alone or chunk by chunk in a group, or from this
+node's entry where it holds one), the store's whole-object checksums asked for while the bytes
+move, and the order of the last steps: exchange, headers and store checksums (`checks`), every
+rank's digests compared, then (unless this node holds the entry already) the commit. Called by
+`fill`. Must not take locks, join a group or decide the plan.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dlo_loader import digest as digests_of
+from dlo_loader.checks import agree, check_files, checked_files, conclude
+from dlo_loader.plan import Plan
+from dlo_loader.progress import Progress
+from dlo_loader.source import ObjectStore
+from dlo_contract.cache import FileRecord, Publication
+from dlo_contract.field_names import Names
+from dlo_contract.settings import LoaderConfig
+from dlo_contract.units import human_bytes
+
+if TYPE_CHECKING:  # exchange and transport are imported once the transfer starts
+    import threading
+
+    from dlo_loader.exchange import Exchange, Reader
+    from dlo_loader.sink import FileSink
+    from dlo_loader.stream import Streamer
+    from dlo_loader.transport import Group
+
+log = logging.getLogger(__name__)
+PRODUCER = "dlo-loader"
+
+
+class Transfer:
+    """One fill's data path; `start` builds an exchange with its reads under way, `run` ends it."""
+
+    def __init__(self, *, store: ObjectStore, progress: Progress, config: LoaderConfig,
+                 rank: int, deadline: float, stop: threading.Event, source: str,
+                 names: Names) -> None:
+        self.store, self.progress, self.config = store, progress, config
+        self.rank, self.deadline, self.stop = rank, deadline, stop
+        self.source, self.names = source, names
+        self.store_check: digests_of.StoreCheck | None = None
+        self._sink: FileSink | None = None
+        """The files being written in the publication's tmp dir, made by the first exchange."""
+
+    def start(self, pub: Publication, plan: Plan, *, grouped: bool) -> Exchange:
+        """The plan's data path, its reads started: from the store, or from this node's entry."""
+        from dlo_loader.exchange import Exchange
+        from dlo_loader.sink import EntryChunks, FileSink
+
+        rank = self.rank if grouped else 0
+        log.info("plan: %s over %d rank(s), %d chunks of at most %s; this rank reads %s%s",
+                 plan.mode, plan.world_size, len(plan.chunks), human_bytes(plan.chunk_bytes),
+                 human_bytes(plan.owned_bytes(rank)),
+                 " from its cached entry" if pub.existing else "")
+        if pub.existing is None and self._sink is None:  # one per publication
+            assert pub.tmp_dir is not None
+            self._sink = FileSink(pub.tmp_dir, plan.files)
+        sink = None if pub.existing is not None else self._sink
+        read = (EntryChunks(pub.existing, plan.files, plan.algorithms).read if pub.existing
+                else self._reader(plan))
+        self.progress.start()
+        self.progress.phase = "transferring"  # metrics: phase
+        stream = None if pub.existing or grouped else self._streamer(plan)  # alone: streamed
+        return Exchange(plan, rank=self.rank, grouped=grouped, read=read, sink=sink,
+                        progress=self.progress, config=self.config, deadline=self.deadline,
+                        stop=self.stop, stream=stream, names=self.names)
+
+    def run(self, pub: Publication, plan: Plan, group: Group | None,
+            identity: dict[str, Any], exchange: Exchange | None) -> None:
+        """Exchange (`exchange`: started before the group formed), check and (unless this node
+        holds the entry already) commit."""
+        # The store's whole-object checksums are asked for while the bytes move: a HEAD per large
+        # object after the last byte would lengthen every fill by their round trips.
+        beside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dlo-checksums")
+        try:
+            published = None if pub.existing is not None else beside.submit(
+                self.store.checksums, checked_files(plan))
+            digests = self._exchange(pub, plan, group, exchange)
+            self.progress.phase = "checking"  # metrics: phase
+            if published is None:
+                conclude(group, digests, lambda: None)
+                return
+            records, tensors = conclude(group, digests, lambda: self._check(
+                pub.tmp_dir, plan, digests, published))
+        finally:  # a failed fill does not wait for a HEAD in flight
+            beside.shutdown(wait=False, cancel_futures=True)
+        pub.commit("checkpoint", identity, records, tensor_count=tensors, producer=PRODUCER)
+
+    def _exchange(self, pub: Publication, plan: Plan, group: Group | None,
+                  exchange: Exchange | None) -> list[str]:
+        """Agree on the plan, run the exchange, and end it whatever happens."""
+        try:
+            if group is not None:
+                agree(group, plan.fingerprint)
+            if exchange is None:
+                exchange = self.start(pub, plan, grouped=group is not None)
+            return exchange.run(group)
+        finally:
+            if exchange is not None:
+                exchange.abandon()
+            self.progress.stop()
+
+    def _check(self, directory: Path | None, plan: Plan, digests: list[str],
+               published: Future[dict[str, digests_of.StoreChecksum]],
+               ) -> tuple[list[FileRecord], int]:
+        """Headers, then the store's checksums (`published`), then the manifest records."""
+        checked = check_files(directory, plan, digests, self.source)
+        files = []
+        for index, obj in enumerate(plan.files):
+            chunks = [c for c in plan.chunks if c.file == index]
+            files.append(digests_of.FileDigests(
+                obj.key, plan.algorithms[index], [c.length for c in chunks],
+                [digests[c.index] for c in chunks], plan.part_bytes[index]))
+        by_key = {obj.key: obj for obj in plan.files}
+        self.store_check = digests_of.check_store(
+            files, published.result(), self.source,
+            layout_holds=lambda key, part_bytes: self.store.layout_holds(by_key[key],
+                                                                         part_bytes))
+        log.info("store checksums: %d object(s) match the store's CRC (of the whole object or of "
+                 "its parts), %d without one", self.store_check.checked,
+                 self.store_check.unavailable)
+        return checked
+
+    def _streamer(self, plan: Plan) -> Streamer:
+        def stream(file: int, offset: int, length: int, pieces: Iterator[memoryview],
+                   deliver: Callable[[int, memoryview], None]) -> int:
+            def counted(at: int, view: memoryview) -> None:
+                self.progress.add(from_store=len(view))
+                deliver(at, view)
+
+            return self.store.stream(plan.files[file], offset, length, pieces, counted,
+                                     plan.algorithms[file])
+
+        return stream
+
+    def _reader(self, plan: Plan) -> Reader:
+        def read(file: int, offset: int, into: memoryview) -> int:
+            crc = self.store.read(plan.files[file], offset, into, plan.algorithms[file])
+            self.progress.add(from_store=len(into))
+            return crc
+
+        return read
