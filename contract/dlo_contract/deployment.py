@@ -20,6 +20,9 @@ from dlo_contract.settings import Settings
 DEFAULT_LOADER_IMAGE = "dlo-loader:0.1.0"
 """The loader image of a DOD that names none, unless the operator is given another
 (`--loader-image`, the chart's `loaderImage`)."""
+DEFAULT_LOADER_UID = 65532
+"""The loader image's user and group (loader_image/Dockerfile): not root, so the loader passes
+Pod Security `restricted`; the node agent gives each namespace's `cache/` to them."""
 QUANTITY = r"^$|^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
 """A Kubernetes resource quantity such as `16Gi` (or empty)."""
 DEFAULT_LOADER_RESOURCES: dict[str, Any] = {
@@ -84,6 +87,11 @@ class LoaderPodConfig(Section):
     resources: dict[str, Any] = setting(
         lambda: dict(DEFAULT_LOADER_RESOURCES), crd="loader.resources",
         description="Resources of the loader container (core/v1 ResourceRequirements).")
+    run_as_user: int = setting(DEFAULT_LOADER_UID, crd=None, minimum=1,
+                               description="User the loader runs as: the platform's (chart "
+                               "value nodeCache.uid), set by the operator, never by the CR.")
+    run_as_group: int = setting(DEFAULT_LOADER_UID, crd=None, minimum=1,
+                                description="The loader's group (chart value nodeCache.gid).")
 
 
 class InferenceConfig(Section):

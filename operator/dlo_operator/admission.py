@@ -7,7 +7,7 @@ and of the DOD's own volumes (`host_paths`), the loader images and the node cach
 (`platform_limits`), with the pod rules (`pod_rules`). The first stage that refuses ends the
 check, and all its reasons go into one `SpecError`, whose message the operator writes into
 `Valid=False` and an Event and `dlo render` prints, word for word. An admitted spec carries the
-node cache's effective limits in its settings. Pure; it must not talk to the cluster.
+node cache's effective limits in its settings and the loader's user and group (`loader`). Pure; it must not talk to the cluster.
 """
 
 from __future__ import annotations
@@ -58,7 +58,10 @@ def admit(document: Mapping[str, Any],
     problems += pod_problems(spec)
     if problems:
         raise SpecError("; ".join(problems))
-    return spec.model_copy(update={"settings": with_platform_limits(spec.settings, installation)})
+    loader = spec.loader.model_copy(update={"run_as_user": installation.node_cache_uid,
+                                            "run_as_group": installation.node_cache_gid})
+    return spec.model_copy(update={"settings": with_platform_limits(spec.settings, installation),
+                                   "loader": loader})
 
 
 def _plain(value: Any) -> Any:

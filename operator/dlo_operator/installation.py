@@ -13,9 +13,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from dlo_contract.deployment import DEFAULT_LOADER_UID
 from dlo_operator.host_paths import DEFAULT_ALLOWED_HOST_PATHS, normalized
 from dlo_operator.node_cache import DEFAULT_NODE_CACHE_ROOT
 from dlo_operator.spec import DEFAULT_LOADER_IMAGE
+
+DEFAULT_LOADER_GID = DEFAULT_LOADER_UID
+MAX_ID = 2**31 - 1
+"""The largest id a pod's `runAsUser` may hold."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +49,12 @@ class InstallationConfig:
     """Node directory holding each namespace's cache, `<root>/namespaces/<namespace>`, which the
     operator's PersistentVolumes serve (`node_cache`): chart value `nodeCache.hostPath`, flag
     `--node-cache-root`."""
+    node_cache_uid: int = DEFAULT_LOADER_UID
+    """User the loader runs as and the node agent gives each namespace's `cache/` to: chart
+    value `nodeCache.uid`, flag `--node-cache-uid` (the loader image's user by default)."""
+    node_cache_gid: int = DEFAULT_LOADER_GID
+    """The loader's group, owner group of each `cache/`: chart value `nodeCache.gid`, flag
+    `--node-cache-gid`."""
 
     @property
     def cache_directories(self) -> tuple[tuple[str, str], ...]:
@@ -85,6 +96,17 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-cache-root", type=_directory, default=DEFAULT_NODE_CACHE_ROOT,
                         metavar="DIR", help="node directory holding each namespace's cache, "
                         f"DIR/namespaces/NAMESPACE (default {DEFAULT_NODE_CACHE_ROOT})")
+    add_owner_flags(parser)
+
+
+def add_owner_flags(parser: argparse.ArgumentParser) -> None:
+    """The loader's user and group: the operator runs the loader as them, the node agent gives
+    each namespace's `cache/` to them, and the chart passes both the same `nodeCache` values."""
+    parser.add_argument("--node-cache-uid", type=_id, default=DEFAULT_LOADER_UID, metavar="UID",
+                        help="user the loader runs as, owner of each namespace's cache/ "
+                        f"(default {DEFAULT_LOADER_UID}, the loader image's user)")
+    parser.add_argument("--node-cache-gid", type=_id, default=DEFAULT_LOADER_GID, metavar="GID",
+                        help=f"the loader's group (default {DEFAULT_LOADER_GID})")
 
 
 def from_args(args: argparse.Namespace) -> InstallationConfig:
@@ -95,7 +117,14 @@ def from_args(args: argparse.Namespace) -> InstallationConfig:
         allowed_user_host_paths=tuple(args.allowed_user_host_paths),
         node_cache_max_bytes=args.node_cache_max_bytes,
         node_cache_min_free_bytes=args.node_cache_min_free_bytes,
-        node_cache_root=args.node_cache_root)
+        node_cache_root=args.node_cache_root,
+        node_cache_uid=args.node_cache_uid,
+        node_cache_gid=args.node_cache_gid)
+
+
+def node_cache_root(text: str) -> str:
+    """`--node-cache-root`'s check, shared with `dlo node-agent run`."""
+    return _directory(text)
 
 
 def _directory(text: str) -> str:
@@ -104,6 +133,16 @@ def _directory(text: str) -> str:
             f"{text!r} is not an absolute, normalized directory; pass one like "
             f"{DEFAULT_NODE_CACHE_ROOT} (no '.', '..', '//' or trailing '/')")
     return text
+
+
+def _id(text: str) -> int:
+    """A non-root user or group id: the loader passes Pod Security `restricted`."""
+    value = int(text) if text.isdigit() else 0
+    if not 0 < value <= MAX_ID:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a non-root user or group id; pass a whole number from 1 to "
+            f"{MAX_ID} (the loader runs as non-root: Pod Security restricted)")
+    return value
 
 
 def _bytes(text: str) -> int:

@@ -15,9 +15,13 @@ listed with its own credentials. Inside the pod (`pod`), the loader mounts the n
 gets `runtime_subpath(dod)`, beside the entries and never overlapping them. The bytes are not
 shared across namespaces: two namespaces that serve one model each cache it.
 
-The pod's volume is `ephemeral`, a type Pod Security `restricted` allows: no tenant namespace
-needs `privileged`. A claim is deleted with its pod, so a restarted pod is never held to the node
-an older claim was bound to. Pure; called by `pod` (the template) and `provisioner` (the PV).
+The volume's hostPath has type `Directory`: the kubelet mounts it only once the node agent of the
+claim's node (`node_agent`, named by `NODE_ANNOTATION`) made it, with `cache/` owned by the loader's
+non-root user (see [Note: node directory ownership] in `node_directories`); until then the mount
+fails and the kubelet retries it. The pod's volume is `ephemeral`, a type Pod Security `restricted`
+allows: no tenant namespace needs `privileged`. A claim is deleted with its pod, so a restarted pod
+is never held to the node an older claim was bound to. Pure; called by `pod` (the template) and
+`provisioner` (the PV).
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ SELECTED_NODE = "volume.kubernetes.io/selected-node"
 PROVISIONED_BY = "pv.kubernetes.io/provisioned-by"
 LABEL_NODE_CACHE = "dlo.dev/node-cache"
 """On every PersistentVolume this operator made: the watch on volumes filters on it."""
+NODE_ANNOTATION = "dlo.dev/node"
+"""On every PersistentVolume this operator made: the name of the node it serves (the node agent
+of that node prepares its directory; a label value could not hold every node name)."""
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 DEFAULT_NODE_CACHE_ROOT = posixpath.dirname(DEFAULT_CACHE_ROOT)
 """The platform's node directory that holds `namespaces/<namespace>` (`/var/lib/dlo`)."""
@@ -119,7 +126,7 @@ def build_persistent_volume(claim: Claim, hostname: str,
         "apiVersion": "v1",
         "kind": "PersistentVolume",
         "metadata": {"name": volume_name(claim.uid), "labels": {LABEL_NODE_CACHE: "true"},
-                     "annotations": {PROVISIONED_BY: PROVISIONER}},
+                     "annotations": {PROVISIONED_BY: PROVISIONER, NODE_ANNOTATION: claim.node}},
         "spec": {
             "capacity": {"storage": claim.storage},
             "accessModes": list(claim.access_modes),
@@ -129,7 +136,7 @@ def build_persistent_volume(claim: Claim, hostname: str,
             "claimRef": {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
                          "namespace": claim.namespace, "name": claim.name, "uid": claim.uid},
             "hostPath": {"path": namespace_directory(config, claim.namespace),
-                         "type": "DirectoryOrCreate"},
+                         "type": "Directory"},
             "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
                 {"key": HOSTNAME_LABEL, "operator": "In", "values": [hostname]}]}]}},
         },

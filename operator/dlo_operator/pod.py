@@ -17,10 +17,11 @@ restarts no pod. `loader_container` is shared with the prefill Job. Pure; called
 `statefulset.build_statefulset` and `prefill`. It must not decide names or labels (see `naming`).
 
 No volume here is a hostPath: the node cache is the pod's ephemeral claim (`node_cache`, see
-[Note: the node cache's tenant boundary] there), so every pod passes Pod Security `baseline`. The
-loader mounts its namespace's entries writable at `cache.hostPath` (a path in the containers);
-the inference container mounts them read-only there, and with the runtime cache its own DOD's
-directory writable at `offload.runtimeCacheRoot`, which never overlaps the entries.
+[Note: the node cache's tenant boundary] there), so every pod passes Pod Security `baseline`, and
+the loader `restricted`. The loader mounts its namespace's entries writable at `cache.hostPath` (a
+path in the containers); the inference container mounts them read-only there, and with the
+runtime cache its own DOD's directory writable at `offload.runtimeCacheRoot`, which never overlaps
+the entries.
 """
 
 from __future__ import annotations
@@ -64,17 +65,21 @@ SHM_VOLUME = "dshm"
 OWN_VOLUMES = ("settings", "run", "loader-tmp", CACHE_VOLUME, SHM_VOLUME)
 """Volume names the operator uses; a user's `volumes` entry may not reuse one."""
 
-LOADER_SECURITY_CONTEXT: dict[str, Any] = {
-    "allowPrivilegeEscalation": False,
-    "capabilities": {"drop": ["ALL"]},
-    "privileged": False,
-    "readOnlyRootFilesystem": True,
-    "seccompProfile": {"type": "RuntimeDefault"},
-}
-"""The loader only reads the network and writes the cache: no capability is needed. It keeps the
-image's user (root): the kubelet creates the namespace's directory root-owned and applies no
-fsGroup to a hostPath volume, so a non-root loader could not write it (Pod Security `baseline`
-allows root; `restricted` would not, see README "Pod Security")."""
+def loader_security_context(spec: DeploymentSpec) -> dict[str, Any]:
+    """Pod Security `restricted`: the loader only reads the network and writes its namespace's
+    `cache/`, as the platform's non-root user (chart `nodeCache.uid`/`gid`), who owns that
+    directory: the node agent prepared it so before the kubelet could mount it (see [Note: node
+    directory ownership] in `node_directories`; fsGroup would not apply to a hostPath volume)."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "privileged": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "runAsUser": spec.loader.run_as_user,
+        "runAsGroup": spec.loader.run_as_group,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
 
 
 def build_pod_template(owner: Owner, spec: DeploymentSpec, revision: str,
@@ -148,7 +153,7 @@ def loader_container(spec: DeploymentSpec, group_env: list[dict[str, Any]], *,
         "env": env,
         "ports": _loader_ports(spec),
         "resources": copy.deepcopy(dict(spec.loader.resources)),
-        "securityContext": copy.deepcopy(LOADER_SECURITY_CONTEXT),
+        "securityContext": loader_security_context(spec),
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": [
             {"name": "settings", "mountPath": SETTINGS_MOUNT, "readOnly": True},

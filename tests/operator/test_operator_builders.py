@@ -153,6 +153,7 @@ def test_loader_is_locked_down() -> None:
     assert loader["securityContext"] == {
         "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
         "privileged": False, "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
         "seccompProfile": {"type": "RuntimeDefault"}}
     pod = statefulset(MINIMAL)["spec"]["template"]["spec"]
     assert pod["automountServiceAccountToken"] is False

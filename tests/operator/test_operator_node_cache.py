@@ -14,6 +14,7 @@ import pytest
 from dlo_operator import provisioner
 from dlo_operator.errors import KubeTransientError
 from dlo_operator.node_cache import (
+    NODE_ANNOTATION,
     NODE_CACHE_CLASS,
     SELECTED_NODE,
     NodeCacheConfig,
@@ -146,7 +147,8 @@ async def test_a_pods_claim_gets_its_namespaces_directory_on_its_node_until_it_i
     uid = created["metadata"]["uid"]
     pv = await eventually(lambda: volume(cluster, f"dlo-node-cache-{uid}"))
     assert pv["spec"]["hostPath"] == {"path": f"/var/lib/dlo/namespaces/{NAMESPACE}",
-                                      "type": "DirectoryOrCreate"}
+                                      "type": "Directory"}
+    assert pv["metadata"]["annotations"][NODE_ANNOTATION] == "gpu-0"  # its node's agent
     assert pv["spec"]["claimRef"] == {
         "apiVersion": "v1", "kind": "PersistentVolumeClaim", "namespace": NAMESPACE,
         "name": "flux-0-node-cache", "uid": uid}

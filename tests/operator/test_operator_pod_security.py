@@ -1,6 +1,7 @@
 """Pod Security: the checker (tests/support/pod_security.py) refuses a known-bad pod for each
 rule, so that a pass elsewhere is not luck; every pod the operator renders passes `baseline`,
-and the loader's only gap to `restricted` is that it runs as root (see README "Pod Security")."""
+and every loader container `restricted`, as the platform's non-root user (README "Pod
+Security")."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ from typing import Any
 
 import pytest
 
+from dlo_operator.admission import admit
+from dlo_operator.installation import InstallationConfig
 from dlo_operator.manifests import build_children
 from dlo_operator.naming import Owner
 from dlo_operator.prefill import build_prefill_job
 from dlo_operator.spec import parse_spec
-from support.pod_security import violations
+from support.pod_security import containers, violations
 
 RESTRICTED_POD: dict[str, Any] = {
     "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
@@ -110,16 +113,31 @@ def test_an_apparmor_annotation_other_than_the_runtimes_is_refused() -> None:
     assert violations(RESTRICTED_POD, annotations={key: "localhost/mine"}) == []
 
 
-def test_the_loaders_one_gap_to_restricted_is_running_as_root() -> None:
-    """A prefill pod holds only the loader. Its volumes (ConfigMap, emptyDirs, the ephemeral
-    claim) are `restricted`'s; it runs as the image's user, root, because the kubelet creates
-    the namespace's cache directory root-owned and applies no fsGroup to a hostPath volume."""
-    spec = parse_spec({"model": {"source": "s3://m/p/"}, "inference": {"image": "s:1"}})
+def test_every_rendered_loader_passes_restricted_as_the_platforms_user() -> None:
+    """A prefill pod holds only the loader: the whole pod passes `restricted`. In a workload pod
+    the loader container does (the inference container is the user's, `baseline`). The loader
+    runs as the installation's non-root user, who owns the namespace's `cache/` (the node
+    agent made it so), never as root."""
+    spec = admit({"metadata": {"name": "flux", "namespace": "ml"},
+                  "spec": {"model": {"source": "s3://m/p/"}, "inference": {"image": "s:1"}}},
+                 InstallationConfig(node_cache_uid=1000, node_cache_gid=2000))
     owner = Owner(name="flux", namespace="ml")
     job = build_prefill_job(owner, spec, ["a", "b"])["spec"]["template"]["spec"]
-    assert violations(job, "restricted") == [
-        "running as non-root: loader does not run with runAsNonRoot=true"]
+    assert violations(job, "restricted") == []
     workload = build_children(owner, spec)[3]["spec"]["template"]["spec"]
-    assert "running as non-root: loader does not run with runAsNonRoot=true" in violations(
-        workload, "restricted")
     assert violations(workload, "baseline") == []
+    loader_only = {**workload, "containers": []}
+    assert violations(loader_only, "restricted") == []
+    for pod in (job, workload):
+        [loader] = [c for c in containers(pod) if c["name"] == "loader"]
+        assert {key: loader["securityContext"][key] for key in (
+            "runAsNonRoot", "runAsUser", "runAsGroup")} == {
+            "runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 2000}
+
+
+def test_the_loader_runs_as_the_loader_images_user_by_default() -> None:
+    spec = parse_spec({"model": {"source": "s3://m/p/"}, "inference": {"image": "s:1"}})
+    job = build_prefill_job(Owner(name="flux", namespace="ml"), spec, ["a"])
+    context = job["spec"]["template"]["spec"]["containers"][0]["securityContext"]
+    assert (context["runAsUser"], context["runAsGroup"]) == (65532, 65532)
+    assert violations(job["spec"]["template"]["spec"], "restricted") == []

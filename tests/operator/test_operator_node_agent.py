@@ -1,0 +1,163 @@
+"""The node agent: it prepares a namespace's node-cache directory (root's tree, `cache/` the
+loader's non-root user's, mode 0755) before the kubelet may mount it, idempotently, from the
+PersistentVolume's own spec alone, never following a symlink; and, run against the API emulator,
+it prepares the directories of its own node's volumes of the node-cache provisioner only.
+Tests run as root here, so chown works as it does in the agent's container (uid 0, CAP_CHOWN)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import kmock
+import pytest
+from kopf.testing import KopfRunner
+
+from dlo_operator.node_agent import NodeAgentConfig, build_registry, prepare_volume
+from dlo_operator.node_cache import (
+    NODE_ANNOTATION,
+    Claim,
+    NodeCacheConfig,
+    build_persistent_volume,
+)
+from dlo_operator.node_directories import NodeDirectoryError, Owner, namespace_of, prepare
+from support.operator_harness import TEST_USER_AGENT, ClusterEmulator, eventually, request
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+
+LOADER = Owner(65532, 65532)
+AGENT_RULES = {"persistentvolumes": {"get", "list", "watch"}}
+"""What the chart grants the agent (tests/chart/test_chart.py checks the chart says so)."""
+
+
+def owner_and_mode(path: Path) -> tuple[int, int, int]:
+    info = os.lstat(path)
+    assert stat.S_ISDIR(info.st_mode), path
+    return info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)
+
+
+def volume_of(namespace: str, node: str, root: str, uid: str = "u-1") -> dict[str, Any]:
+    claim = Claim(namespace=namespace, name="flux-0-node-cache", uid=uid, node=node,
+                  storage="1Gi", access_modes=("ReadWriteOnce",))
+    return build_persistent_volume(claim, node, NodeCacheConfig(root=root))
+
+
+def test_prepare_makes_the_tree_with_its_owners_and_modes_and_is_idempotent(
+        tmp_path: Path) -> None:
+    assert prepare(str(tmp_path), "team-a", LOADER) is True
+    directory = tmp_path / "namespaces" / "team-a"
+    assert owner_and_mode(tmp_path / "namespaces") == (0, 0, 0o755)
+    assert owner_and_mode(directory) == (0, 0, 0o755)
+    assert owner_and_mode(directory / "cache") == (65532, 65532, 0o755)
+    assert owner_and_mode(directory / "runtime") == (0, 0, 0o755)
+    assert sorted(os.listdir(tmp_path / "namespaces")) == ["team-a"]  # no staging left
+    (directory / "cache" / "entry").mkdir()  # what a loader wrote stays as it is
+    assert prepare(str(tmp_path), "team-a", LOADER) is False
+    assert owner_and_mode(directory / "cache") == (65532, 65532, 0o755)
+    assert os.listdir(directory / "cache") == ["entry"]
+
+
+def test_prepare_repairs_a_root_owned_directory_of_an_older_operator(tmp_path: Path) -> None:
+    """`DirectoryOrCreate` made the namespace's directory, the kubelet its `cache/` (root's,
+    0750 as the subPath's parent); and a stopped agent left its staging directory."""
+    (tmp_path / "namespaces" / "team-a" / "cache").mkdir(parents=True, mode=0o750)
+    (tmp_path / "namespaces" / ".team-b.staging" / "cache").mkdir(parents=True)
+    assert prepare(str(tmp_path), "team-a", LOADER) is False
+    assert prepare(str(tmp_path), "team-b", LOADER) is True
+    for namespace in ("team-a", "team-b"):
+        assert owner_and_mode(tmp_path / "namespaces" / namespace / "cache") == (
+            65532, 65532, 0o755)
+    assert sorted(os.listdir(tmp_path / "namespaces")) == ["team-a", "team-b"]
+
+
+@pytest.mark.parametrize("planted", ["namespaces", "namespaces/team-a",
+                                     "namespaces/team-a/cache"])
+def test_a_planted_symlink_is_refused_never_followed(tmp_path: Path, planted: str) -> None:
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    (elsewhere / "cache").mkdir(parents=True, mode=0o700)
+    link = root / planted
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(elsewhere, target_is_directory=True)
+    before = {path: owner_and_mode(path) for path in (elsewhere, elsewhere / "cache")}
+    with pytest.raises(NodeDirectoryError) as refused:
+        prepare(str(root), "team-a", LOADER)
+    assert str(refused.value) == (
+        f"{link} is not a directory (a symlink or a file): refused, the node agent never "
+        "follows a link below the node cache's root")
+    assert refused.value.hint == (
+        f"remove {link} on the node (nothing but the agent creates it), and the agent "
+        "prepares it at the volume's next event")
+    assert {path: owner_and_mode(path) for path in before} == before
+    assert sorted(os.listdir(elsewhere)) == ["cache"]
+
+
+@pytest.mark.parametrize(("path", "namespace"), [
+    ("/etc", "team-a"),
+    ("/var/lib/dlo/namespaces/team-a/../../../etc", "team-a"),
+    ("/var/lib/dlo/namespaces/../namespaces/team-a", "team-a"),
+    ("/var/lib/dlo/namespaces/team-b", "team-a"),
+    ("/var/lib/dlo/namespaces/team-a/cache", "team-a"),
+    ("/var/lib/dlo/namespaces/..", ".."),
+    ("/var/lib/dlo-evil/namespaces/team-a", "team-a"),
+], ids=["outside", "dotdot-out", "dotdot-in", "other-namespace", "deeper", "dotdot-namespace",
+        "prefix"])
+def test_a_volume_path_other_than_its_claims_namespace_directory_is_refused(
+        path: str, namespace: str) -> None:
+    pv = volume_of("team-a", "gpu-0", "/var/lib/dlo")
+    pv["spec"]["hostPath"]["path"] = path
+    pv["spec"]["claimRef"]["namespace"] = namespace
+    with pytest.raises(NodeDirectoryError) as refused:
+        namespace_of(pv, "/var/lib/dlo")
+    assert str(refused.value) == (
+        f"PersistentVolume {pv['metadata']['name']}: spec.hostPath.path={path!r} with "
+        f"spec.claimRef.namespace={namespace!r} is not a node-cache directory; expected "
+        "/var/lib/dlo/namespaces/<the claim's namespace>")
+
+
+def test_only_this_nodes_volumes_of_the_provisioner_are_prepared(tmp_path: Path) -> None:
+    config = NodeAgentConfig(node="gpu-0", root=str(tmp_path), owner=LOADER)
+    assert prepare_volume(volume_of("team-a", "gpu-0", str(tmp_path)), config) == "team-a"
+    assert prepare_volume(volume_of("team-b", "gpu-1", str(tmp_path)), config) is None
+    foreign = volume_of("team-c", "gpu-0", str(tmp_path))
+    foreign["metadata"]["annotations"]["pv.kubernetes.io/provisioned-by"] = "other.dev/csi"
+    assert prepare_volume(foreign, config) is None
+    assert os.listdir(tmp_path / "namespaces") == ["team-a"]
+
+
+async def test_the_agent_prepares_its_nodes_volumes_against_the_api(
+        cluster: ClusterEmulator, tmp_path: Path) -> None:
+    """The operator's volumes of this node and another, and another provisioner's volume of this
+    node: the agent prepares the first only, with only the verbs the chart grants it."""
+    root = str(tmp_path)
+    ours = volume_of("team-a", "gpu-0", root, uid="u-a")
+    theirs = volume_of("team-b", "gpu-1", root, uid="u-b")
+    foreign = volume_of("team-c", "gpu-0", root, uid="u-c")
+    foreign["metadata"]["annotations"]["pv.kubernetes.io/provisioned-by"] = "other.dev/csi"
+    foreign["spec"]["storageClassName"] = "standard"
+    for pv in (theirs, foreign):
+        await request(cluster, "POST", "/api/v1/persistentvolumes", pv)
+    config = NodeAgentConfig(node="gpu-0", root=root, owner=LOADER)
+    runner = KopfRunner(["run", "-A", "--standalone"], registry=build_registry(config),
+                        timeout=30)
+    await asyncio.to_thread(runner.__enter__)
+    cache = tmp_path / "namespaces" / "team-a" / "cache"
+    try:
+        await request(cluster, "POST", "/api/v1/persistentvolumes", ours)
+        await eventually(lambda: cache.is_dir() and owner_and_mode(cache))
+    finally:
+        await asyncio.to_thread(runner.__exit__, None, None, None)
+    assert runner.exit_code == 0
+    assert owner_and_mode(cache) == (65532, 65532, 0o755)
+    assert os.listdir(tmp_path / "namespaces") == ["team-a"]
+    assert ours["metadata"]["annotations"][NODE_ANNOTATION] == "gpu-0"
+    used = {(r.resource.plural, r.action) for r in list(cluster)
+            if r.headers.get("User-Agent") != TEST_USER_AGENT and r.resource is not None
+            and r.resource.plural is not None}  # discovery (/api, /apis) names no resource
+    verbs = {kmock.action.FETCH: "get", kmock.action.LIST: "list", kmock.action.WATCH: "watch"}
+    requested = {(plural, verbs.get(action)) for plural, action in used}
+    granted = {(plural, verb) for plural, granted in AGENT_RULES.items() for verb in granted}
+    assert {("persistentvolumes", "list"), ("persistentvolumes", "watch")} <= requested
+    assert requested <= granted, requested
