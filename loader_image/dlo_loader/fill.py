@@ -1,4 +1,4 @@
-"""One fill of the node cache from object storage: the loader protocol of DESIGN.md section 5.
+"""One fill of the node cache from object storage: the loader protocol of docs/design.md section 5.
 
 Owns the order of the phases and the decisions between them: list the source and derive the
 entry id first, and if this node already holds a valid entry, return at once (no object-store
