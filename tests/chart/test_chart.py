@@ -33,7 +33,11 @@ NON_DEFAULT = {
                             "registry.example.com/dlo-loader:1.2.4"],
     "allowedUserHostPaths": ["/mnt/datasets", "/srv/dlo-user"],
     "nodeCache": {"hostPath": "/mnt/nvme/dlo", "maxBytes": 2_000_000_000_000,
-                  "minFreeBytes": 50_000_000_000},
+                  "minFreeBytes": 50_000_000_000, "uid": 1000, "gid": 2000},
+    "nodeAgent": {"enabled": True, "nodeSelector": {"nvidia.com/gpu.present": "true"},
+                  "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                  "priorityClassName": "system-node-critical",
+                  "resources": {"requests": {"cpu": "20m", "memory": "64Mi"}}},
     "podAnnotations": {"scrape": "false"},
     "metrics": {"port": 9191, "serviceMonitor": {"enabled": True, "interval": "15s",
                                                   "labels": {"release": "prom"}},
@@ -84,8 +88,8 @@ def test_rendered_manifests_and_crd_are_valid_for_every_version(
 
 def test_defaults_watch_every_namespace_with_a_cluster_role() -> None:
     kinds = by_kind(render())
-    assert sorted(kinds) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
-                             "ServiceAccount", "StorageClass"]
+    assert sorted(kinds) == ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "Deployment",
+                             "Service", "ServiceAccount", "StorageClass"]
     deployment = kinds["Deployment"][0]
     assert (deployment["spec"]["replicas"], deployment["spec"]["strategy"]) == (
         1, {"type": "Recreate"})
@@ -95,12 +99,14 @@ def test_defaults_watch_every_namespace_with_a_cluster_role() -> None:
                                  "--loader-image=dlo-loader:0.1.0",
                                  "--allowed-host-path=/var/lib/dlo",
                                  "--node-cache-max-bytes=0", "--node-cache-min-free-bytes=0",
-                                 "--node-cache-root=/var/lib/dlo"]
+                                 "--node-cache-root=/var/lib/dlo", "--node-cache-uid=65532",
+                                 "--node-cache-gid=65532"]
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}
     assert container["resources"]["requests"] == {"cpu": "100m", "memory": "128Mi"}
     assert container["image"] == "dlo-operator:0.1.0"
     for binding in kinds["ClusterRoleBinding"]:
-        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "dlo-dlo-operator",
+        account = binding["roleRef"]["name"].removesuffix("-node-cache")  # the agent's own
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account,
                                         "namespace": "dlo-system"}]
     [storage_class] = kinds["StorageClass"]
     assert (storage_class["metadata"]["name"], storage_class["provisioner"],
@@ -110,12 +116,14 @@ def test_defaults_watch_every_namespace_with_a_cluster_role() -> None:
 
 def test_watching_namespaces_uses_namespaced_roles_only() -> None:
     kinds = by_kind(render(NON_DEFAULT))
-    # Cluster-wide only the node-cache provisioner's volumes and nodes (no Role can grant them).
-    assert [r["metadata"]["name"] for r in kinds["ClusterRole"]] == ["dlo-dlo-operator-node-cache"]
-    assert {rule["resources"][0] for rule in kinds["ClusterRole"][0]["rules"]} == {
+    # Cluster-wide only the node-cache provisioner's volumes and nodes and the node agent's
+    # volumes (no Role can grant them).
+    assert [r["metadata"]["name"] for r in kinds["ClusterRole"]] == [
+        "dlo-dlo-operator-node-agent", "dlo-dlo-operator-node-cache"]
+    assert {rule["resources"][0] for rule in kinds["ClusterRole"][1]["rules"]} == {
         "persistentvolumes", "nodes"}
     assert [b["roleRef"]["name"] for b in kinds["ClusterRoleBinding"]] == [
-        "dlo-dlo-operator-node-cache"]
+        "dlo-dlo-operator-node-agent", "dlo-dlo-operator-node-cache"]
     assert [(r["metadata"]["namespace"]) for r in kinds["Role"]] == ["inference", "batch"]
     bindings = kinds["RoleBinding"]
     assert [(b["metadata"]["namespace"], b["subjects"][0]["name"]) for b in bindings] == [
@@ -131,7 +139,8 @@ def test_watching_namespaces_uses_namespaced_roles_only() -> None:
                     "--allowed-user-host-path=/srv/dlo-user",
                     "--node-cache-max-bytes=2000000000000",
                     "--node-cache-min-free-bytes=50000000000",
-                    "--node-cache-root=/mnt/nvme/dlo"]
+                    "--node-cache-root=/mnt/nvme/dlo", "--node-cache-uid=1000",
+                    "--node-cache-gid=2000"]
 
 
 def test_operator_command_line_in_the_deployment_is_accepted_by_dlo() -> None:
@@ -152,11 +161,14 @@ def test_operator_command_line_in_the_deployment_is_accepted_by_dlo() -> None:
                 allowed_user_host_paths=("/mnt/datasets", "/srv/dlo-user"),
                 node_cache_max_bytes=2_000_000_000_000,
                 node_cache_min_free_bytes=50_000_000_000,
-                node_cache_root="/mnt/nvme/dlo")))
+                node_cache_root="/mnt/nvme/dlo", node_cache_uid=1000,
+                node_cache_gid=2000)))
 
 
 def test_rbac_grants_only_what_the_operator_uses() -> None:
-    rules = [rule for role in by_kind(render())["ClusterRole"] for rule in role["rules"]]
+    """The operator's roles (the node agent's: tests/chart/test_chart_node_agent.py)."""
+    rules = [rule for role in by_kind(render())["ClusterRole"] for rule in role["rules"]
+             if not role["metadata"]["name"].endswith("-node-agent")]
     granted = {(g, r): sorted(rule["verbs"]) for rule in rules
                for g in rule["apiGroups"] for r in rule["resources"]}
     assert granted == {
