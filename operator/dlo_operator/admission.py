@@ -7,7 +7,8 @@ and of the DOD's own volumes (`host_paths`), the loader images and the node cach
 (`platform_limits`), with the pod rules (`pod_rules`). The first stage that refuses ends the
 check, and all its reasons go into one `SpecError`, whose message the operator writes into
 `Valid=False` and an Event and `dlo render` prints, word for word. An admitted spec carries the
-node cache's effective limits in its settings and the loader's user and group (`loader`). Pure; it must not talk to the cluster.
+node cache's effective limits in its settings and the loader's user and group (`loader`). Pure;
+it must not talk to the cluster.
 """
 
 from __future__ import annotations

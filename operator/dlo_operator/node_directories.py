@@ -61,7 +61,8 @@ class NodeDirectoryError(OperatorError):
 
 @dataclass(frozen=True)
 class Owner:
-    """Who owns a namespace's `cache/`: the loader's user and group (chart `nodeCache.uid`/`gid`)."""
+    """Who owns a namespace's `cache/`: the loader's user and group (chart `nodeCache.uid`,
+    `nodeCache.gid`)."""
 
     uid: int
     gid: int
