@@ -40,3 +40,15 @@ def test_a_named_settings_document_that_is_missing_is_an_error(tmp_path: Path) -
         f"dlo: error: cannot read settings document {tmp_path / 'absent.json'}: No such file or "
         "directory (hint: pass --config FILE or set DLO_CONFIG)\n"
     )
+
+
+def test_gc_refuses_limits_the_validator_refuses(root: CacheRoot, tmp_path: Path) -> None:
+    """The gc reads its limits from the validated document: a negative limit is not taken as
+    'no limit'."""
+    settings_file = tmp_path / "settings.json"
+    document = Settings(cache=CacheConfig(root=str(root.path))).to_dict()
+    document["cache"]["max_bytes"] = -5
+    settings_file.write_text(json.dumps(document))
+    done = _dlo_with_settings(settings_file, "cache", "gc")
+    assert done.returncode == 1
+    assert done.stderr == "dlo: error: invalid settings: cache.max_bytes=-5 must be 0 or more\n"
