@@ -125,3 +125,19 @@ def test_the_longest_allowed_name_fits_every_child_pod_and_revision_label() -> N
     assert len(f"{name}-{'h' * 10}") == 63  # controller-revision-hash: <sts>-<hash>
     crd_rule = next(r for r in cel_rules() if r.id == "name-dns-1035")
     assert f"size(self.metadata.name) <= {MAX_NAME_LENGTH}" in crd_rule.rule
+
+
+def test_every_loader_the_operator_renders_passes_pod_security_restricted() -> None:
+    """The loader, in every StatefulSet and prefill Job here, runs as the platform's non-root
+    user (the node agent gave it its namespace's `cache/`): its container, with the pod's
+    volumes and pod-level context, meets `restricted`. The server container is the user's."""
+    loaders = 0
+    for case, manifest in MANIFESTS:
+        if manifest["kind"] not in ("StatefulSet", "Job"):
+            continue
+        pod = manifest["spec"]["template"]["spec"]
+        only_loader = {**pod, **{key: [c for c in pod.get(key) or () if c["name"] == "loader"]
+                                 for key in ("initContainers", "containers")}}
+        loaders += len(only_loader["initContainers"]) + len(only_loader["containers"])
+        assert violations(only_loader, "restricted") == [], case
+    assert loaders == 2 * (len(SPECS) + len(EXAMPLES))
