@@ -1,6 +1,6 @@
 """Which node directories a DOD may mount: the installation's allowlist and the pod's own paths.
 
-The loader runs as root and writes `cache.hostPath`; the inference container may write
+The loader writes `cache.hostPath`; the inference container may write
 `offload.runtimeCacheRoot`. Both must be absolute and normalized (the CRD's pattern), lie under
 one of the allowed host paths (the chart's `allowedHostPaths`, the operator's
 `--allowed-host-path`, default `/var/lib/dlo`), and must not overlap the paths the containers

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 MODULES = ("dlo_operator.handlers", "dlo_operator.cli", "dlo_operator.render",
-           "dlo_operator.kube", "dlo_operator.status")
+           "dlo_operator.kube", "dlo_operator.status", "dlo_operator.node_agent")
 
 
 def test_operator_imports_with_torch_and_boto3_blocked() -> None:
@@ -28,7 +28,7 @@ def test_the_builders_import_without_kopf_or_the_kubernetes_client() -> None:
         "import sys\n"
         "for name in ('torch', 'kopf', 'kubernetes'):\n"
         "    sys.modules[name] = None\n"
-        "import dlo_operator.render, dlo_operator.status\n"
+        "import dlo_operator.render, dlo_operator.status, dlo_operator.node_directories\n"
         "print('ok')\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
