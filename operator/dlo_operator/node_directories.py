@@ -13,7 +13,8 @@ The tree above `cache/` is root's (`<root>`, `namespaces/`, each namespace's dir
 `runtime/`); tenants write only below `cache/` (the loader) and `runtime/<dod>` (the inference
 container). Every name below `<root>` is opened with O_NOFOLLOW and worked on through its
 descriptor (fchown, fchmod, *at calls), so a symlink planted anywhere here is refused, never
-followed. Nothing below `cache/` or `runtime/` is read or changed.
+followed. Nothing below `cache/` or `runtime/` is read or changed, but for the one hand-over of
+a `cache/` whose owner changes (`_give_contents`: lchown only, hard links left alone).
 
 The agent needs CAP_CHOWN alone: it is uid 0 and owns what it creates (mkdir, chmod as owner);
 to correct the mode of a directory it gave away it takes it back first (chown, chmod, chown).
@@ -25,6 +26,7 @@ the filesystem; called by `node_agent`. It must not talk to the cluster.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import stat
@@ -42,6 +44,8 @@ from dlo_operator.node_cache import (
     RUNTIME_SUBPATH,
     claim_reference,
 )
+
+logger = logging.getLogger(__name__)
 
 NAMESPACES = "namespaces"
 DIRECTORY_MODE = 0o755
@@ -161,14 +165,37 @@ def _remove_staging(parent: int, staging: str, where: str) -> None:
 
 def _repair(fd: int, where: str, owner: Owner) -> None:
     """The namespace's directory (`fd`): root's; its `cache/` the loader's; its `runtime/`
-    root's (the kubelet makes `runtime/<dod>` when it mounts the subPath)."""
-    _own(fd, where, Owner(0, 0))
+    root's (the kubelet makes `runtime/<dod>` when it mounts the subPath). A `cache/` that
+    changes hands (written by an older, root loader, or before `nodeCache.uid` changed) gives
+    its contents to the loader too, or the loader could neither evict nor replace them."""
+    _own(fd, Owner(0, 0))
     for child, child_owner in ((CACHE_SUBPATH, owner), (RUNTIME_SUBPATH, Owner(0, 0))):
         child_fd = _directory(fd, child, where, create=True)
         try:
-            _own(child_fd, f"{where}/{child}", child_owner)
+            if _own(child_fd, child_owner) and child == CACHE_SUBPATH:
+                _give_contents(child_fd, f"{where}/{child}", child_owner)
         finally:
             os.close(child_fd)
+
+
+def _give_contents(fd: int, where: str, owner: Owner) -> None:
+    """chown everything below the directory `fd` to `owner`, never through a link: `os.fwalk`
+    does not descend into symlinks and checks each directory it opens is the one it listed, and
+    each chown is an lchown. A file with more than one link is skipped (a hard link could be a
+    file outside the cache, which must not change hands), and so is a symlink."""
+    def unreadable(exc: OSError) -> None:
+        logger.warning("%s: %s not given to %d:%d: %s", where, exc.filename, owner.uid,
+                       owner.gid, exc.strerror)
+
+    for _, dirnames, filenames, dir_fd in os.fwalk(".", dir_fd=fd, follow_symlinks=False,
+                                                   onerror=unreadable):
+        for name in (*dirnames, *filenames):
+            info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISLNK(info.st_mode) or (
+                    not stat.S_ISDIR(info.st_mode) and info.st_nlink > 1):
+                logger.warning("%s: %s left to uid %d (a link)", where, name, info.st_uid)
+                continue
+            os.chown(name, owner.uid, owner.gid, dir_fd=dir_fd, follow_symlinks=False)
 
 
 def _directory(parent: int, name: str, where: str, *, create: bool) -> int:
@@ -185,9 +212,11 @@ def _directory(parent: int, name: str, where: str, *, create: bool) -> int:
         raise _refused(f"{where}/{name}", exc) from exc
 
 
-def _own(fd: int, where: str, owner: Owner) -> None:
-    """Give the directory `fd` to `owner` with `DIRECTORY_MODE`, changing only what differs."""
+def _own(fd: int, owner: Owner) -> bool:
+    """Give the directory `fd` to `owner` with `DIRECTORY_MODE`, changing only what differs;
+    whether its owner changed."""
     info = os.fstat(fd)
+    changed = (info.st_uid, info.st_gid) != (owner.uid, owner.gid)
     if stat.S_IMODE(info.st_mode) != DIRECTORY_MODE:
         if (info.st_uid, info.st_gid) != (0, 0):
             os.fchown(fd, 0, 0)  # back to the agent first: fchmod needs the owner (or FOWNER)
@@ -195,6 +224,7 @@ def _own(fd: int, where: str, owner: Owner) -> None:
         os.fchmod(fd, DIRECTORY_MODE)
     if (info.st_uid, info.st_gid) != (owner.uid, owner.gid):
         os.fchown(fd, owner.uid, owner.gid)
+    return changed
 
 
 def _refused(path: str, exc: OSError) -> NodeDirectoryError:

@@ -73,6 +73,28 @@ def test_prepare_repairs_a_root_owned_directory_of_an_older_operator(tmp_path: P
     assert sorted(os.listdir(tmp_path / "namespaces")) == ["team-a", "team-b"]
 
 
+def test_a_cache_that_changes_hands_gives_its_contents_but_no_link_target(
+        tmp_path: Path) -> None:
+    """Entries a root loader wrote before the upgrade become the loader's (it must evict and
+    replace them); a symlink and a hard link below `cache/` are left, and so are their targets."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    cache = root / "namespaces" / "team-a" / "cache"
+    entry = cache / "v1" / "entries" / "e1"
+    entry.mkdir(parents=True)
+    (entry / "w.bin").write_bytes(b"w")
+    (entry / "w.bin").chmod(0o444)
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"s")
+    (cache / "v1" / "link").symlink_to(outside, target_is_directory=True)
+    os.link(outside / "secret", cache / "v1" / "hard")
+    assert prepare(str(root), "team-a", LOADER) is False
+    for path in (cache / "v1", cache / "v1" / "entries", entry, entry / "w.bin"):
+        assert (os.lstat(path).st_uid, os.lstat(path).st_gid) == (65532, 65532), path
+    for path in (outside, outside / "secret", cache / "v1" / "link"):
+        assert os.lstat(path).st_uid == 0, path
+    assert stat.S_IMODE(os.lstat(entry / "w.bin").st_mode) == 0o444
+
+
 @pytest.mark.parametrize("planted", ["namespaces", "namespaces/team-a",
                                      "namespaces/team-a/cache"])
 def test_a_planted_symlink_is_refused_never_followed(tmp_path: Path, planted: str) -> None:
