@@ -107,6 +107,7 @@ def prepare(root: str, namespace: str, owner: Owner) -> bool:
         try:
             parent = _directory(root_fd, NAMESPACES, root, create=True)
             try:
+                _own(parent, Owner(0, 0))
                 return _prepare_in(parent, namespace, f"{root}/{NAMESPACES}", owner)
             finally:
                 os.close(parent)
