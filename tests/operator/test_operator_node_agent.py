@@ -1,7 +1,8 @@
 """The node agent: it prepares a namespace's node-cache directory (root's tree, `cache/` the
 loader's non-root user's, mode 0755) before the kubelet may mount it, idempotently, from the
 PersistentVolume's own spec alone, never following a symlink; and, run against the API emulator,
-it prepares the directories of its own node's volumes of the node-cache provisioner only.
+it prepares the directories of its own node's volumes of the node-cache provisioner only, and
+with the operator, end to end, the directory a DOD pod's claim gets.
 Tests run as root here, so chown works as it does in the agent's container (uid 0, CAP_CHOWN)."""
 
 from __future__ import annotations
@@ -16,15 +17,27 @@ import kmock
 import pytest
 from kopf.testing import KopfRunner
 
+from dlo_operator import handlers
+from dlo_operator.installation import InstallationConfig
 from dlo_operator.node_agent import NodeAgentConfig, build_registry, prepare_volume
 from dlo_operator.node_cache import (
     NODE_ANNOTATION,
+    SELECTED_NODE,
     Claim,
     NodeCacheConfig,
     build_persistent_volume,
 )
 from dlo_operator.node_directories import NodeDirectoryError, Owner, namespace_of, prepare
-from support.operator_harness import TEST_USER_AGENT, ClusterEmulator, eventually, request
+from support.operator_harness import (
+    DOD_PATH,
+    NAMESPACE,
+    TEST_USER_AGENT,
+    ClusterEmulator,
+    Operator,
+    eventually,
+    live,
+    request,
+)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
 
@@ -183,3 +196,47 @@ async def test_the_agent_prepares_its_nodes_volumes_against_the_api(
     granted = {(plural, verb) for plural, granted in AGENT_RULES.items() for verb in granted}
     assert {("persistentvolumes", "list"), ("persistentvolumes", "watch")} <= requested
     assert requested <= granted, requested
+
+
+async def test_a_pods_claim_gets_a_prepared_directory_from_the_operator_and_the_agent(
+        cluster: ClusterEmulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """End to end in the emulator: a DOD's pod claim on gpu-0 (the test plays the
+    ephemeral-volume controller and the scheduler), the operator's volume of type `Directory`,
+    and gpu-0's agent making that directory, `cache/` the loader's, before a kubelet could
+    mount it. The operator's node-cache root is the test's directory (kopf's CLI takes no memo)."""
+    monkeypatch.setattr(handlers, "InstallationConfig",
+                        lambda: InstallationConfig(node_cache_root=str(tmp_path)))
+    await request(cluster, "POST", "/api/v1/nodes", {
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": "gpu-0", "labels": {"kubernetes.io/hostname": "gpu-0"}}})
+    operator = Operator()
+    await operator.start()
+    agent = KopfRunner(["run", "-A", "--standalone"], timeout=30, registry=build_registry(
+        NodeAgentConfig(node="gpu-0", root=str(tmp_path), owner=LOADER)))
+    await asyncio.to_thread(agent.__enter__)
+    cache = tmp_path / "namespaces" / NAMESPACE / "cache"
+    try:
+        await request(cluster, "POST", DOD_PATH, {
+            "apiVersion": "dlo.dev/v1alpha1", "kind": "DiffusionOffloadDeployment",
+            "metadata": {"name": "flux", "namespace": NAMESPACE},
+            "spec": {"model": {"source": "s3://models/flux/"},
+                     "inference": {"image": "server:1"}}})
+        sts = await eventually(lambda: live(cluster, "apps/v1/statefulsets", "flux"))
+        [template] = [v["ephemeral"]["volumeClaimTemplate"]["spec"]
+                      for v in sts["spec"]["template"]["spec"]["volumes"] if "ephemeral" in v]
+        path = f"/api/v1/namespaces/{NAMESPACE}/persistentvolumeclaims"
+        await request(cluster, "POST", path, {
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "flux-0-node-cache", "namespace": NAMESPACE},
+            "spec": template})
+        await request(cluster, "PATCH", f"{path}/flux-0-node-cache", {
+            "metadata": {"annotations": {SELECTED_NODE: "gpu-0"}}})
+        await eventually(lambda: cache.is_dir() and owner_and_mode(cache))
+    finally:
+        await asyncio.to_thread(agent.__exit__, None, None, None)
+        await operator.stop()
+    assert owner_and_mode(cache) == (65532, 65532, 0o755)
+    [pv] = [obj.raw for (resource, _, _), obj in list(cluster.objects.items())
+            if resource == kmock.resource("v1/persistentvolumes") and not obj.deleted]
+    assert pv["spec"]["hostPath"] == {"path": f"{tmp_path}/namespaces/{NAMESPACE}",
+                                      "type": "Directory"}
