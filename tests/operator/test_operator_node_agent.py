@@ -17,6 +17,7 @@ import kmock
 import pytest
 from kopf.testing import KopfRunner
 
+from dlo_cli.main import main
 from dlo_operator import handlers
 from dlo_operator.installation import InstallationConfig
 from dlo_operator.node_agent import NodeAgentConfig, build_registry, prepare_volume
@@ -240,3 +241,15 @@ async def test_a_pods_claim_gets_a_prepared_directory_from_the_operator_and_the_
             if resource == kmock.resource("v1/persistentvolumes") and not obj.deleted]
     assert pv["spec"]["hostPath"] == {"path": f"{tmp_path}/namespaces/{NAMESPACE}",
                                       "type": "Directory"}
+
+
+@pytest.mark.parametrize("command", [["node-agent", "run", "--node-name=gpu-0"],
+                                     ["operator", "run", "-A"], ["render", "x.yaml"]])
+def test_root_as_the_loaders_user_is_refused_by_every_command(
+        command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([*command, "--node-cache-uid=0"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "argument --node-cache-uid: '0' is not a non-root user or group id; pass a whole number "
+        "from 1 to 2147483647 (the loader runs as non-root: Pod Security restricted)")
