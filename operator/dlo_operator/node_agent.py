@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dlo_contract.deployment import DEFAULT_LOADER_UID
 from dlo_operator.errors import OperatorError
 from dlo_operator.installation import add_owner_flags, node_cache_root
 from dlo_operator.node_cache import DEFAULT_NODE_CACHE_ROOT, LABEL_NODE_CACHE, NODE_ANNOTATION
@@ -50,7 +51,7 @@ class NodeAgentConfig:
     """This node's name (the DaemonSet passes `spec.nodeName` through the downward API)."""
     root: str = DEFAULT_NODE_CACHE_ROOT
     """The node directory holding `namespaces/<namespace>` (chart `nodeCache.hostPath`)."""
-    owner: Owner = Owner(65532, 65532)
+    owner: Owner = Owner(DEFAULT_LOADER_UID, DEFAULT_LOADER_UID)
     """The loader's UID/GID, owner of each `cache/` (chart `nodeCache.uid`, `nodeCache.gid`)."""
 
 

@@ -234,7 +234,7 @@ def _refused(path: str, exc: OSError) -> NodeDirectoryError:
             f"{path} is not a directory (a symlink or a file): refused, the node agent never "
             "follows a link below the node cache's root",
             hint=f"remove {path} on the node (nothing but the agent creates it), and the agent "
-                 "prepares it at the volume's next event")
+                 "prepares it at the volume's next event or its own restart")
     return NodeDirectoryError(f"cannot open {path}: {exc.strerror}",
                               hint="check that the agent's hostPath volume is the chart's "
                                    "nodeCache.hostPath and that it runs with CAP_CHOWN")

@@ -125,7 +125,7 @@ def test_a_planted_symlink_is_refused_never_followed(tmp_path: Path, planted: st
         "follows a link below the node cache's root")
     assert refused.value.hint == (
         f"remove {link} on the node (nothing but the agent creates it), and the agent "
-        "prepares it at the volume's next event")
+        "prepares it at the volume's next event or its own restart")
     assert {path: owner_and_mode(path) for path in before} == before
     assert sorted(os.listdir(elsewhere)) == ["cache"]
 
