@@ -55,6 +55,9 @@ class Standing(str, enum.Enum):
     """The publication's tmp dir: the member writes the entry and publishes it."""
     FAILED = "failed"
     """Taking it failed: every member stops."""
+    LEFT = "left"
+    """It gave up waiting for the group (its rendezvous timed out) before the last member
+    joined: every member applies the rendezvous policy (fail, or fill alone)."""
 
 
 class WaitKind(str, enum.Enum):
@@ -134,12 +137,13 @@ def claim_in_group(context: ClaimContext, held: contextlib.ExitStack, *, rank: i
             rendezvous = transport.join(
                 master_addr=master_addr, master_port=master_port, rank=rank,
                 world_size=world_size, node_key=key, timeout_s=loader.rendezvous_timeout_s,
-                listening=listening, names=context.names)
+                listening=listening, names=context.names,
+                leaving=("claim", _record(Standing.LEFT, "its rendezvous timed out")))
     except RendezvousTimeout as exc:
-        if loader.on_rendezvous_timeout == "fail":
-            raise
-        log.warning("%s; falling back to independent mode: this loader reads every byte", exc)
-        return claim_alone(context, held, "independent")
+        # Rank 0's store stays up while this fill runs on alone: a member that joined after
+        # this one gave up reads there that it left, instead of waiting for its claim.
+        held.callback(_keep, listening)
+        return _fall_back(context, held, exc, None)
     finally:
         context.waits.add(WaitKind.GROUP, time.monotonic() - started)
     held.callback(rendezvous.close)
@@ -149,13 +153,18 @@ def claim_in_group(context: ClaimContext, held: contextlib.ExitStack, *, rank: i
         if position > 0:
             _wait_for_turn(context, rendezvous, order[position - 1])
         publication = _take(context, held)
+    except RendezvousTimeout as exc:  # a member before this one left: the ones after follow
+        rendezvous.post("claim", _record(Standing.LEFT, str(exc)))
+        return _fall_back(context, held, exc, None)
     except BaseException as exc:  # the members after this one must not wait for it
-        rendezvous.post("claim", json.dumps({"standing": Standing.FAILED.value,
-                                             "error": str(exc)}))
+        rendezvous.post("claim", _record(Standing.FAILED, str(exc)))
         raise
     standing = Standing.FILLS if publication.existing is None else Standing.HOLDS
-    rendezvous.post("claim", json.dumps({"standing": standing.value}))
-    claims = _claims(rendezvous, list(range(world_size)), context.deadline)
+    rendezvous.post("claim", _record(standing))
+    try:
+        claims = _claims(rendezvous, list(range(world_size)), context.deadline)
+    except RendezvousTimeout as exc:
+        return _fall_back(context, held, exc, publication)
     holders = tuple(r for r, claim in enumerate(claims) if claim["standing"] == Standing.HOLDS)
     log.info("every node of the group took its publication of entry %s; holding it already: "
              "%s", context.entry_id, ", ".join(f"rank {r}" for r in holders) or "none")
@@ -198,13 +207,39 @@ def _wait_for_turn(context: ClaimContext, rendezvous: Rendezvous, before: int) -
 
 
 def _claims(rendezvous: Rendezvous, ranks: list[int], deadline: float) -> list[dict[str, str]]:
-    """The claims `ranks` posted; a failed one fails this loader too."""
+    """The claims `ranks` posted; a failed one fails this loader too, and one that left raises
+    `RendezvousTimeout` (the caller applies the policy)."""
     posted = [json.loads(text) for text in rendezvous.wait_posted("claim", ranks, deadline)]
     for rank, claim in zip(ranks, posted):
         if claim["standing"] == Standing.FAILED:
             raise GroupError(f"loader rank {rank} failed: {claim['error']}",
                              hint=f"see the log of rank {rank}; nothing was published")
+        if claim["standing"] == Standing.LEFT:
+            raise RendezvousTimeout(
+                f"loader rank {rank} left the group at {rendezvous.where} before it formed: "
+                f"{claim['error']}",
+                hint="start every loader of the group within the rendezvous timeout")
     return posted
+
+
+def _fall_back(context: ClaimContext, held: contextlib.ExitStack, exc: RendezvousTimeout,
+               publication: Publication | None) -> Claim:
+    """The rendezvous policy: fail, or fill alone (with this node's publication, if taken)."""
+    if context.settings.loader.on_rendezvous_timeout == "fail":
+        raise exc
+    log.warning("%s; falling back to independent mode: this loader reads every byte", exc)
+    if publication is None:
+        return claim_alone(context, held, "independent")
+    return Claim(publication=publication, mode="independent")
+
+
+def _keep(store: Any) -> None:
+    """Called as the fill ends, holding `store` until then."""
+
+
+def _record(standing: Standing, error: str = "") -> str:
+    """A member's claim as the group's store carries it."""
+    return json.dumps({"standing": standing.value, "error": error})
 
 
 def _node_order(keys: list[str], root: CacheRoot) -> list[int]:

@@ -16,6 +16,7 @@ Called by `fill` and `exchange`. Must not read the object store or write the cac
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import time
@@ -192,14 +193,17 @@ class Rendezvous:
 def join(
     *, master_addr: str, master_port: int, rank: int, world_size: int, node_key: str,
     timeout_s: float, listening: dist.TCPStore | None = None, names: Names = document_names,
+    leaving: tuple[str, str] | None = None,
 ) -> Rendezvous:
     """Join the group's store with this loader's `node_key` and wait until all `world_size`
     loaders have, or raise `RendezvousTimeout` when they do not in `timeout_s` seconds (or the
     master cannot be reached); `listening`: rank 0's store from `listen`, else it is made here;
-    `names` spells the settings in the error. Waits holding nothing (see [Note: node order] in
-    `claim`)."""
+    `names` spells the settings in the error; `leaving`: a (topic, value) this loader posts as
+    it gives up, for members that joined after it stopped waiting and now wait for its post.
+    Waits holding nothing (see [Note: node order] in `claim`)."""
     deadline = time.monotonic() + timeout_s
     where = f"{master_addr}:{master_port}"
+    store = listening
     try:
         store = listening if listening is not None else _store(
             master_addr, master_port, world_size, is_master=rank == 0, timeout_s=timeout_s)
@@ -210,6 +214,9 @@ def join(
         remaining = max(deadline - time.monotonic(), 0.001)
         store.wait([_ALL_JOINED_KEY], datetime.timedelta(seconds=remaining))
     except (RuntimeError, dist.DistError, OSError) as exc:
+        if store is not None and leaving is not None:
+            with contextlib.suppress(RuntimeError, dist.DistError, OSError):
+                store.set(f"dlo/{leaving[0]}/{rank}", leaving[1])
         raise RendezvousTimeout(
             f"rendezvous of {world_size} loaders at {where} did not complete within "
             f"{timeout_s:g} s: {_first_line(exc)}",
