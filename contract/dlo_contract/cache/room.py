@@ -66,7 +66,8 @@ class Shortfall:
     others: tuple[FillInProgress, ...]
     free: int
     waiting_helps: bool
-    """It would fit without the publications in progress."""
+    """It would fit once the publications in progress are done and the entries that are not in
+    use may go."""
 
 
 def reserve(root: RootLike, entry_id: str, nonce_name: str, incoming_bytes: int,
@@ -138,10 +139,26 @@ def _decide(cache: CacheRoot, entry_id: str, incoming: int,
                            others)
     if fits:
         return removed, None
-    alone = not over_limits(cache, total, limits.max_bytes, limits.min_free_bytes, incoming)
-    return removed, Shortfall(entries_bytes=total, in_use=tuple(i for i in infos if i.in_use),
-                              others=others, free=free_bytes(cache.entries),
-                              waiting_helps=alone and bool(others))
+    in_use = tuple(i for i in infos if i.in_use)
+    held = sum(info.bytes for info in in_use)
+    # Unused entries that stayed (being published or joined now) may go later, if this
+    # publication evicts; one that does not can count only on the publications in progress.
+    movable = total - held if limits.evict else 0
+    free = free_bytes(cache.entries)
+    return removed, Shortfall(entries_bytes=total, in_use=in_use, others=others, free=free,
+                              waiting_helps=bool(others or movable) and _fits_later(
+                                  total - movable, movable, free, incoming, limits))
+
+
+def _fits_later(held: int, movable: int, free: int, incoming: int, limits: RoomLimits) -> bool:
+    """Whether the entry would fit once the publications in progress are done and the entries
+    that may go (`movable`: unused, but being published or joined right now) have gone: the
+    others (`held`: in use, or not for this publication to evict) stay."""
+    if limits.max_bytes > 0 and held + incoming > limits.max_bytes:
+        return False
+    if limits.min_free_bytes <= 0 and incoming <= 0:
+        return True
+    return free + movable - incoming >= limits.min_free_bytes
 
 
 def _refuse_oversized(cache: CacheRoot, entry_id: str, incoming: int, limits: RoomLimits,

@@ -112,3 +112,39 @@ def test_a_killed_publishers_reservation_is_reclaimed(
         assert pub.waited_room_s == 0.0
         assert [fill.pid for fill in in_progress(root)] == [os.getpid()]
     assert sorted(os.listdir(root.reservations)) == [".lock"]
+
+
+def test_a_publication_that_just_committed_is_waited_for_not_counted_twice(
+        root: CacheRoot) -> None:
+    """Between its commit and its end, a publication's entry is there and its reservation too
+    (and its `.publish` keeps the entry from eviction): a publication deciding then waits for
+    it to end, then evicts the entry nobody uses; it must not fail as if both were in use."""
+    limits = RoomLimits(max_bytes=SIZE * 3 // 2, evict=True, timeout_s=60)
+    outcome: dict[str, object] = {}
+
+    def second() -> None:
+        try:
+            with begin_publication(root, SECOND, expected_bytes=SIZE, lock_timeout_s=60,
+                                   room=limits) as pub:
+                assert pub.tmp_dir is not None
+                (pub.tmp_dir / "w.bin").write_bytes(b"s" * SIZE)
+                pub.commit("runtime", identity_for("second"), [FileRecord("w.bin", SIZE)])
+        except Exception as exc:  # reported by the assertion below
+            outcome["error"] = exc
+
+    with begin_publication(root, FIRST, expected_bytes=SIZE, lock_timeout_s=5,
+                           room=limits) as first:
+        assert first.tmp_dir is not None
+        (first.tmp_dir / "w.bin").write_bytes(b"f" * SIZE)
+        first.commit("runtime", identity_for("first"), [FileRecord("w.bin", SIZE)])
+        watch = OpenWatch(root.room_lock)
+        waiting = threading.Thread(target=second)
+        waiting.start()
+        watch.wait()  # the second decides while the first's entry and reservation are both here
+        watch.close()
+        again = OpenWatch(root.room_lock)
+        again.wait()  # and decides again: it waits
+        again.close()
+    waiting.join(60)
+    assert "error" not in outcome, outcome.get("error")
+    assert [info.entry_id for info in list_entries(root)] == [SECOND]
