@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dlo_contract.documents import DocumentError, FillSummary
 from dlo_contract.names import LOADER_SUMMARY_PATH
+from dlo_contract.units import human_bytes
 from dlo_operator import metrics
 from dlo_operator.naming import ANNOTATION_FILL_SUMMARY, LOADER_CONTAINER
 
@@ -32,7 +33,6 @@ log = logging.getLogger(__name__)
 READ_TIMEOUT_S = 2.0
 INTERVAL_S = 5.0
 """How often the operator reads the running loaders (the PROGRESS column's refresh)."""
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,7 +167,7 @@ def _summary(readings: Sequence[LoaderReading]) -> str:
     total = sum(r.bytes_total for r in readings)
     rate = sum(r.bytes_per_second for r in readings)
     share = f"{100 * done / total:.0f}% " if total else ""
-    line = f"{share}{_human(done)}/{_human(total)}, {_human(rate)}/s"
+    line = f"{share}{human_bytes(done)}/{human_bytes(total)}, {human_bytes(rate)}/s"
     stalled = sum(r.stalled for r in readings)
     if stalled:
         return f"{line}, stalled ({stalled} of {len(readings)} loaders)"
@@ -176,11 +176,3 @@ def _summary(readings: Sequence[LoaderReading]) -> str:
         return f"{line}, ETA {max(e for e in etas if e is not None)} s"
     return line
 
-
-def _human(count: float) -> str:
-    value, unit = float(count), _UNITS[0]
-    for larger in _UNITS[1:]:
-        if abs(value) < 1024:
-            break
-        value, unit = value / 1024, larger
-    return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
