@@ -10,6 +10,7 @@ import contextlib
 import errno
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
@@ -53,26 +54,20 @@ def free_bytes(path: Path) -> int:
 
 def tree_bytes(path: Path) -> int:
     """Apparent size of the regular files under `path` (0 when it is gone)."""
-    total = 0
-    for dirpath, _, filenames in os.walk(path):
-        for name in filenames:
-            try:
-                info = os.lstat(os.path.join(dirpath, name))
-            except FileNotFoundError:
-                continue
-            total += info.st_size
-    return total
+    return sum(info.st_size for info in _file_stats(path))
 
 
 def allocated_bytes(path: Path) -> int:
     """Disk space the regular files under `path` take now (their allocated blocks: a file
     preallocated at its full size counts in full, a sparse one only where written)."""
-    total = 0
+    return sum(info.st_blocks * 512 for info in _file_stats(path))
+
+
+def _file_stats(path: Path) -> Iterator[os.stat_result]:
+    """`lstat` of every file under `path`, skipping those removed while the walk runs."""
     for dirpath, _, filenames in os.walk(path):
         for name in filenames:
             try:
-                info = os.lstat(os.path.join(dirpath, name))
+                yield os.lstat(os.path.join(dirpath, name))
             except FileNotFoundError:
                 continue
-            total += info.st_blocks * 512
-    return total
