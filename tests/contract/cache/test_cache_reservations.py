@@ -53,24 +53,13 @@ def test_a_publication_waits_for_the_one_in_progress_and_takes_the_room_it_leave
         root: CacheRoot) -> None:
     limits = RoomLimits(max_bytes=SIZE * 3 // 2, evict=True, timeout_s=60)
     outcome: dict[str, object] = {}
-
-    def second() -> None:
-        try:
-            with begin_publication(root, SECOND, expected_bytes=SIZE, lock_timeout_s=60,
-                                   room=limits) as pub:
-                assert pub.tmp_dir is not None
-                (pub.tmp_dir / "w.bin").write_bytes(b"s" * SIZE)
-                pub.commit("runtime", identity_for("second"), [FileRecord("w.bin", SIZE)])
-                outcome["waited"] = pub.waited_room_s
-        except Exception as exc:  # reported by the assertion below
-            outcome["error"] = exc
+    second = threading.Thread(target=_publish_second, args=(root, limits, outcome))
 
     first = begin_publication(root, FIRST, expected_bytes=SIZE, lock_timeout_s=5, room=limits)
     first.__enter__()
     try:
         watch = OpenWatch(root.room_lock)
-        waiting = threading.Thread(target=second)
-        waiting.start()
+        second.start()
         watch.wait()  # the second publication takes the room lock to decide
         watch.close()
         again = OpenWatch(root.room_lock)  # sees only later decisions
@@ -78,7 +67,7 @@ def test_a_publication_waits_for_the_one_in_progress_and_takes_the_room_it_leave
         again.close()
     finally:
         first.__exit__(None, None, None)  # the first gives up: its reservation goes
-    waiting.join(60)
+    second.join(60)
     assert "error" not in outcome, outcome.get("error")
     assert isinstance(outcome["waited"], float) and outcome["waited"] > 0
     assert [info.entry_id for info in list_entries(root)] == [SECOND]
@@ -121,16 +110,7 @@ def test_a_publication_that_just_committed_is_waited_for_not_counted_twice(
     it to end, then evicts the entry nobody uses; it must not fail as if both were in use."""
     limits = RoomLimits(max_bytes=SIZE * 3 // 2, evict=True, timeout_s=60)
     outcome: dict[str, object] = {}
-
-    def second() -> None:
-        try:
-            with begin_publication(root, SECOND, expected_bytes=SIZE, lock_timeout_s=60,
-                                   room=limits) as pub:
-                assert pub.tmp_dir is not None
-                (pub.tmp_dir / "w.bin").write_bytes(b"s" * SIZE)
-                pub.commit("runtime", identity_for("second"), [FileRecord("w.bin", SIZE)])
-        except Exception as exc:  # reported by the assertion below
-            outcome["error"] = exc
+    second = threading.Thread(target=_publish_second, args=(root, limits, outcome))
 
     with begin_publication(root, FIRST, expected_bytes=SIZE, lock_timeout_s=5,
                            room=limits) as first:
@@ -138,13 +118,26 @@ def test_a_publication_that_just_committed_is_waited_for_not_counted_twice(
         (first.tmp_dir / "w.bin").write_bytes(b"f" * SIZE)
         first.commit("runtime", identity_for("first"), [FileRecord("w.bin", SIZE)])
         watch = OpenWatch(root.room_lock)
-        waiting = threading.Thread(target=second)
-        waiting.start()
+        second.start()
         watch.wait()  # the second decides while the first's entry and reservation are both here
         watch.close()
         again = OpenWatch(root.room_lock)
         again.wait()  # and decides again: it waits
         again.close()
-    waiting.join(60)
+    second.join(60)
     assert "error" not in outcome, outcome.get("error")
     assert [info.entry_id for info in list_entries(root)] == [SECOND]
+
+
+def _publish_second(root: CacheRoot, limits: RoomLimits, outcome: dict[str, object]) -> None:
+    """Publish SECOND (waiting up to 60 s for room), recording how long it waited for room, or
+    the error, in `outcome` (a thread's exception would otherwise be lost)."""
+    try:
+        with begin_publication(root, SECOND, expected_bytes=SIZE, lock_timeout_s=60,
+                               room=limits) as pub:
+            assert pub.tmp_dir is not None
+            (pub.tmp_dir / "w.bin").write_bytes(b"s" * SIZE)
+            pub.commit("runtime", identity_for("second"), [FileRecord("w.bin", SIZE)])
+            outcome["waited"] = pub.waited_room_s
+    except Exception as exc:  # reported by the caller's assertion
+        outcome["error"] = exc
