@@ -221,8 +221,9 @@ class MappedSource:
         self.copied = [[not aligned(view, streams.align_bytes) for view in block]
                        for block in self.views]
         """`copied[block][entry]`: the view is copied into the slot at each load."""
-        self.slot_views: list[list[list[torch.Tensor]]] = []
-        """`slot_views[slot][block]`: the tensors a block's entries point at in that slot."""
+        self._copies: list[list[list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        """`_copies[slot][block]`: (place in the slot, view) of each view a load copies, made
+        once by `bind` so that a load walks only those."""
 
     def slot_sizes(self) -> dict[torch.dtype, int]:
         """Elements per dtype a slot needs: none unless some block has a view to copy."""
@@ -231,16 +232,21 @@ class MappedSource:
 
     def bind(self, slots: Sequence[DeviceSlot]) -> list[list[list[torch.Tensor]]]:
         """Per slot and block, the view itself where it is used in place, else its place in
-        the slot; kept for `load`."""
-        self.slot_views = []
+        the slot; the pairs to copy are kept for `load`."""
+        slot_views = []
+        self._copies = []
         for slot in slots:
             per_block = []
+            copies = []
             for layout, block, copied in zip(self.layouts, self.views, self.copied):
                 places = views(layout, slot.flats) if any(copied) else block
                 per_block.append([place if copy else view
                                   for view, place, copy in zip(block, places, copied)])
-            self.slot_views.append(per_block)
-        return self.slot_views
+                copies.append([(place, view)
+                               for view, place, copy in zip(block, places, copied) if copy])
+            slot_views.append(per_block)
+            self._copies.append(copies)
+        return slot_views
 
     def copied_bytes(self) -> list[int]:
         """Per block, the bytes one load copies (the views off alignment)."""
@@ -253,10 +259,8 @@ class MappedSource:
     def load(self, index: int, slot: DeviceSlot) -> None:
         with self.streams.on(self.streams.copy):
             _wait_reusable(self.streams, slot)
-            for target, view, copy in zip(self.slot_views[slot.index][index], self.views[index],
-                                          self.copied[index]):
-                if copy:
-                    target.copy_(view)
+            for target, view in self._copies[slot.index][index]:
+                target.copy_(view)
             # ready: recorded so the slot's bookkeeping is the same as a copy's.
             slot.ready.record(self.streams.copy)
 
