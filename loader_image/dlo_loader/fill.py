@@ -191,7 +191,10 @@ class _Fill:
             total_bytes=total,
             deadline=self.deadline, names=self.names, progress=self.progress,
             emit=self.request.emit or log.info, waits=self.waits,
-            prepare=lambda: self._make_room(eid, total))
+            # Evicts within the node's limits, then checks this deployment's own (`room`); the
+            # cache logs what it evicted.
+            prepare=lambda: make_room_within(self.root, eid, incoming_bytes=total,
+                                             cache=self.cache, names=self.names))
         request = self.request
         if not self._in_group():
             return claim_alone(context, held, self.loader.mode)
@@ -245,16 +248,6 @@ class _Fill:
         """A loader placed in a group joins it even when its node holds the entry (it serves
         its ranges from disk), so the other members never wait out the rendezvous for it."""
         return self.request.world_size > 1 and self.loader.mode != "independent"
-
-    def _make_room(self, eid: str, incoming: int) -> None:
-        """Evict unused entries, least recently used first, until this one fits within the
-        node's limits (the platform's, under the operator), then check this deployment's own
-        asks, which evict nothing (`room`); the error names the entries in use."""
-        removed = make_room_within(self.root, eid, incoming_bytes=incoming, cache=self.cache,
-                                   names=self.names)
-        if removed:
-            log.info("evicted %d unused cache entries to make room for %s: %s", len(removed),
-                     human_bytes(incoming), ", ".join(removed))
 
     def _result(self, eid: str, path: Path, mode: str, *, cached: bool,
                 waited: bool = True) -> FillResult:
