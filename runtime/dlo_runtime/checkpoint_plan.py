@@ -52,19 +52,18 @@ class Preflight:
 def settings_reason(settings: Settings, names: Names) -> str | None:
     """Topology, quantization and runtime-cache reasons that rule out a checkpoint plan of the
     validated `settings`, naming the settings through `names` (as the user wrote them)."""
-    name = names
     if settings.parallel.tp > 1:
-        return (f"tensor parallelism is on ({name('parallel.tp')}={settings.parallel.tp}); each "
+        return (f"tensor parallelism is on ({names('parallel.tp')}={settings.parallel.tp}); each "
                 "rank holds a slice, not the stored tensors")
     if settings.parallel.hsdp:
-        return f"HSDP is on ({name('parallel.hsdp')}=true); it owns parameter sharding"
+        return f"HSDP is on ({names('parallel.hsdp')}=true); it owns parameter sharding"
     if settings.quantization != "none":
-        return (f"online quantization is on ({name('quantization')}={settings.quantization!r}); "
+        return (f"online quantization is on ({names('quantization')}={settings.quantization!r}); "
                 "the runtime tensors differ from the stored ones")
     offload = settings.offload
     # Validated: a pin limit needs the runtime cache, which needs rank-local blocks.
     if offload.runtime_cache_pin_limit_gib > 0:
-        return (f"{name('offload.runtime_cache_pin_limit_gib')}="
+        return (f"{names('offload.runtime_cache_pin_limit_gib')}="
                 f"{offload.runtime_cache_pin_limit_gib:g} selects the runtime cache, whose final "
                 "tensors can be registered")
     return None

@@ -47,7 +47,6 @@ def resolve_placement(settings: Settings, *, names: Names, group: Any = None,
     decision), over `group`, else `groups[kind]`, else the default group when it is exactly the
     group the settings describe. Errors name the settings through `names`."""
     choice = select_group(settings)
-    name = names
     if group is None and groups and choice.kind != "none":
         group = groups.get(choice.kind)
     size = dist.get_world_size(group) if group is not None else 1
@@ -55,9 +54,9 @@ def resolve_placement(settings: Settings, *, names: Names, group: Any = None,
         if group is not None and size > 1 and choice.allgather_asked:
             p = settings.parallel
             raise OffloadError(
-                f"the group passed has {size} ranks, but {name('parallel.dp')}={p.dp} and "
-                f"{name('parallel.sp')}={p.sp} select no DLO group",
-                hint=f"pass no group, or set {name('parallel.dp')} (or {name('parallel.sp')}) "
+                f"the group passed has {size} ranks, but {names('parallel.dp')}={p.dp} and "
+                f"{names('parallel.sp')}={p.sp} select no DLO group",
+                hint=f"pass no group, or set {names('parallel.dp')} (or {names('parallel.sp')}) "
                      "to the group size",
             )
         return RANK_LOCAL
@@ -68,14 +67,14 @@ def resolve_placement(settings: Settings, *, names: Names, group: Any = None,
                 f"{choice.shard_count} ranks for DLO AllGather, but no group was passed and "
                 "the default group is not that group",
                 hint=f"pass the existing group as group=, or set "
-                     f"{name('offload.use_allgather')}=false",
+                     f"{names('offload.use_allgather')}=false",
             )
         group = dist.group.WORLD
         size = dist.get_world_size()
     if size != choice.shard_count:
         raise OffloadError(
-            f"the group passed has {size} ranks, but {name(f'parallel.{choice.kind}')}="
+            f"the group passed has {size} ranks, but {names(f'parallel.{choice.kind}')}="
             f"{choice.shard_count} selects a DLO group of {choice.shard_count}",
-            hint=f"pass the {choice.kind.upper()} group, or fix {name(f'parallel.{choice.kind}')}",
+            hint=f"pass the {choice.kind.upper()} group, or fix {names(f'parallel.{choice.kind}')}",
         )
     return Placement(choice.kind, group, dist.get_rank(group), size)
