@@ -203,17 +203,15 @@ def save_diffusers_layout(
     return target
 
 
-SKEW_ALIGN_BYTES = 64
-"""The boundary `save_skewed_layout` places every tensor off: a fresh CPU allocation's."""
-
-
 def save_skewed_layout(model: nn.Module, directory: str | Path, skew: int) -> Path:
     """Write `model` as `<directory>/transformer/` in diffusers' sharded layout, one tensor per
-    file, each tensor's data `skew` bytes past a 64-byte boundary of its file (the header is
+    file, each tensor's data `skew` bytes past a boundary of its file that
+    `dlo_runtime.layout.ALIGN_BYTES` (64, a fresh CPU allocation's) divides (the header is
     padded with spaces to put it there, as the format allows). Returns the `transformer`
     directory. A checkpoint whose every tensor lies off the alignment compute expects, by
     construction, whatever the tensors' sizes."""
     from dlo_runtime.checkpoint_plan import INDEX_NAME
+    from dlo_runtime.layout import ALIGN_BYTES
     from dlo_runtime.mapping import SAFETENSORS_DTYPES
 
     names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
@@ -224,7 +222,7 @@ def save_skewed_layout(model: nn.Module, directory: str | Path, skew: int) -> Pa
         file = f"part-{index:05d}.safetensors"
         header = json.dumps({name: {"dtype": names[tensor.dtype], "shape": list(tensor.shape),
                                     "data_offsets": [0, tensor.nbytes]}}).encode()
-        header += b" " * ((skew - 8 - len(header)) % SKEW_ALIGN_BYTES)
+        header += b" " * ((skew - 8 - len(header)) % ALIGN_BYTES)
         data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         (target / file).write_bytes(struct.pack("<Q", len(header)) + header + data)
         weight_map[name] = file
