@@ -2,8 +2,8 @@
 
 In order: what the API server would refuse (`crd_verdict`: unknown fields, schema, CEL rules,
 the name), then the settings validator (`spec.parse_spec`), then the platform's choices
-(`installation.InstallationConfig`, the chart's values): the host-path allowlists of the cache
-and of the DOD's own volumes (`host_paths`), the loader images and the node cache's limits
+(`installation.InstallationConfig`, the chart's values): the host-path allowlist of the DOD's own
+volumes (`host_paths`), the loader images and the node cache's limits
 (`platform_limits`), with the pod rules (`pod_rules`). The first stage that refuses ends the
 check, and all its reasons go into one `SpecError`, whose message the operator writes into
 `Valid=False` and an Event and `dlo render` prints, word for word. An admitted spec carries the
@@ -18,12 +18,7 @@ from typing import Any
 
 from dlo_operator.crd_verdict import crd_refusals
 from dlo_operator.errors import SpecError
-from dlo_operator.host_paths import (
-    host_path_problems,
-    host_paths_of,
-    user_mount_paths,
-    user_volume_problems,
-)
+from dlo_operator.host_paths import user_volume_problems
 from dlo_operator.installation import InstallationConfig
 from dlo_operator.naming import KIND
 from dlo_operator.platform_limits import (
@@ -49,11 +44,8 @@ def admit(document: Mapping[str, Any],
                         hint=f"fix the fields named; `kubectl explain {KIND.lower()}.spec` "
                         "describes each")
     spec = parse_spec(judged.get("spec"), default_loader_image=installation.loader_image)
-    problems = host_path_problems(host_paths_of(spec), allowed=installation.allowed_host_paths,
-                                  user_mounts=user_mount_paths(spec))
-    problems += user_volume_problems(spec.volumes,
-                                     allowed=installation.allowed_user_host_paths,
-                                     cache_roots=installation.cache_directories)
+    problems = user_volume_problems(spec.volumes, allowed=installation.allowed_user_host_paths,
+                                    cache_roots=installation.cache_directories)
     problems += loader_image_problems(spec, installation)
     problems += cache_limit_problems(spec.settings, installation)
     problems += pod_problems(spec)

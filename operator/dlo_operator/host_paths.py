@@ -1,12 +1,8 @@
-"""Which node directories a DOD may mount: the installation's allowlist and the pod's own paths.
+"""Which node directories a DOD may mount, and the path comparisons `pod_rules` shares.
 
-The loader writes `cache.hostPath`; the inference container may write
-`offload.runtimeCacheRoot`. Both must be absolute and normalized (the CRD's pattern), lie under
-one of the allowed host paths (the chart's `allowedHostPaths`, the operator's
-`--allowed-host-path`, default `/var/lib/dlo`), and must not overlap the paths the containers
-mount for themselves, where a hostPath would hide the settings, the entry file or a user volume.
-The CRD cannot know the allowlist (an installation choice), so only the operator and
-`dlo render` check it.
+`cache.hostPath` and `offload.runtimeCacheRoot` are paths in the containers, never node
+directories: the node directory is the platform's (`node_cache`), and `pod_rules` keeps the two
+paths off the containers' own mounts (`OWN_MOUNT_PATHS`, `user_mount_paths`).
 
 A DOD's own `spec.volumes` reach the node only where the platform allows: a hostPath must lie
 under the chart's `allowedUserHostPaths` (`--allowed-user-host-path`, default none) and outside
@@ -21,11 +17,11 @@ directory). Paths are compared segment by segment, never as strings
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import PurePosixPath
 from typing import Any
 
-from dlo_contract.names import DEFAULT_CACHE_ROOT, RUN_DIR, SETTINGS_MOUNT
+from dlo_contract.names import RUN_DIR, SETTINGS_MOUNT
 from dlo_operator.naming import LOADER_TMP, SHM_PATH
 from dlo_operator.node_cache import NODE_CACHE_CLASS
 from dlo_operator.spec import DeploymentSpec
@@ -49,46 +45,6 @@ def within(path: str, root: str) -> bool:
 
 def overlaps(a: str, b: str) -> bool:
     return within(a, b) or within(b, a)
-
-
-def host_path_problems(paths: Sequence[tuple[str, str]], *, allowed: Sequence[str],
-                       user_mounts: Iterable[str] = ()) -> list[str]:
-    """One message per problem; `paths` pairs each CR field (as the user writes it) with its
-    value. Two host paths may be equal (one volume) but not nested in each other."""
-    problems: list[str] = []
-    own = [*OWN_MOUNT_PATHS, *user_mounts]
-    for field, path in paths:
-        if not normalized(path):
-            problems.append(
-                f"spec.{field}={path!r} must be an absolute, normalized path "
-                f"(e.g. {DEFAULT_CACHE_ROOT!r})")
-            continue
-        if not any(within(path, root) for root in allowed):
-            problems.append(
-                f"spec.{field}={path!r} is outside the allowed host paths "
-                f"({', '.join(allowed)}); use a directory below one of them, or ask the "
-                "cluster administrator to add it (chart value allowedHostPaths)")
-        clash = next((mount for mount in own if overlaps(path, mount)), None)
-        if clash is not None:
-            problems.append(
-                f"spec.{field}={path!r} overlaps the container mount path {clash!r}; "
-                "choose a directory that neither contains nor lies inside it")
-    checked = [(f, p) for f, p in paths if normalized(p)]
-    for i, (field_a, a) in enumerate(checked):
-        for field_b, b in checked[i + 1:]:
-            if a != b and overlaps(a, b):
-                problems.append(
-                    f"spec.{field_b}={b!r} and spec.{field_a}={a!r} are nested; use the same "
-                    "directory or two separate ones")
-    return problems
-
-
-def host_paths_of(spec: DeploymentSpec) -> list[tuple[str, str]]:
-    """The DOD's host directories, each with its CR field: none. `cache.hostPath` and
-    `offload.runtimeCacheRoot` are paths in the containers; the node directory is the
-    platform's (`node_cache`), and `pod_rules` keeps the two paths off the containers' own."""
-    del spec
-    return []
 
 
 def user_mount_paths(spec: DeploymentSpec) -> list[str]:

@@ -30,7 +30,7 @@ from support.operator_harness import (
 from dlo_cli import main as cli
 from dlo_operator import handlers
 from dlo_operator.errors import SpecError
-from dlo_operator.host_paths import DEFAULT_ALLOWED_HOST_PATHS, host_path_problems, within
+from dlo_operator.host_paths import within
 from dlo_operator.installation import InstallationConfig
 from dlo_operator.naming import SETTINGS_KEY
 from dlo_operator.render import render_document
@@ -178,14 +178,9 @@ def test_an_allowed_user_host_path_is_rendered_and_may_not_reach_the_node_cache(
 
 def test_host_paths_are_compared_as_paths_not_strings() -> None:
     """`/var/lib/dlo-evil` shares a string prefix with `/var/lib/dlo` but lies outside it: the
-    cache's allowlist (`allowedHostPaths`) and the DODs' own (`allowedUserHostPaths`)."""
+    DODs' own allowlist (`allowedUserHostPaths`)."""
     assert within("/var/lib/dlo/cache", "/var/lib/dlo") and within("/var/lib/dlo", "/var/lib/dlo")
     assert not within("/var/lib/dlo-evil", "/var/lib/dlo")
-    assert host_path_problems([("cache.hostPath", "/var/lib/dlo-evil")],
-                              allowed=DEFAULT_ALLOWED_HOST_PATHS) == [
-        "spec.cache.hostPath='/var/lib/dlo-evil' is outside the allowed host paths "
-        "(/var/lib/dlo); use a directory below one of them, or ask the cluster administrator to "
-        "add it (chart value allowedHostPaths)"]
     assert refusal({"volumes": [{"name": "d", "hostPath": {"path": "/mnt/datasets-evil"}}]}) == (
         "spec.volumes[0].hostPath.path='/mnt/datasets-evil' is not under a node directory the "
         "platform lets DODs mount (chart value allowedUserHostPaths; allowed: /mnt/datasets); use "
