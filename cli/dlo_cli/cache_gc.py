@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 
 from dlo_cli.cache_common import add_root_argument, resolve_root, settings_cache_config
-from dlo_contract.cache.evict import evict, limits_hold, list_entries, remove_entry
+from dlo_contract.cache.evict import evict, list_entries, over_limits, remove_entry
 from dlo_contract.cache.layout import CacheRoot, is_entry_id
 from dlo_contract.cache.fsutil import free_bytes
 
@@ -71,12 +71,12 @@ def run(args: argparse.Namespace) -> int:
     if not root.entries.is_dir():
         print(f"no cache at {root.path}")
         return 0
-    total = sum(info.bytes for info in list_entries(root))
+    infos = list_entries(root)  # one walk of the entries for the totals and the verdict
+    total = sum(info.bytes for info in infos)
     free = free_bytes(root.entries)
     print(f"{len(removed)} evicted; {total} bytes in entries, {free} bytes free")
-    if not limits_hold(root, max_bytes=max_bytes, min_free_bytes=min_free,
-                       incoming_bytes=incoming):
-        in_use = [info.entry_id for info in list_entries(root) if info.in_use]
+    if over_limits(root, total, max_bytes, min_free, incoming):  # the check evict stops at
+        in_use = [info.entry_id for info in infos if info.in_use]
         print(
             f"limits not met (max {max_bytes} bytes, min free {min_free} bytes, incoming "
             f"{incoming} bytes): the entries left are in use ({', '.join(in_use) or 'none'}), "

@@ -3,9 +3,9 @@
 Owns the cache's housekeeping: `list_entries` (kind, bytes, last use, in use), `evict` (LRU
 removal until the root is under its byte limit and above its free-space floor, counting an
 entry about to be written and the publications in progress, never touching an entry whose
-`.use` lock is held or whose id is being published), `limits_hold` (the one limit check, also
-`dlo cache gc`'s verdict) and the sweep of leftovers whose owner is gone (tmp dirs, lock files
-of vanished entries, reservations of dead publishers). Called by `dlo cache gc`, `dlo cache ls`
+`.use` lock is held or whose id is being published), `over_limits` (the one limit check, also
+`room`'s and `dlo cache gc`'s verdict) and the sweep of leftovers whose owner is gone (tmp
+dirs, lock files of vanished entries, reservations of dead publishers). Called by `dlo cache gc`, `dlo cache ls`
 and by `room` before every publication. Must not write entries or decide what a valid entry is
 (that is `manifest` and `check`), nor whether a publication may start (that is `room`).
 
@@ -124,15 +124,6 @@ def evict(
             "the rest is in use", cache.path, total, free_bytes(cache.entries), incoming_bytes,
         )
     return removed
-
-
-def limits_hold(root: RootLike, *, max_bytes: int, min_free_bytes: int,
-                incoming_bytes: int = 0) -> bool:
-    """Whether the entries under the root, plus `incoming_bytes`, are within `max_bytes` (0: no
-    limit) and leave `min_free_bytes` free (0: no floor): the check `evict` stops at."""
-    cache = CacheRoot.of(root)
-    total = sum(info.bytes for info in list_entries(cache))
-    return not over_limits(cache, total, max_bytes, min_free_bytes, incoming_bytes)
 
 
 def remove_entry(root: RootLike, entry_id: str) -> bool:
