@@ -24,6 +24,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -103,28 +104,35 @@ def create(root: CacheRoot, entry_id: str, nonce_name: str, size: int) -> Reserv
     return Reservation(path, locks.FileLock(path, fd, shared=False), record)
 
 
-def in_progress(root: CacheRoot, *, exclude: str | None = None) -> list[FillInProgress]:
+def in_progress(root: CacheRoot) -> list[FillInProgress]:
     """The live reservations under the root (oldest first), with what each has yet to write;
-    reservations of dead owners are removed on the way. `exclude`: a reservation's file name
-    (the caller's own)."""
-    try:
-        names = sorted(os.listdir(root.reservations))
-    except FileNotFoundError:
-        return []
+    reservations of dead owners are removed on the way."""
     found = []
-    for name in names:
-        if name == exclude or name.startswith("."):
-            continue
-        record = _live_record(root, name)
-        if record is not None:
-            unwritten = max(record.bytes - allocated_bytes(root.tmp / name), 0)
-            found.append(FillInProgress(**{**asdict(record), "unwritten": unwritten}))
+    for name, record in _live_records(root):
+        unwritten = max(record.bytes - allocated_bytes(root.tmp / name), 0)
+        found.append(FillInProgress(**{**asdict(record), "unwritten": unwritten}))
     return sorted(found, key=lambda r: (r.started, r.entry_id))
 
 
 def reclaim_dead(root: CacheRoot) -> None:
-    """Remove the reservation files whose owner is gone (see [Note: a reservation's owner])."""
-    in_progress(root)
+    """Remove the reservation files whose owner is gone (see [Note: a reservation's owner]),
+    without measuring the live ones' tmp dirs."""
+    for _ in _live_records(root):
+        pass
+
+
+def _live_records(root: CacheRoot) -> Iterator[tuple[str, FillInProgress]]:
+    """(file name, record) of each live reservation, reclaiming those of dead owners."""
+    try:
+        names = sorted(os.listdir(root.reservations))
+    except FileNotFoundError:
+        return
+    for name in names:
+        if name.startswith("."):
+            continue
+        record = _live_record(root, name)
+        if record is not None:
+            yield name, record
 
 
 def _live_record(root: CacheRoot, name: str) -> FillInProgress | None:
