@@ -29,6 +29,7 @@ def cpu_mapped(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from dlo_bench.models import example_inputs, tiny_model
+    from dlo_runtime.offload_plan import weight_bytes
 
     model = tiny_model(args.kind, num_layers=args.layers, head_dim=args.head_dim)
     inputs = example_inputs(args.kind, model, batch=args.batch, side=args.side)
@@ -40,6 +41,7 @@ def cpu_mapped(args: argparse.Namespace) -> dict[str, Any]:
         return step
 
     expected = stepper(model)()
+    total_bytes = weight_bytes(model)
     with tempfile.TemporaryDirectory() as work:
         handles = {layout: _enable(model, Path(work) / layout, layout) for layout in LAYOUTS}
         try:
@@ -50,8 +52,7 @@ def cpu_mapped(args: argparse.Namespace) -> dict[str, Any]:
             figures: dict[str, Any] = {"cpu_mapped_resident_step_us": times["resident"] * 1e6}
             for layout, (_, handle) in handles.items():
                 stats = handle.stats().last_forward
-                streamed = handle.streamed_share * sum(
-                    t.nbytes for t in model.state_dict().values())
+                streamed = handle.streamed_share * total_bytes
                 figures |= {
                     f"cpu_mapped_{layout}_equal": equal[layout],
                     f"cpu_mapped_{layout}_step_ratio": times[layout] / times["resident"],
