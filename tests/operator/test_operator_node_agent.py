@@ -32,12 +32,12 @@ from dlo_operator.node_directories import NodeDirectoryError, Owner, namespace_o
 from support.operator_harness import (
     DOD_PATH,
     NAMESPACE,
-    TEST_USER_AGENT,
     ClusterEmulator,
     Operator,
     eventually,
     live,
     request,
+    used_rules,
 )
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
@@ -189,11 +189,8 @@ async def test_the_agent_prepares_its_nodes_volumes_against_the_api(
     assert owner_and_mode(cache) == (65532, 65532, 0o755)
     assert os.listdir(tmp_path / "namespaces") == ["team-a"]
     assert ours["metadata"]["annotations"][NODE_ANNOTATION] == "gpu-0"
-    used = {(r.resource.plural, r.action) for r in list(cluster)
-            if r.headers.get("User-Agent") != TEST_USER_AGENT and r.resource is not None
-            and r.resource.plural is not None}  # discovery (/api, /apis) names no resource
-    verbs = {kmock.action.FETCH: "get", kmock.action.LIST: "list", kmock.action.WATCH: "watch"}
-    requested = {(plural, verbs.get(action)) for plural, action in used}
+    requested = {(resource, verb) for (_, resource), verbs in used_rules(cluster).items()
+                 for verb in verbs}
     granted = {(plural, verb) for plural, granted in AGENT_RULES.items() for verb in granted}
     assert {("persistentvolumes", "list"), ("persistentvolumes", "watch")} <= requested
     assert requested <= granted, requested

@@ -24,20 +24,18 @@ from dlo_operator.node_cache import (
 from support.operator_harness import (
     DOD_PATH,
     NAMESPACE,
-    TEST_USER_AGENT,
     ClusterEmulator,
     Operator,
     eventually,
     live,
     request,
+    used_rules,
 )
 
 PV_RESOURCE = "v1/persistentvolumes"
 PROVISIONER_RULES = {"persistentvolumes": {"get", "list", "watch", "create", "delete"},
                      "persistentvolumeclaims": {"get", "list", "watch"}, "nodes": {"get"}}
 """What the chart grants the provisioner (tests/chart/test_chart.py checks the chart says so)."""
-_VERBS = {kmock.action.FETCH: "get", kmock.action.LIST: "list", kmock.action.WATCH: "watch",
-          kmock.action.CREATE: "create", kmock.action.DELETE: "delete"}
 
 
 def claims_path(namespace: str) -> str:
@@ -161,12 +159,11 @@ async def test_a_pods_claim_gets_its_namespaces_directory_on_its_node_until_it_i
 
     await request(cluster, "DELETE", f"{claims_path(NAMESPACE)}/flux-0-node-cache")
     await eventually(lambda: volume(cluster, f"dlo-node-cache-{uid}") is None)
-    used = {(r.resource.plural, _VERBS.get(r.action, r.method)) for r in list(cluster)
-            if r.headers.get("User-Agent") != TEST_USER_AGENT and r.resource is not None
-            and r.resource.plural in PROVISIONER_RULES}
+    used = {(resource, verb) for (_, resource), verbs in used_rules(cluster).items()
+            if resource.split("/")[0] in PROVISIONER_RULES for verb in verbs}
     assert {("persistentvolumes", "create"), ("persistentvolumes", "delete"),
             ("nodes", "get")} <= used
-    assert all(verb in PROVISIONER_RULES[plural] for plural, verb in used), used
+    assert all(verb in PROVISIONER_RULES.get(resource, ()) for resource, verb in used), used
 
 
 async def test_two_namespaces_on_one_node_get_two_directories_and_other_classes_none(

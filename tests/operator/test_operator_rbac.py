@@ -5,10 +5,8 @@ turned off, a refused spec, an API error, deletion), and compared with the chart
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import helm_python as helm
-import kmock
 import yaml
 
 from support.operator_harness import (
@@ -16,18 +14,16 @@ from support.operator_harness import (
     DOD_RESOURCE,
     NAMESPACE,
     PODS_PATH,
-    TEST_USER_AGENT,
     ClusterEmulator,
     Operator,
     eventually,
     live,
     request,
+    used_rules,
     workload_pod,
 )
 
 CHART = Path(__file__).parents[2] / "charts" / "dlo-operator"
-_VERBS = {kmock.action.FETCH: "get", kmock.action.LIST: "list", kmock.action.WATCH: "watch",
-          kmock.action.CREATE: "create", kmock.action.DELETE: "delete"}
 NOT_OBSERVABLE = {("dlo.dev", "diffusionoffloaddeployments/finalizers"): {"update"}}
 """Checked by the API server's OwnerReferencesPermissionEnforcement admission plugin when a
 child's owner reference sets blockOwnerDeletion; an emulator sees no request for it."""
@@ -47,15 +43,6 @@ def chart_rules() -> dict[tuple[str, str], set[str]]:
             for group in rule["apiGroups"] for resource in rule["resources"]}
 
 
-def used_rules(requests: list[Any]) -> dict[tuple[str, str], set[str]]:
-    used: dict[tuple[str, str], set[str]] = {}
-    for r in requests:
-        if r.resource is None or r.resource.plural is None or r.action is None:
-            continue
-        verb = _VERBS.get(r.action) or ("update" if r.method == "PUT" else "patch")
-        resource = f"{r.resource.plural}/{r.subresource}" if r.subresource else r.resource.plural
-        used.setdefault((r.resource.group or "", resource), set()).add(verb)
-    return used
 AFTER_A_SIDECAR_PUBLISHED = {("", "pods"): {"patch"}}
 """The operator keeps a published sidecar loader's fill summary on its pod; tests/operator/
 test_operator_metrics.py drives that with a real loader endpoint."""
@@ -93,8 +80,7 @@ async def test_the_chart_grants_exactly_the_verbs_the_operator_uses(
     await eventually(lambda: live(cluster, DOD_RESOURCE, "flux") is None)
     await operator.stop()
 
-    used = used_rules([r for r in list(cluster)
-                       if r.headers.get("User-Agent") != TEST_USER_AGENT])
+    used = used_rules(cluster)
     expected = dict(used)
     for extra in (NOT_OBSERVABLE, AFTER_A_MODEL_CHANGE, AFTER_A_SIDECAR_PUBLISHED,
                   AFTER_A_CACHE_CLAIM):

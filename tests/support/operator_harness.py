@@ -230,6 +230,25 @@ def live(cluster: ClusterEmulator, resource: str, name: str) -> dict[str, Any] |
     return cluster.objects[key].raw
 
 
+_VERBS = {kmock.action.FETCH: "get", kmock.action.LIST: "list", kmock.action.WATCH: "watch",
+          kmock.action.CREATE: "create", kmock.action.DELETE: "delete"}
+
+
+def used_rules(cluster: ClusterEmulator) -> dict[tuple[str, str], set[str]]:
+    """The RBAC rules the code under test used: (API group, resource[/subresource]) -> verbs of
+    every request it made to the emulator (the tests' own requests and discovery, which names no
+    resource, left out)."""
+    used: dict[tuple[str, str], set[str]] = {}
+    for r in list(cluster):
+        if (r.headers.get("User-Agent") == TEST_USER_AGENT or r.resource is None
+                or r.resource.plural is None or r.action is None):
+            continue
+        verb = _VERBS.get(r.action) or ("update" if r.method == "PUT" else "patch")
+        resource = f"{r.resource.plural}/{r.subresource}" if r.subresource else r.resource.plural
+        used.setdefault((r.resource.group or "", resource), set()).add(verb)
+    return used
+
+
 async def request(cluster: ClusterEmulator, method: str, path: str, body: Any = None,
                   content_type: str = "application/merge-patch+json") -> dict[str, Any]:
     headers = {"Content-Type": content_type if method == "PATCH" else "application/json",
