@@ -118,11 +118,9 @@ def evict(
             continue
         total -= info.bytes
         removed.append(info.entry_id)
-    if over_limits(cache, total, max_bytes, min_free_bytes, incoming_bytes, others):
-        log.warning(
-            "cache %s still holds %d bytes with %d bytes free after eviction (%d incoming); "
-            "the rest is in use", cache.path, total, free_bytes(cache.entries), incoming_bytes,
-        )
+    # Whether the limits now hold is the caller's to say: `room` decides again and waits or
+    # raises naming what takes the room (polling, so a line here would repeat every poll),
+    # and `dlo cache gc` prints its verdict.
     return removed
 
 
