@@ -6,7 +6,6 @@ Each test prints what `kubectl get dod` and the Events would show at its milesto
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,12 +15,12 @@ import pytest_asyncio
 from support.kube_standin import KubeStandIn
 from support.operator_harness import (
     DOD_PATH,
-    DOD_RESOURCE,
     NAMESPACE,
     ClusterEmulator,
-    Operator,
+    dod_status,
     eventually,
     live,
+    operator_beside,
     request,
 )
 
@@ -48,25 +47,13 @@ async def standin(cluster: ClusterEmulator,
                   monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KubeStandIn]:
     monkeypatch.setenv(PREFILL_BACKOFF_ENV, "1")
     fake = KubeStandIn(cluster, nodes=[f"gpu-{i}" for i in range(5)], store=dict(STORE))
-    task = asyncio.create_task(fake.run())
-    operator = Operator()
-    await operator.start()
-    try:
+    async with operator_beside(fake.run()):
         yield fake
-    finally:
-        await operator.stop()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-
-def _status(cluster: ClusterEmulator) -> dict[str, Any]:
-    return (live(cluster, DOD_RESOURCE, "flux") or {}).get("status") or {}
 
 
 def kubectl_get_dod(cluster: ClusterEmulator, when: str) -> str:
     """The row `kubectl get dod` prints (the CRD's printer columns), with a label."""
-    s = _status(cluster)
+    s = dod_status(cluster)
     row = (f"{'flux':<6} {s.get('phase', ''):<9} {s.get('ready', ''):<6} {s.get('cache', ''):<6} "
            f"{s.get('revision', ''):<11} {s.get('stage', '')}")
     print(f"\n[{when}] NAME   PHASE     READY  CACHE  REVISION    STAGE\n[{when}] {row}"
@@ -106,7 +93,7 @@ async def ready(cluster: ClusterEmulator, pods: int, revision: str = "",
                 timeout: float = TIMEOUT) -> dict[str, Any]:
     """The status says `pods` Ready pods, all of the spec's revision (`revision`, when given)."""
     def check() -> dict[str, Any] | None:
-        s = _status(cluster)
+        s = dod_status(cluster)
         return s if (s.get("phase") == "Ready" and s.get("stage") == "Serving"
                      and s.get("readyReplicas") == s.get("updatedReplicas") == pods
                      and s.get("revision") == (revision or s.get("revision"))) else None
@@ -154,9 +141,9 @@ async def test_model_change_prefills_while_old_pods_serve_then_restarts_cached(
 
     await patch_spec(cluster, {"model": {"source": V2}})
 
-    prefilling = await eventually(lambda: _status(cluster).get("stage") == "Prefilling" and [
-        n["loader"] for n in (_status(cluster).get("prefill") or {}).get("nodes", [])] == [
-        "Running", "Running"] and _status(cluster), timeout=TIMEOUT)
+    prefilling = await eventually(lambda: dod_status(cluster).get("stage") == "Prefilling" and [
+        n["loader"] for n in (dod_status(cluster).get("prefill") or {}).get("nodes", [])] == [
+        "Running", "Running"] and dod_status(cluster), timeout=TIMEOUT)
     kubectl_get_dod(cluster, "model change, prefilling")
     assert prefilling["phase"] == "Updating"
     # The old pods serve; the spec's revision is not Ready, and the rollout says where it is.
@@ -185,7 +172,7 @@ async def test_model_change_prefills_while_old_pods_serve_then_restarts_cached(
     # The node rows follow the pods' loader results; a status written between two pod events
     # may still show one row from before, so wait for the next one.
     s = await eventually(lambda: (lambda st: st if [n.get("cached") for n in st["nodes"]]
-                                  == [True, True] else None)(_status(cluster)))
+                                  == [True, True] else None)(dod_status(cluster)))
     assert (s["prefill"]["state"], s["prefill"]["bytesFromStore"]) == ("Succeeded", STORE[V2])
     await eventually(lambda: [e["reason"] for e in events(cluster)][-2:] == [
         "PrefillStarted", "PrefillSucceeded"])
@@ -214,7 +201,7 @@ async def test_failed_prefill_keeps_old_pods_reports_and_retries(
     assert template_revision(cluster) == first["revision"]
     assert [n["ready"] for n in failed["nodes"]] == [True, True]
 
-    await eventually(lambda: (_status(cluster).get("prefill") or {}).get("attempt", 0) >= 2,
+    await eventually(lambda: (dod_status(cluster).get("prefill") or {}).get("attempt", 0) >= 2,
                      timeout=TIMEOUT)
     del standin.failing[V2]
     s = await ready(cluster, 2, revision=failed["revision"])
@@ -231,8 +218,8 @@ async def test_a_prefill_pod_that_cannot_be_scheduled_is_reported_once_while_old
 
     await patch_spec(cluster, {"model": {"source": V2}})
 
-    stuck = await eventually(lambda: (_status(cluster).get("prefill") or {}).get(
-        "message", "").startswith("prefill of revision") and _status(cluster), timeout=TIMEOUT)
+    stuck = await eventually(lambda: (dod_status(cluster).get("prefill") or {}).get(
+        "message", "").startswith("prefill of revision") and dod_status(cluster), timeout=TIMEOUT)
     kubectl_get_dod(cluster, "prefill pod unschedulable")
     await eventually(lambda: any(e["reason"] == "PrefillStuck" for e in events(cluster)))
     print_events(cluster, "prefill pod unschedulable")
@@ -260,8 +247,8 @@ async def test_reverting_the_model_after_a_failed_prefill_supersedes_it(
 
     await patch_spec(cluster, {"model": {"source": V1}})
 
-    s = await eventually(lambda: (_status(cluster).get("prefill") or {}).get(
-        "state") == "Superseded" and _status(cluster), timeout=TIMEOUT)
+    s = await eventually(lambda: (dod_status(cluster).get("prefill") or {}).get(
+        "state") == "Superseded" and dod_status(cluster), timeout=TIMEOUT)
     kubectl_get_dod(cluster, "model reverted after a failed prefill")
     prefilled = next(c for c in s["conditions"] if c["type"] == "Prefilled")
     assert (prefilled["status"], prefilled["reason"]) == ("True", "Superseded")
@@ -279,8 +266,8 @@ async def test_rollback_to_a_cached_entry_reads_nothing_from_the_store(
     first = await create(cluster, standin)
     await patch_spec(cluster, {"model": {"source": V2}})
     await ready(cluster, 2, revision=await eventually(
-        lambda: _status(cluster).get("revision") != first["revision"]
-        and _status(cluster)["revision"]))
+        lambda: dod_status(cluster).get("revision") != first["revision"]
+        and dod_status(cluster)["revision"]))
     before, fills = standin.store_bytes, len(standin.fills)
 
     await patch_spec(cluster, {"model": {"source": V1}})
@@ -305,8 +292,8 @@ async def test_settings_change_that_keeps_the_entry_restarts_without_prefill(
     await patch_spec(cluster, {"offload": {"useAllgather": False, "residentLayers": 2}})
 
     s = await ready(cluster, 2, revision=await eventually(
-        lambda: _status(cluster).get("revision") != first["revision"]
-        and _status(cluster)["revision"]))
+        lambda: dod_status(cluster).get("revision") != first["revision"]
+        and dod_status(cluster)["revision"]))
     # Ready at the new revision only once every pod restarted into it, not while old pods serve.
     assert revisions(standin) == [s["revision"]] * 2
     assert s.get("prefill") is None and standin.store_bytes == before
@@ -347,11 +334,11 @@ async def test_a_scale_up_made_during_a_prefill_fills_its_new_pods_as_one_group(
     await create(cluster, standin)
     standin.hold_prefill = True
     await patch_spec(cluster, {"model": {"source": V2}})
-    await eventually(lambda: _status(cluster).get("stage") == "Prefilling", timeout=TIMEOUT)
+    await eventually(lambda: dod_status(cluster).get("stage") == "Prefilling", timeout=TIMEOUT)
 
     await patch_spec(cluster, {"replicas": 4})
-    held = await eventually(lambda: "waits for the prefill" in _status(cluster).get(
-        "stageMessage", "") and _status(cluster), timeout=TIMEOUT)
+    held = await eventually(lambda: "waits for the prefill" in dod_status(cluster).get(
+        "stageMessage", "") and dod_status(cluster), timeout=TIMEOUT)
     kubectl_get_dod(cluster, "scale-up during a prefill")
     standin.hold_prefill = False
 
@@ -409,6 +396,6 @@ async def _fail_a_prefill(cluster: ClusterEmulator, standin: KubeStandIn
     old = uids(standin, "flux-0", "flux-1")
     standin.failing[V2] = "s3://models/flux-v2/ not readable: 403 AccessDenied"
     await patch_spec(cluster, {"model": {"source": V2}})
-    failed = await eventually(lambda: (_status(cluster).get("prefill") or {}).get(
-        "state") == "Failed" and _status(cluster), timeout=TIMEOUT)
+    failed = await eventually(lambda: (dod_status(cluster).get("prefill") or {}).get(
+        "state") == "Failed" and dod_status(cluster), timeout=TIMEOUT)
     return first, old, failed

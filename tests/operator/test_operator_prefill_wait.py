@@ -6,7 +6,6 @@ period."""
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,12 +15,12 @@ import pytest_asyncio
 from support.kube_standin import JOBS_PATH, KubeStandIn
 from support.operator_harness import (
     DOD_PATH,
-    DOD_RESOURCE,
     NAMESPACE,
     ClusterEmulator,
-    Operator,
+    dod_status,
     eventually,
     live,
+    operator_beside,
     request,
 )
 
@@ -89,20 +88,8 @@ async def standin(cluster: ClusterEmulator,
                   monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KubeStandIn]:
     monkeypatch.setenv(PREFILL_BACKOFF_ENV, "1")
     fake = KubeStandIn(cluster, nodes=["gpu-0", "gpu-1"], store=dict(STORE))
-    task = asyncio.create_task(fake.run())
-    operator = Operator()
-    await operator.start()
-    try:
+    async with operator_beside(fake.run()):
         yield fake
-    finally:
-        await operator.stop()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-
-def _status(cluster: ClusterEmulator) -> dict[str, Any]:
-    return (live(cluster, DOD_RESOURCE, "flux") or {}).get("status") or {}
 
 
 def _serving(standin: KubeStandIn) -> dict[str, str]:
@@ -118,12 +105,12 @@ async def test_the_operator_waits_for_a_running_loader_of_a_job_reported_complet
         "metadata": {"name": "flux", "namespace": NAMESPACE},
         "spec": {"replicas": 2, "model": {"source": V1}, "inference": {"image": "server:1"},
                  "loader": {"onRendezvousTimeout": "fail"}}})
-    await eventually(lambda: _status(cluster).get("phase") == "Ready", timeout=40)
+    await eventually(lambda: dod_status(cluster).get("phase") == "Ready", timeout=40)
     serving = _serving(standin)
     standin.hold_prefill = True  # the prefill loaders start and keep running
     await request(cluster, "PATCH", f"{DOD_PATH}/flux", {"spec": {"model": {"source": V2}}})
-    running = await eventually(lambda: [n["loader"] for n in (_status(cluster).get(
-        "prefill") or {}).get("nodes", [])] == ["Running", "Running"] and _status(cluster),
+    running = await eventually(lambda: [n["loader"] for n in (dod_status(cluster).get(
+        "prefill") or {}).get("nodes", [])] == ["Running", "Running"] and dod_status(cluster),
         timeout=40)
     job = f"flux-prefill-{running['revision']}"
     long_ago = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(
@@ -132,15 +119,15 @@ async def test_the_operator_waits_for_a_running_loader_of_a_job_reported_complet
         "conditions": [{"type": "Complete", "status": "True", "reason": "Completed"}],
         "completionTime": long_ago.strftime("%Y-%m-%dT%H:%M:%SZ")}})
 
-    waiting = await eventually(lambda: _status(cluster).get("stageMessage", "").endswith(
-        "succeeded; waiting for the loaders' summaries (0/2)") and _status(cluster), timeout=40)
+    waiting = await eventually(lambda: dod_status(cluster).get("stageMessage", "").endswith(
+        "succeeded; waiting for the loaders' summaries (0/2)") and dod_status(cluster), timeout=40)
     assert waiting["stage"] == "Prefilling" and waiting["prefill"]["state"] == "Running"
     assert _serving(standin) == serving  # the old pods serve on
     assert live(cluster, "batch/v1/jobs", job) is not None
 
     standin.hold_prefill = False  # the loaders end and report their summaries
-    done = await eventually(lambda: _status(cluster).get("phase") == "Ready" and _status(
-        cluster).get("revision") == running["revision"] and (_status(cluster).get(
-            "prefill") or {}).get("state") == "Succeeded" and _status(cluster), timeout=40)
+    done = await eventually(lambda: dod_status(cluster).get("phase") == "Ready" and dod_status(
+        cluster).get("revision") == running["revision"] and (dod_status(cluster).get(
+            "prefill") or {}).get("state") == "Succeeded" and dod_status(cluster), timeout=40)
     assert done["prefill"]["bytesFromStore"] == STORE[V2]
     assert [n["loader"] for n in done["prefill"]["nodes"]] == ["Cached", "Cached"]

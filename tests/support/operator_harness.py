@@ -12,12 +12,13 @@ serve the namespace list.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import datetime
 import itertools
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +206,27 @@ async def operator(cluster: ClusterEmulator) -> AsyncIterator[Operator]:
     finally:
         if op._runner is not None:
             await op.stop()
+
+
+@contextlib.asynccontextmanager
+async def operator_beside(controllers: Coroutine[Any, Any, None]) -> AsyncIterator[None]:
+    """The operator running while `controllers` (a stand-in for the cluster's own controllers,
+    e.g. `KubeStandIn.run()`) runs as a task; both stopped on exit, the operator first."""
+    task = asyncio.create_task(controllers)
+    operator = Operator()
+    await operator.start()
+    try:
+        yield
+    finally:
+        await operator.stop()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+def dod_status(cluster: ClusterEmulator, name: str = "flux") -> dict[str, Any]:
+    """The status of the DOD `name`, empty while it has none (or is gone)."""
+    return (live(cluster, DOD_RESOURCE, name) or {}).get("status") or {}
 
 
 async def eventually(check: Callable[[], Any], *, timeout: float = 20.0) -> Any:
