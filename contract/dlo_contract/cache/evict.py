@@ -107,8 +107,18 @@ def evict(
     if not cache.entries.is_dir():
         return []
     sweep_leftovers(cache)
+    return evict_listed(cache, list_entries(cache), max_bytes=max_bytes,
+                        min_free_bytes=min_free_bytes, keep=keep, incoming_bytes=incoming_bytes,
+                        others=others)
+
+
+def evict_listed(
+    cache: CacheRoot, infos: Sequence[EntryInfo], *, max_bytes: int, min_free_bytes: int,
+    keep: Iterable[str] = (), incoming_bytes: int = 0, others: Sequence[FillInProgress] = (),
+) -> list[str]:
+    """`evict` over `infos`, the caller's fresh `list_entries` after `sweep_leftovers` (`room`
+    keeps the listing for its decision instead of walking the entries again)."""
     kept = set(keep)
-    infos = list_entries(cache)
     total = sum(info.bytes for info in infos)
     removed: list[str] = []
     for info in sorted(infos, key=lambda i: (i.kind != INVALID_KIND, i.last_used, i.entry_id)):

@@ -29,7 +29,13 @@ from dataclasses import dataclass
 from dlo_contract.cache import locks
 from dlo_contract.cache.entry import RootLike
 from dlo_contract.cache.errors import CacheSpaceError
-from dlo_contract.cache.evict import EntryInfo, evict, list_entries, over_limits
+from dlo_contract.cache.evict import (
+    EntryInfo,
+    evict_listed,
+    list_entries,
+    over_limits,
+    sweep_leftovers,
+)
 from dlo_contract.cache.fsutil import free_bytes
 from dlo_contract.cache.layout import CacheRoot
 from dlo_contract.cache.reservation import FillInProgress, Reservation, create, in_progress
@@ -127,13 +133,18 @@ def _decide(cache: CacheRoot, entry_id: str, incoming: int,
     it fits)."""
     cache.ensure()
     others = tuple(in_progress(cache))
-    removed = (evict(cache, max_bytes=limits.max_bytes, min_free_bytes=limits.min_free_bytes,
-                     keep=(entry_id,), incoming_bytes=incoming, others=others)
+    if limits.evict:
+        sweep_leftovers(cache)
+    listed = list_entries(cache)
+    removed = (evict_listed(cache, listed, max_bytes=limits.max_bytes,
+                            min_free_bytes=limits.min_free_bytes, keep=(entry_id,),
+                            incoming_bytes=incoming, others=others)
                if limits.evict else [])
     if removed:
         log.info("evicted %d unused cache entries to make room for %s (%d bytes): %s",
                  len(removed), entry_id, incoming, ", ".join(removed))
-    infos = tuple(i for i in list_entries(cache) if i.entry_id != entry_id)
+    gone = {entry_id, *removed}
+    infos = tuple(i for i in listed if i.entry_id not in gone)
     total = sum(info.bytes for info in infos)
     fits = not over_limits(cache, total, limits.max_bytes, limits.min_free_bytes, incoming,
                            others)
