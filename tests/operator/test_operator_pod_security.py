@@ -86,22 +86,27 @@ def test_the_known_good_pod_passes_both_levels() -> None:
     assert violations(RESTRICTED_POD, "restricted") == []
 
 
-@pytest.mark.parametrize(("change", "expected"), BASELINE_BREAKS,
-                         ids=[e.split(":")[0] + f"-{i}" for i, (_, e) in
-                              enumerate(BASELINE_BREAKS)])
-def test_each_baseline_rule_refuses_its_known_bad_pod(change: Any, expected: str) -> None:
+def _ids(breaks: list[tuple[Any, str]]) -> list[str]:
+    return [expected.split(":")[0] + f"-{i}" for i, (_, expected) in enumerate(breaks)]
+
+
+def _broken(change: Any) -> dict[str, Any]:
+    """A copy of the known good pod with `change` applied."""
     pod = copy.deepcopy(RESTRICTED_POD)
     change(pod)
+    return pod
+
+
+@pytest.mark.parametrize(("change", "expected"), BASELINE_BREAKS, ids=_ids(BASELINE_BREAKS))
+def test_each_baseline_rule_refuses_its_known_bad_pod(change: Any, expected: str) -> None:
+    pod = _broken(change)
     assert violations(pod, "baseline") == [expected]
     assert expected in violations(pod, "restricted")
 
 
-@pytest.mark.parametrize(("change", "expected"), RESTRICTED_BREAKS,
-                         ids=[e.split(":")[0] + f"-{i}" for i, (_, e) in
-                              enumerate(RESTRICTED_BREAKS)])
+@pytest.mark.parametrize(("change", "expected"), RESTRICTED_BREAKS, ids=_ids(RESTRICTED_BREAKS))
 def test_each_restricted_rule_refuses_its_known_bad_pod(change: Any, expected: str) -> None:
-    pod = copy.deepcopy(RESTRICTED_POD)
-    change(pod)
+    pod = _broken(change)
     assert violations(pod, "restricted") == [expected]
     assert violations(pod, "baseline") == []
 
