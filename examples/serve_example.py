@@ -59,8 +59,8 @@ def main() -> int:
         finally:
             handle.close()
 
-    with torch.no_grad():
-        expected = resident(**inputs)[0]
+    with torch.no_grad():  # on the same device: kernels of two devices differ in the last bit
+        expected = resident.to(handle.device)(**on_device)[0].cpu()
     same = torch.equal(output, expected)
     print(f"host backing: {backing.value}; output {'equal to' if same else 'DIFFERS from'} the "
           f"resident model's bit for bit (largest difference "
