@@ -8,8 +8,8 @@ and with diffusers' own block-level group offloading (one block per group, with 
 same model and inputs. Every variant's output is compared with the resident one before any
 figure is reported. With `--compiled` it adds the same comparisons under `torch.compile`
 (`dlo_bench.runtime_compiled`). The rank-local steps over mapped checkpoint entries of three
-layouts are `dlo_bench.runtime_mapped`'s. With `--host-memory ARGS...` it runs `dlo_bench.host_memory` instead.
-Must not be imported by the runtime.
+layouts are `dlo_bench.runtime_mapped`'s (`--no-mapped` skips them). With `--host-memory ARGS...`
+it runs `dlo_bench.host_memory` instead. Must not be imported by the runtime.
 """
 
 from __future__ import annotations
