@@ -179,7 +179,7 @@ def _take(context: ClaimContext, held: contextlib.ExitStack) -> Publication:
     node_max, node_floor = cache.node_limits
     publication = begin_publication(
         context.root, context.entry_id, expected_bytes=context.total_bytes,
-        lock_timeout_s=remaining, min_free_bytes=node_floor, names=context.names,
+        lock_timeout_s=remaining, names=context.names,
         room=RoomLimits(max_bytes=node_max, min_free_bytes=node_floor, evict=True,
                         timeout_s=remaining),
         prepare=context.prepare)

@@ -51,7 +51,6 @@ class Publication:
         self.root = CacheRoot.of(root)
         self.entry_id = check_entry_id(entry_id)
         self.expected_bytes = expected_bytes
-        self.min_free_bytes = min_free_bytes
         self.lock_timeout_s = lock_timeout_s
         self.verify = verify
         self.room = room or RoomLimits(min_free_bytes=min_free_bytes, timeout_s=lock_timeout_s)
@@ -184,7 +183,7 @@ class Publication:
         reason = exc.strerror or str(exc)
         if exc.errno not in SPACE_ERRNOS:
             return CacheError(f"writing cache entry {self.entry_id} failed: {reason}")
-        needed = max(self.expected_bytes, written) + self.min_free_bytes
+        needed = max(self.expected_bytes, written) + self.room.min_free_bytes
         return CacheSpaceError(
             f"writing cache entry {self.entry_id} failed: {reason}; it needs {needed} bytes, "
             f"{free} bytes are free in {self.root.path}",
@@ -198,9 +197,10 @@ def begin_publication(
     names: Names = document_names, prepare: Callable[[], None] | None = None,
 ) -> Publication:
     """Start publishing `entry_id`; use as `with begin_publication(...) as pub:`. `room`: the
-    limits to keep and whether to evict for them (default: the free-space floor only, waiting
-    up to `lock_timeout_s` for publications in progress); `names` spells the settings in
-    errors; `prepare` runs as lock owner before reserving when there is nothing to join."""
+    limits to keep and whether to evict for them (default: the free-space floor
+    `min_free_bytes` only, waiting up to `lock_timeout_s` for publications in progress);
+    `names` spells the settings in errors; `prepare` runs as lock owner before reserving when
+    there is nothing to join."""
     return Publication(
         root, entry_id, expected_bytes=expected_bytes, lock_timeout_s=lock_timeout_s,
         min_free_bytes=min_free_bytes, verify=verify, room=room, names=names, prepare=prepare,
