@@ -28,8 +28,8 @@ class InstallationConfig:
     """The platform's choices; each field names the chart value that sets it."""
 
     allowed_host_paths: tuple[str, ...] = DEFAULT_ALLOWED_HOST_PATHS
-    """Node directories for the node cache (`cache.hostPath`, `offload.runtimeCacheRoot`): chart
-    value `allowedHostPaths`, flag `--allowed-host-path`."""
+    """Node directories set aside for the node cache, which a DOD's own `spec.volumes` may not
+    mount (`cache_directories`): chart value `allowedHostPaths`, flag `--allowed-host-path`."""
     loader_image: str = DEFAULT_LOADER_IMAGE
     """Loader image of a DOD that names none: chart value `loaderImage`, flag `--loader-image`."""
     allowed_loader_images: tuple[str, ...] = ()
@@ -73,8 +73,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     """The installation's flags, shared by `dlo operator run` and `dlo render`."""
     parser.add_argument("--allowed-host-path", action="append", default=[], metavar="DIR",
                         dest="allowed_host_paths",
-                        help="a node directory under which cache.hostPath and "
-                        "offload.runtimeCacheRoot may lie (repeatable; default "
+                        help="a node directory set aside for the node cache, which a DOD's "
+                        "own hostPath volumes may not overlap (repeatable; default "
                         f"{', '.join(DEFAULT_ALLOWED_HOST_PATHS)})")
     parser.add_argument("--loader-image", default=DEFAULT_LOADER_IMAGE, metavar="IMAGE",
                         help="loader image of DODs that name none in spec.loader.image "
