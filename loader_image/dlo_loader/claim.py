@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from dlo_loader.errors import GroupError, LoaderError, RendezvousTimeout
 from dlo_loader.progress import Progress, repeating
+from dlo_loader.room import node_names
 from dlo_contract.cache import CacheRoot, Publication, RoomLimits, begin_publication, locks
 from dlo_contract.field_names import Names
 from dlo_contract.settings import Settings
@@ -179,7 +180,7 @@ def _take(context: ClaimContext, held: contextlib.ExitStack) -> Publication:
     node_max, node_floor = cache.node_limits
     publication = begin_publication(
         context.root, context.entry_id, expected_bytes=context.total_bytes,
-        lock_timeout_s=remaining, names=context.names,
+        lock_timeout_s=remaining, names=node_names(cache, context.names),
         room=RoomLimits(max_bytes=node_max, min_free_bytes=node_floor, evict=True,
                         timeout_s=remaining),
         prepare=context.prepare)

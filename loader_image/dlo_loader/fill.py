@@ -191,8 +191,7 @@ class _Fill:
             total_bytes=total,
             deadline=self.deadline, names=self.names, progress=self.progress,
             emit=self.request.emit or log.info, waits=self.waits,
-            # Evicts within the node's limits, then checks this deployment's own (`room`); the
-            # cache logs what it evicted.
+            # This deployment's own limits (`room`); the node's are the publication's room.
             prepare=lambda: make_room_within(self.root, eid, incoming_bytes=total,
                                              cache=self.cache, names=self.names))
         request = self.request
