@@ -1,0 +1,132 @@
+"""`model.source` (document path `loader.source`): which URIs are sources, and what they name.
+
+Owns the one spelling of each scheme's URI: `SOURCE_PATTERN` (the CRD's `pattern` of the field,
+declared in `dlo_contract.settings`) and `parse_source_uri`, which splits a URI into a
+`SourceAddress` or raises a `SettingsError` that names the field as the user wrote it, the value
+and the forms allowed. The validator (`dlo_contract.validation`), the operator (which mounts a
+`file://` share) and the loader's readers call it; none splits a URI by hand. Standard library
+only; must not touch the network or the file system.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from dlo_contract.field_names import Names, document_names
+from dlo_contract.schema import SettingsError
+from dlo_contract.source_credentials import Scheme
+
+_SEGMENT = r"([^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+)"
+"""A path segment that is not `.` or `..` (RE2 has no lookahead: the CRD's regex engine)."""
+AZURE_BLOB_HOST = ".blob.core.windows.net"
+"""An `https://` source on `<account>` + this host is an Azure Blob container."""
+
+SCHEME_PATTERNS: dict[Scheme, str] = {
+    Scheme.S3: r"s3://[^/]+/.*",
+    Scheme.FILE: rf"file://(/{_SEGMENT})+/?",
+    Scheme.GS: r"gs://[^/]+/.*",
+    Scheme.AZ: r"az://[a-z0-9]+/[^/]+(/.*)?",
+    Scheme.HTTPS: r"https?://[^/]+/.*",
+    Scheme.HF: r"hf://[^/@]+/[^/@]+(@[^/]+)?(/.*)?",
+}
+"""Each scheme's URIs (an Azure Blob `https://` URL matches `HTTPS`'s)."""
+SOURCE_PATTERN = "^(" + "|".join(SCHEME_PATTERNS.values()) + ")$"
+"""The CRD's pattern of `model.source`: any scheme's URI."""
+
+SCHEME_FORMS: dict[Scheme, str] = {
+    Scheme.S3: "s3://bucket/prefix/",
+    Scheme.FILE: "file:///path/ (absolute, without '.', '..' or '//')",
+    Scheme.GS: "gs://bucket/prefix/",
+    Scheme.AZ: "az://account/container/prefix/ or "
+    "https://account.blob.core.windows.net/container/prefix/ (account in lower case)",
+    Scheme.HTTPS: "https://host/path/",
+    Scheme.HF: "hf://org/repo[@revision]/",
+}
+"""Each scheme's forms, as errors and the README name them."""
+
+
+@dataclass(frozen=True)
+class SourceAddress:
+    """A parsed source. `container` is the bucket (s3, gs), the container (az), the host and
+    port (https) or `org/repo` (hf), empty for file; `prefix` is empty or ends with `/` (for
+    file, the absolute directory path with its leading and trailing `/`)."""
+
+    scheme: Scheme
+    container: str
+    prefix: str
+    account: str = ""
+    """The storage account (az only)."""
+    revision: str = ""
+    """The branch, tag or commit after `@` (hf only); empty means the repo's default branch."""
+    secure: bool = True
+    """False for an `http://` source (https only)."""
+
+    def __str__(self) -> str:
+        """The canonical URI: equal for equal sources, so it keys entries and names errors."""
+        if self.scheme is Scheme.FILE:
+            return f"file://{self.prefix}"
+        if self.scheme is Scheme.AZ:
+            return f"az://{self.account}/{self.container}/{self.prefix}"
+        if self.scheme is Scheme.HTTPS:
+            return f"{'https' if self.secure else 'http'}://{self.container}/{self.prefix}"
+        if self.scheme is Scheme.HF:
+            at = f"@{self.revision}" if self.revision else ""
+            return f"hf://{self.container}{at}/{self.prefix}"
+        return f"{self.scheme.value}://{self.container}/{self.prefix}"
+
+
+def _prefix(path: str) -> str:
+    path = path.strip("/")
+    return path + "/" if path else ""
+
+
+def _address(uri: str) -> SourceAddress | None:
+    scheme_name, sep, rest = uri.partition("://")
+    scheme = next((s for s in Scheme if s.value == scheme_name), None)
+    if scheme_name == "http":
+        scheme = Scheme.HTTPS
+    if scheme is None or not re.fullmatch(SCHEME_PATTERNS[scheme], uri):
+        return None
+    first, _, path = rest.partition("/")
+    if scheme is Scheme.FILE:
+        return SourceAddress(scheme, "", "/" + _prefix(path))
+    if scheme is Scheme.AZ:
+        container, _, path = path.partition("/")
+        return SourceAddress(scheme, container, _prefix(path), account=first)
+    if scheme is Scheme.HF:
+        name, _, path = path.partition("/")
+        name, _, revision = name.partition("@")
+        return SourceAddress(scheme, f"{first}/{name}", _prefix(path), revision=revision)
+    if scheme is Scheme.HTTPS and first.endswith(AZURE_BLOB_HOST) and scheme_name == "https":
+        account = first[: -len(AZURE_BLOB_HOST)]
+        container, _, path = path.partition("/")
+        if re.fullmatch(r"[a-z0-9]+", account) and container:
+            return SourceAddress(Scheme.AZ, container, _prefix(path), account=account)
+        return None
+    return SourceAddress(scheme, first, _prefix(path), secure=scheme_name != "http")
+
+
+def source_problem(uri: str) -> str | None:
+    """Why `uri` is not a source, or None: the forms of its scheme, else every scheme's."""
+    if _address(uri) is not None:
+        return None
+    scheme_name = uri.partition("://")[0]
+    scheme = next((s for s in Scheme if s.value == scheme_name),
+                  Scheme.HTTPS if scheme_name == "http" else None)
+    if scheme is None:
+        return "must be one of " + ", ".join(SCHEME_FORMS.values())
+    if scheme is Scheme.HTTPS and AZURE_BLOB_HOST in uri:
+        scheme = Scheme.AZ
+    return f"must be {SCHEME_FORMS[scheme]}"
+
+
+def parse_source_uri(uri: str, names: Names = document_names) -> SourceAddress:
+    """Split `uri`; raise `SettingsError` naming the field as `names` spells it."""
+    address = _address(uri)
+    if address is None:
+        field = names("loader.source")
+        raise SettingsError(f"{field}={uri!r} is not a source URI: it {source_problem(uri)}",
+                            hint=f"set {field} (or --source) to e.g. s3://models/flux-dev/ or "
+                            "hf://black-forest-labs/FLUX.1-dev/")
+    return address
