@@ -12,15 +12,19 @@ again (`dlo_contract.cache.combine_crc`); an object uploaded in parts whose CRC3
 of its parts' CRCs (COMPOSITE) is cut into chunks at its part boundaries, so the same holds
 part by part (`composite`). Called by `fetch`, `stream`, `source`, `sink` and `exchange`
 (one digest per chunk) and by `fill` (the store check before publication). Must not read the
-store or files.
+store; it reads a file only to hash it whole where the store's checksum is such a hash
+(`FILE_HASHES`: no CRC of chunks combines into it).
 """
 
 from __future__ import annotations
 
 import base64
 import enum
+import hashlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dlo_contract.cache import CRC_ALGORITHMS, combine_crc, crc_function, crc_hex, hexdigest
@@ -32,6 +36,12 @@ ALGORITHM = "crc64nvme"
 """The digest of a file's chunks when the store names no CRC the loader knows for its object
 (in its listing, or to a HEAD)."""
 _EXTEND = {name: crc_function(name) for name in CRC_ALGORITHMS}
+FILE_HASHES = ("sha256", "md5", "git-sha1")
+"""Store checksums of a whole object that no chunk CRC combines into (the Hub's LFS sha256 and
+git blob ids, a listing file's sha256, Azure's Content-MD5): checked against the file as
+written, read back once before publication (`file_hash`)."""
+_HASH_PIECE_BYTES = 8 << 20
+_HASH_THREADS = 4
 _PART_CRCS = ("crc32c", "crc32")
 """The CRCs a store may keep of an object's parts (COMPOSITE); CRC64-NVME is always of the whole
 object."""
@@ -222,20 +232,36 @@ class FileDigests:
     """Where the plan cut the file at its upload's parts, their size (else None)."""
 
 
+def file_hash(path: Path, algorithm: str) -> str:
+    """The `algorithm` (one of `FILE_HASHES`) of a written file, read in pieces."""
+    if algorithm == "git-sha1":  # a git blob's id: SHA-1 of a header and the bytes
+        hasher = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+    else:
+        hasher = hashlib.new(algorithm)
+    piece = memoryview(bytearray(_HASH_PIECE_BYTES))
+    with open(path, "rb", buffering=0) as handle:
+        while count := handle.readinto(piece):
+            hasher.update(piece[:count])  # hashlib lets go of the GIL for large pieces
+    return hasher.hexdigest()
+
+
 def check_store(files: Sequence[FileDigests], published: Mapping[str, StoreChecksum],
-                source: str, *, layout_holds: Callable[[str, int], bool]) -> StoreCheck:
+                source: str, *, layout_holds: Callable[[str, int], bool],
+                hash_file: Callable[[str, str], str] | None = None) -> StoreCheck:
     """Compare every file's CRC in `published` (the store was asked for those), combined from
     its chunk digests, with the store's checksum of it; a mismatch is a `SourceError` naming
     the object (nothing is published). A store checksum of another algorithm than the file's
     digest (the listing named none, or not this one), or of parts the file was not cut at, is
     not checked. Of parts, a mismatch counts only where `layout_holds(key, part_bytes)`: every
-    part of the object has the size assumed (the store is asked only then)."""
+    part of the object has the size assumed (the store is asked only then). A whole-file hash
+    (`FILE_HASHES`) is `hash_file(key, algorithm)`'s of the written file, files at once."""
     checked = unavailable = 0
+    hashed = _hashed(files, published, hash_file)
     for file in files:
         store = published.get(file.key)
         if store is None:
             continue
-        ours = _ours(file, store)
+        ours = hashed.get(file.key) or _ours(file, store)
         if ours is None:
             unavailable += 1
             continue
@@ -252,6 +278,21 @@ def check_store(files: Sequence[FileDigests], published: Mapping[str, StoreCheck
             )
         checked += 1
     return StoreCheck(checked=checked, unavailable=unavailable)
+
+
+def _hashed(files: Sequence[FileDigests], published: Mapping[str, StoreChecksum],
+            hash_file: Callable[[str, str], str] | None) -> dict[str, tuple[str, ...]]:
+    """By key, the whole-file hash of each file whose store checksum is one (`FILE_HASHES`),
+    computed on a few threads at once (each file is read once, from the page cache or disk)."""
+    wanted = [(file.key, store.algorithm) for file in files
+              if (store := published.get(file.key)) is not None and store.value is not None
+              and store.algorithm in FILE_HASHES]
+    if not wanted or hash_file is None:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(len(wanted), _HASH_THREADS),
+                            thread_name_prefix="dlo-file-hash") as pool:
+        values = pool.map(lambda item: hash_file(*item), wanted)
+        return {key: (value,) for (key, _), value in zip(wanted, values)}
 
 
 def _ours(file: FileDigests, store: StoreChecksum) -> tuple[str, ...] | None:

@@ -32,7 +32,7 @@ from dlo_loader.errors import LoaderError
 from dlo_loader.plan import Plan, build_plan
 from dlo_loader.progress import Progress, rank_prefix
 from dlo_loader.room import make_room_within
-from dlo_loader.source import ObjectStore, parse_source
+from dlo_loader.sources import SourceOptions, open_source, parse_source
 from dlo_loader.transfer import Transfer
 from dlo_contract.cache import (
     CacheRoot,
@@ -130,13 +130,8 @@ class _Fill:
         self._listening = self._listen()
         """Rank 0's rendezvous store, listening while the fill lists (until the claim)."""
         self.stop = threading.Event()
-        self.store = ObjectStore(
-            self.uri, endpoint_url=self.loader.endpoint_url, region=self.loader.region,
-            path_style=self.loader.path_style, readers=self.loader.readers,
-            attempts=self.loader.max_retries, stop=self.stop,
-            stall_timeout_s=self.loader.stall_timeout_s, on_stall=self._stalled,
-            names=self.names,
-        )
+        self.store = open_source(self.uri, SourceOptions.of(
+            self.loader, stop=self.stop, on_stall=self._stalled, names=self.names))
         self.root = CacheRoot(self.cache.root)
         self.waits = Waits()
         self.progress = Progress(total_bytes=0, emit=request.emit,
@@ -162,7 +157,7 @@ class _Fill:
 
     def _run(self) -> FillResult:
         files = self.store.list(self.loader.include, checked_bytes=self.loader.chunk_bytes)
-        gc.freeze()  # the S3 client's service model too (see `_young_objects_only`)
+        gc.freeze()  # the store client's (S3's service model) too (see `_young_objects_only`)
         identity = checkpoint_identity(str(self.uri), files, self.names)
         eid = entry_id(identity)
         self.progress.total_bytes = total = sum(f.size for f in files)

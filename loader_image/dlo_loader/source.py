@@ -11,8 +11,9 @@ response and reads its body. Every read names the listed ETag (`If-Match`) and c
 response's ETag, Content-Range and length with the listing (a store may ignore `If-Match`), so
 an object replaced mid-fill is an error, never a mixed file; bodies go straight into the
 caller's buffer (see [Note: one copy] in `source_body`). A body that sends no bytes for
-`stall_timeout_s` is abandoned and its range asked again at once on a new connection. Called by
-`fill`. Must not log or raise anything that carries a credential, and must not write files.
+`stall_timeout_s` is abandoned and its range asked again at once on a new connection. The
+`s3` reader of `dlo_loader.sources` (`open_source`; its reads come with `seam.RangedReads`).
+Must not log or raise anything that carries a credential, and must not write files.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 
 import botocore.exceptions as bexc
 import botocore.session
@@ -28,45 +28,23 @@ import urllib3.exceptions
 from botocore.config import Config
 
 from dlo_loader.digest import StoreChecksum
-from dlo_loader.errors import SourceError
 from dlo_loader.source_body import Body, check_response
 from dlo_loader.source_listing import Listing
-from dlo_loader.source_retry import Retrier, ShortBody, Stalled
+from dlo_loader.source_retry import Retrier, Stalled
+from dlo_loader.sources.seam import RangedReads, SourceOptions
 from dlo_contract.cache import ObjectIdentity
 from dlo_contract.field_names import Names, document_names
+from dlo_contract.source_uri import SourceAddress
+
+CREDENTIALS_HINT = ("check the loader's S3 credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
+                    "from the source's Secret, or its web identity) and the bucket policy")
 
 
-@dataclass(frozen=True)
-class SourceURI:
-    """`s3://bucket/prefix/`; `prefix` is empty or ends with `/`."""
-
-    bucket: str
-    prefix: str
-
-    def __str__(self) -> str:
-        return f"s3://{self.bucket}/{self.prefix}"
-
-
-def parse_source(uri: str, names: Names = document_names) -> SourceURI:
-    """Split an `s3://bucket/prefix` URI; anything else is a configuration error naming the
-    setting as `names` spells it."""
-    scheme, sep, rest = uri.partition("://")
-    bucket, _, prefix = rest.partition("/")
-    if scheme != "s3" or not sep or not bucket:
-        field = names("loader.source")
-        raise SourceError(
-            f"{field}={uri!r} is not an s3://bucket/prefix URI",
-            hint=f"set {field} (or --source) to e.g. s3://models/flux-dev/",
-        )
-    prefix = prefix.strip("/")
-    return SourceURI(bucket, prefix + "/" if prefix else "")
-
-
-class ObjectStore:
+class ObjectStore(RangedReads):
     """One S3 client shared by the reader threads (botocore clients are thread-safe)."""
 
     def __init__(
-        self, uri: SourceURI, *, endpoint_url: str | None, region: str | None, path_style: bool,
+        self, uri: SourceAddress, *, endpoint_url: str | None, region: str | None, path_style: bool,
         readers: int, attempts: int, stop: threading.Event | None = None,
         stall_timeout_s: float = 30.0, on_stall: Callable[[str], None] | None = None,
         names: Names = document_names,
@@ -76,7 +54,8 @@ class ObjectStore:
         self.connections = readers + 1  # the readers, and one for the checksum HEADs
         self.stall_timeout_s = stall_timeout_s
         self.retry = Retrier(str(uri), attempts=attempts, stop=stop or threading.Event(),
-                             on_stall=on_stall or (lambda what: None), names=names)
+                             on_stall=on_stall or (lambda what: None), names=names,
+                             credentials=CREDENTIALS_HINT)
         """The retry policy of every call this store makes (`source_retry`)."""
         config = Config(
             s3={"addressing_style": "path" if path_style else "auto"},
@@ -120,53 +99,12 @@ class ObjectStore:
         """Whether every part of `obj` but the last has `part_bytes` (a HEAD of each)."""
         return self._listing.layout_holds(obj, part_bytes)
 
-    def read(self, obj: ObjectIdentity, start: int, into: memoryview, algorithm: str) -> int:
-        """Fill `into` with bytes `[start, start+len(into))` of `obj`, exactly, and return their
-        running CRC of `algorithm` (`digest.extend`), or raise after the retries."""
-        what = f"{self.uri}{obj.key} bytes {start}-{start + len(into) - 1}"
-        return self.retry.run(what, lambda: self._get(obj, start, into, algorithm))
-
-    def stream(self, obj: ObjectIdentity, start: int, length: int, pieces: Iterator[memoryview],
-               deliver: Callable[[int, memoryview], None], algorithm: str) -> int:
-        """Read bytes `[start, start+length)` of `obj` a piece at a time, each into the next of
-        `pieces` cut to the bytes still to come, handing each piece to `deliver(offset, view)`
-        (`offset` from `start`), and return the running CRC of `algorithm` of them all, or raise
-        after the retries. A retry asks only for the bytes not delivered yet."""
-        what = f"{self.uri}{obj.key} bytes {start}-{start + length - 1}"
-        done = [0, 0]  # bytes delivered, their running CRC
-
-        def attempt() -> int:
-            while done[0] < length:
-                at = start + done[0]
-                with self._body(obj, at, length - done[0]) as body:
-                    while done[0] < length:
-                        view = next(pieces)[:length - done[0]]
-                        got, crc = body.fill(view, algorithm, done[1])
-                        if got < len(view):
-                            raise ShortBody(f"got {done[0] + got} of {length} bytes")
-                        deliver(done[0], view)
-                        done[0], done[1] = done[0] + got, crc
-                    if body.finish():
-                        raise ShortBody(f"got {length}+ of {length} bytes")
-            return done[1]
-
-        return self.retry.run(what, attempt)
-
-    def _get(self, obj: ObjectIdentity, start: int, into: memoryview, algorithm: str) -> int:
-        length = len(into)
-        with self._body(obj, start, length) as body:
-            got, crc = body.fill(into, algorithm)
-            extra = got == length and body.finish()
-        if got != length or extra:
-            raise ShortBody(f"got {got}{'+' if extra else ''} of {length} bytes")
-        return crc
-
     @contextlib.contextmanager
     def _body(self, obj: ObjectIdentity, start: int, length: int) -> Iterator[Body]:
         """The body of a GET of `length` bytes of `obj` from `start`, checked against the
         listing; a read that waits past the stall timeout raises `Stalled`."""
         response = self._client.get_object(
-            Bucket=self.uri.bucket, Key=self.uri.prefix + obj.key,
+            Bucket=self.uri.container, Key=self.uri.prefix + obj.key,
             Range=f"bytes={start}-{start + length - 1}", IfMatch=f'"{obj.etag}"',
         )
         body = response["Body"]
@@ -177,3 +115,12 @@ class ObjectStore:
             raise Stalled(f"no bytes for {self.stall_timeout_s:g} s") from exc
         finally:
             body.close()  # returns nothing to the pool unless the body was read to its end
+
+
+def open_source(uri: SourceAddress, options: SourceOptions) -> ObjectStore:
+    """The S3 reader of `uri` (`dlo_loader.sources.s3`)."""
+    return ObjectStore(uri, endpoint_url=options.endpoint_url, region=options.region,
+                       path_style=options.path_style, readers=options.readers,
+                       attempts=options.attempts, stop=options.stop,
+                       stall_timeout_s=options.stall_timeout_s, on_stall=options.on_stall,
+                       names=options.names)

@@ -8,7 +8,6 @@ store's own checksums of objects (HEAD with `ChecksumMode=ENABLED`). Called by `
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -18,8 +17,8 @@ import botocore.exceptions as bexc
 
 from dlo_loader import digest
 from dlo_loader.digest import ChecksumKind, StoreChecksum
-from dlo_loader.errors import SourceError
 from dlo_loader.source_retry import Retrier
+from dlo_loader.sources.seam import matches, nothing_matched
 from dlo_contract.cache import CRC_ALGORITHMS, ObjectIdentity
 
 log = logging.getLogger(__name__)
@@ -29,7 +28,7 @@ class Listing:
     """The listing of one source and what HEADs added to it (see `list`)."""
 
     def __init__(self, client: Any, uri: Any, retry: Retrier, connections: int) -> None:
-        """`uri`: the `SourceURI`; `connections`: how many HEADs may run at once."""
+        """`uri`: the source's `SourceAddress`; `connections`: how many HEADs may run at once."""
         self._client, self.uri, self._retry, self._connections = client, uri, retry, connections
         self.chunk_algorithms: dict[str, str] = {}
         """By relative key, from the last `list`: the digest of each object's chunks, the CRC
@@ -58,8 +57,7 @@ class Listing:
         for page in self._retry.run(f"listing {self.uri}", lambda: self._pages()):
             for item in page:
                 rel = item["Key"][len(self.uri.prefix):]
-                wanted = any(fnmatch.fnmatchcase(rel, p) for p in patterns)
-                if rel and not rel.endswith("/") and wanted:
+                if matches(rel, patterns):
                     obj = ObjectIdentity(rel, int(item["Size"]), item["ETag"].strip('"'))
                     found.append(obj)
                     said = (item.get("ChecksumAlgorithm", ()), item.get("ChecksumType"))
@@ -71,11 +69,7 @@ class Listing:
                     if not said[0] and checked_bytes is not None and obj.size >= checked_bytes:
                         unlisted.append(obj)
         if not found:
-            names = self._retry.names
-            raise SourceError(
-                f"no object under {self.uri} matches {names('loader.include')}={list(patterns)}",
-                hint=f"check {names('loader.source')} and {names('loader.include')}",
-            )
+            raise nothing_matched(self.uri, patterns, self._retry.names)
         self._published = self._learn_unlisted(unlisted, algorithms, of_parts)
         self.part_bytes = {}
         if of_parts:
@@ -134,7 +128,7 @@ class Listing:
         def head() -> dict | None:
             try:
                 return self._client.head_object(
-                    Bucket=self.uri.bucket, Key=self.uri.prefix + obj.key, PartNumber=number)
+                    Bucket=self.uri.container, Key=self.uri.prefix + obj.key, PartNumber=number)
             except bexc.ClientError as exc:
                 status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
                 if status in (400, 416, 501):
@@ -145,7 +139,7 @@ class Listing:
 
     def _pages(self) -> list[list[dict]]:
         paginator = self._client.get_paginator("list_objects_v2")
-        pages = paginator.paginate(Bucket=self.uri.bucket, Prefix=self.uri.prefix)
+        pages = paginator.paginate(Bucket=self.uri.container, Prefix=self.uri.prefix)
         return [page.get("Contents", []) for page in pages]
 
     def checksums(self, files: Sequence[ObjectIdentity]) -> dict[str, StoreChecksum]:
@@ -159,7 +153,7 @@ class Listing:
         return self._retry.run(f"{self.uri}{obj.key} checksum", lambda: self._checksum(obj))
 
     def _checksum(self, obj: ObjectIdentity) -> StoreChecksum:
-        head = self._client.head_object(Bucket=self.uri.bucket, Key=self.uri.prefix + obj.key,
+        head = self._client.head_object(Bucket=self.uri.container, Key=self.uri.prefix + obj.key,
                                         IfMatch=f'"{obj.etag}"', ChecksumMode="ENABLED")
         named = [k[len("Checksum"):].lower() for k in head
                  if k.startswith("Checksum") and k != "ChecksumType"]

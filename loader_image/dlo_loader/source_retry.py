@@ -3,11 +3,12 @@
 Owns the retry loop of every store call (`Retrier.run`): exponential backoff with full jitter on
 throttling (503 SlowDown), other 5xx, connection resets and short bodies; at once on a new
 connection after a stall; never for an error of this node (`EMFILE`, `ENOSPC`: raised as
-`LocalResourceError`) nor for an answer that will not change (403, 404, a replaced object). Each
-failure becomes a `Retry` (a `RetryKind` and the text logs and messages show), so the loop is
-steered by the kind, not by the text. Called by `source` and `source_listing`, which hold the
-client; it makes no call to the store itself and must not log or raise anything that carries a
-credential.
+`LocalResourceError`) nor for an answer that will not change (401, 403, 404, a replaced object).
+Each failure becomes a `Retry` (a `RetryKind` and the text logs and messages show), so the loop
+is steered by the kind, not by the text. An error answer is S3's `ClientError` or, from every
+other scheme, a `StoreStatus`; both are judged by their HTTP status and code alike. Called by
+every source of `dlo_loader.sources`, which hold the clients; it makes no call to a store itself
+and must not log or raise anything that carries a credential.
 """
 
 from __future__ import annotations
@@ -59,6 +60,17 @@ class ShortBody(Exception):
     """The server sent fewer (or more) bytes than the range asked for."""
 
 
+class StoreStatus(Exception):
+    """An error answer of a store that is not S3 (S3's come as botocore's `ClientError`): its
+    HTTP status and the store's error code, if it sent one. A source raises it for any answer
+    that is not the bytes asked for; the `Retrier` decides from the status alone (see
+    `_status_retry`), so every scheme retries and reports alike."""
+
+    def __init__(self, status: int, code: str = "") -> None:
+        super().__init__(f"{code or 'HTTP'} ({status})")
+        self.status, self.code = status, code
+
+
 class Stalled(Exception):
     """The body sent no bytes for the stall timeout."""
 
@@ -93,11 +105,14 @@ class Retrier:
 
     def __init__(self, source: str, *, attempts: int, stop: threading.Event,
                  on_stall: Callable[[str], None] = lambda what: None,
-                 names: Names = document_names) -> None:
+                 names: Names = document_names,
+                 credentials: str = "check the loader's credentials and the bucket policy"
+                 ) -> None:
         """`source`: the store's URI, for the error without credentials; `on_stall(what)` is
-        told of every stall; `names` spells the settings in hints."""
+        told of every stall; `names` spells the settings in hints; `credentials`: the hint of
+        an access denied (where the scheme's credentials come from, never their values)."""
         self.source, self.attempts, self.stop = source, attempts, stop
-        self.on_stall, self.names = on_stall, names
+        self.on_stall, self.names, self.credentials = on_stall, names, credentials
 
     def run(self, what: str, call: Callable[[], _T]) -> _T:
         """Run `call`, retrying transient failures; `what` names the call in logs and errors."""
@@ -131,7 +146,11 @@ class Retrier:
     def _retry_of(self, exc: Exception, what: str) -> Retry:
         """The retry `exc` calls for; raises it (or the permanent error it means) otherwise."""
         if isinstance(exc, bexc.ClientError):
-            return _client_error_retry(exc, what, self.names)
+            error = exc.response.get("Error", {})
+            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+            return self._status_retry(exc, status, str(error.get("Code", "")), what)
+        if isinstance(exc, StoreStatus):
+            return self._status_retry(exc, exc.status, exc.code, what)
         if isinstance(exc, ShortBody):
             return Retry(RetryKind.SHORT_BODY, f"short body: {exc}")
         if isinstance(exc, Stalled):
@@ -143,6 +162,24 @@ class Retrier:
         if isinstance(exc, OSError):
             raise_if_local(exc, what, self.names)
         raise exc
+
+    def _status_retry(self, exc: Exception, status: int, code: str, what: str) -> Retry:
+        """The retry an error answer calls for, or a permanent `SourceError` for the rest."""
+        if status >= 500 or status == 429 or code in _THROTTLE_CODES:
+            return Retry(RetryKind.STORE, f"{code or 'HTTP'} ({status})")
+        if status == 412 or code == "PreconditionFailed":
+            raise SourceChanged(
+                f"{what}: the object changed since it was listed (ETag no longer matches)",
+                hint="do not overwrite a checkpoint while it is being loaded; rerun the fill",
+            ) from exc
+        if status == 404 or code in ("NoSuchKey", "NoSuchBucket"):
+            raise SourceError(f"{what}: not found ({code or status})",
+                              hint=f"check {self.names('loader.source')}") from exc
+        if status in (401, 403) or code in ("AccessDenied", "InvalidAccessKeyId",
+                                            "SignatureDoesNotMatch"):
+            raise SourceError(f"{what}: access denied ({code or status})",
+                              hint=self.credentials) from exc
+        raise SourceError(f"{what}: {code or 'HTTP error'} ({status})") from exc
 
     def _give_up_hint(self, retry: Retry) -> str:
         if retry.kind is RetryKind.STALLED:
@@ -171,24 +208,3 @@ def raise_if_local(exc: BaseException, what: str, names: Names) -> None:
             current = wrapped
         else:
             current = current.__cause__ or current.__context__
-
-
-def _client_error_retry(exc: bexc.ClientError, what: str, names: Names) -> Retry:
-    """The retry a `ClientError` calls for, or a permanent `SourceError` for the rest."""
-    error = exc.response.get("Error", {})
-    code = str(error.get("Code", ""))
-    status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-    if status >= 500 or status == 429 or code in _THROTTLE_CODES:
-        return Retry(RetryKind.STORE, f"{code or 'HTTP'} ({status})")
-    if status == 412 or code == "PreconditionFailed":
-        raise SourceChanged(
-            f"{what}: the object changed since it was listed (ETag no longer matches)",
-            hint="do not overwrite a checkpoint while it is being loaded; rerun the fill",
-        ) from exc
-    if status == 404 or code in ("NoSuchKey", "NoSuchBucket"):
-        raise SourceError(f"{what}: not found ({code or status})",
-                          hint=f"check {names('loader.source')}") from exc
-    if status == 403 or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-        raise SourceError(f"{what}: access denied ({code or status})",
-                          hint="check the loader's credentials and the bucket policy") from exc
-    raise SourceError(f"{what}: {code or 'HTTP error'} ({status})") from exc

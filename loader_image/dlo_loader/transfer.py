@@ -20,7 +20,7 @@ from dlo_loader import digest as digests_of
 from dlo_loader.checks import agree, check_files, checked_files, conclude
 from dlo_loader.plan import Plan
 from dlo_loader.progress import Progress
-from dlo_loader.source import ObjectStore
+from dlo_loader.sources import Source
 from dlo_contract.cache import FileRecord, Publication
 from dlo_contract.field_names import Names
 from dlo_contract.settings import LoaderConfig
@@ -41,7 +41,7 @@ PRODUCER = "dlo-loader"
 class Transfer:
     """One fill's data path; `start` builds an exchange with its reads under way, `run` ends it."""
 
-    def __init__(self, *, store: ObjectStore, progress: Progress, config: LoaderConfig,
+    def __init__(self, *, store: Source, progress: Progress, config: LoaderConfig,
                  rank: int, deadline: float, stop: threading.Event, source: str,
                  names: Names) -> None:
         self.store, self.progress, self.config = store, progress, config
@@ -114,6 +114,7 @@ class Transfer:
                ) -> tuple[list[FileRecord], int]:
         """Headers, then the store's checksums (`published`), then the manifest records."""
         checked = check_files(directory, plan, digests, self.source)
+        assert directory is not None
         files = []
         for index, obj in enumerate(plan.files):
             chunks = [c for c in plan.chunks if c.file == index]
@@ -124,7 +125,8 @@ class Transfer:
         self.store_check = digests_of.check_store(
             files, published.result(), self.source,
             layout_holds=lambda key, part_bytes: self.store.layout_holds(by_key[key],
-                                                                         part_bytes))
+                                                                         part_bytes),
+            hash_file=lambda key, algorithm: digests_of.file_hash(directory / key, algorithm))
         log.info("store checksums: %d object(s) match the store's CRC (of the whole object or of "
                  "its parts), %d without one", self.store_check.checked,
                  self.store_check.unavailable)

@@ -18,7 +18,8 @@ from dlo_loader.exchange import Exchange
 from dlo_loader.fill import FillRequest, fill
 from dlo_loader.plan import build_plan
 from dlo_loader.progress import Progress
-from dlo_loader.source import ObjectStore, parse_source
+from dlo_loader.source import ObjectStore
+from dlo_loader.sources import parse_source
 from dlo_contract.cache import ObjectIdentity, checkpoint_identity
 from dlo_contract.errors import DloError
 from dlo_contract.settings import CacheConfig, LoaderConfig, Settings
@@ -114,7 +115,8 @@ def _empty_listing(env: Env, origin: str | None) -> str:
 
 
 CASES = (
-    Case("source-not-s3", ("loader.source",), lambda env, o: _fill(env, o, source="gs://x/y")),
+    Case("source-unknown-scheme", ("loader.source",),
+         lambda env, o: _fill(env, o, source="ftp://x/y")),
     Case("include-matches-nothing", ("loader.include", "loader.source"),
          lambda env, o: _fill(env, o, include=("*.bin",))),
     Case("bucket-not-found", ("loader.source",),

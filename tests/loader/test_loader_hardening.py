@@ -24,7 +24,8 @@ from dlo_loader.digest import ALGORITHM, chunk_digest
 from dlo_loader.errors import LocalResourceError, SourceChanged, SourceError, SourceUnavailable
 from dlo_loader.fill import FillRequest, fill
 from dlo_loader.progress import Progress
-from dlo_loader.source import ObjectStore, parse_source
+from dlo_loader.source import ObjectStore
+from dlo_loader.sources import parse_source
 from dlo_contract.cache import checkpoint_identity, entry_id
 from dlo_contract.cache import open_entry, verify_entry
 from dlo_contract.settings import CacheConfig, LoaderConfig, Settings

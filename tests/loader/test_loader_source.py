@@ -18,7 +18,8 @@ from dlo_bench.faultproxy import FAULT_KINDS, FaultPlan, FaultProxy
 from dlo_bench.s3server import S3Server
 from dlo_loader.errors import SourceError, SourceUnavailable
 from dlo_loader.digest import ALGORITHM, chunk_digest
-from dlo_loader.source import ObjectStore, parse_source
+from dlo_loader.source import ObjectStore
+from dlo_loader.sources import parse_source
 from dlo_loader.source_body import Body
 from dlo_contract.cache import ObjectIdentity
 from support.loader_fleet import BUCKET, Checkpoint, upload_files
@@ -50,11 +51,15 @@ def test_listing_without_matches_names_the_globs(s3: S3Server, checkpoint: Check
     assert str(caught.value) == "no object under s3://models/tiny/ matches loader.include=['*.bin']"
 
 
-@pytest.mark.parametrize("uri", ["models/tiny", "gs://models/tiny", "s3:///tiny"])
-def test_source_must_be_an_s3_uri(uri: str) -> None:
+@pytest.mark.parametrize("uri, expected", [
+    ("models/tiny", "must be one of s3://bucket/prefix/, file:///path/"),
+    ("ftp://models/tiny", "must be one of s3://bucket/prefix/, file:///path/"),
+    ("s3:///tiny", "must be s3://bucket/prefix/"),
+])
+def test_source_must_be_a_uri_of_a_known_scheme(uri: str, expected: str) -> None:
     with pytest.raises(SourceError) as caught:
         parse_source(uri)
-    assert str(caught.value) == f"loader.source={uri!r} is not an s3://bucket/prefix URI"
+    assert str(caught.value).startswith(f"loader.source={uri!r} is not a source URI: it {expected}")
 
 
 @pytest.mark.parametrize("kind", FAULT_KINDS)

@@ -36,12 +36,12 @@ def fill_command(*argv: str) -> subprocess.CompletedProcess[str]:
 
 def test_a_failing_fill_exits_with_its_summary_written(tmp_path: Path) -> None:
     summary_file = tmp_path / "termination-log"
-    done = fill_command("--source", "gs://x/y", "--summary-file", str(summary_file),
+    done = fill_command("--source", "ftp://x/y", "--summary-file", str(summary_file),
                         "--entry-file", str(tmp_path / "entry.json"))
     assert done.returncode == 1
     line = json.loads(done.stdout.strip().splitlines()[-1])
     assert line["status"] == "error" and line == json.loads(summary_file.read_text())
-    assert "is not an s3://bucket/prefix URI" in done.stderr  # the log line, flushed too
+    assert "loader.source='ftp://x/y'" in done.stderr  # the log line, flushed too
 
 
 @pytest.mark.usefixtures("aws_env")
