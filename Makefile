@@ -37,13 +37,19 @@ $(COLDSTART_VENV)/.installed: requirements-coldstart.lock $(STAMP)
 	$(COLDSTART_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps -r requirements-coldstart.lock
 	@touch $@
 
+# Azurite, the Azure Blob emulator of the az:// source tests, pinned by tools/azurite's lock file.
+AZURITE := tools/azurite/node_modules/.installed
+$(AZURITE): tools/azurite/package-lock.json
+	cd tools/azurite && npm ci --no-audit --no-fund --ignore-scripts
+	@touch $@
+
 demo: $(STAMP)
 	$(VENV)/bin/dlo demo
 
-test: $(STAMP)
+test: $(STAMP) $(AZURITE)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(AZURITE)
 	$(VENV)/bin/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # The CRD (and the chart's copy) and the README reference, from contract/dlo_contract's settings

@@ -11,6 +11,7 @@ not be imported by the loader or the runtime.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import shutil
@@ -23,6 +24,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
+from typing import Self, TypeVar
 
 from dlo_contract.errors import PermanentError
 
@@ -36,24 +39,25 @@ DUMMY_CREDENTIALS = {
 _START_TIMEOUT_S = 30.0
 
 
+_Server = TypeVar("_Server", bound="ServerProcess")
+
+
 class S3ServerError(PermanentError):
     """A test S3 server did not start or could not be filled."""
 
 
 @dataclass
-class S3Server:
-    """A running S3 server process on 127.0.0.1; `stop()` (or leaving `with`) ends it."""
+class ServerProcess:
+    """A running server process on 127.0.0.1; `stop()` (or leaving `with`) ends it and removes
+    its scratch directory."""
 
     endpoint_url: str
     name: str
-    python: str
-    """The version of the Python that serves: how fast ministack sends large bodies depends on
-    its asyncio (see the Makefile's `MINISTACK_PYTHON`)."""
     process: subprocess.Popen[bytes]
     log_path: Path
     _scratch: Path = field(repr=False)
 
-    def __enter__(self) -> S3Server:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -68,6 +72,15 @@ class S3Server:
                 self.process.kill()
                 self.process.wait()
         shutil.rmtree(self._scratch, ignore_errors=True)
+
+
+@dataclass(kw_only=True)
+class S3Server(ServerProcess):
+    """A running S3 server process on 127.0.0.1."""
+
+    python: str
+    """The version of the Python that serves: how fast ministack sends large bodies depends on
+    its asyncio (see the Makefile's `MINISTACK_PYTHON`)."""
 
     def client(self):  # -> botocore client; typed loosely to keep boto3 out of import time
         """A boto3 S3 client for this server with dummy credentials and path-style addressing."""
@@ -141,6 +154,15 @@ def _start(
     name: str, argv: list[str], host: str, port: int, env: dict[str, str], *, python: str,
     health_path: str
 ) -> S3Server:
+    record = functools.partial(S3Server, endpoint_url=f"http://{host}:{port}", name=name,
+                               python=python)
+    return start_process(name, argv, env, health_path, record)
+
+
+def start_process(name: str, argv: list[str], env: dict[str, str], health_path: str,
+                  record: Callable[..., _Server]) -> _Server:
+    """Start `argv` in a scratch directory (its `TMPDIR` too) and wait until it answers
+    `health_path`; `record(process=, log_path=, _scratch=)` makes its `ServerProcess`."""
     scratch = Path(tempfile.mkdtemp(prefix=f"dlo-{name}-"))
     log_path = scratch / "server.log"
     child_env = {**os.environ, **env, "TMPDIR": str(scratch)}
@@ -148,10 +170,7 @@ def _start(
         process = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, env=child_env, cwd=scratch
         )
-    server = S3Server(
-        endpoint_url=f"http://{host}:{port}", name=name, python=python, process=process,
-        log_path=log_path, _scratch=scratch,
-    )
+    server = record(process=process, log_path=log_path, _scratch=scratch)
     try:
         _wait_ready(server, health_path)
     except BaseException:
@@ -160,8 +179,8 @@ def _start(
     return server
 
 
-def _wait_ready(server: S3Server, health_path: str) -> None:
-    """Poll until the server answers HTTP at all; a dead process fails at once with its log."""
+def _wait_ready(server: ServerProcess, health_path: str) -> None:
+    """Poll until `server` answers HTTP at all; a dead process fails at once with its log."""
     deadline = time.monotonic() + _START_TIMEOUT_S
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
