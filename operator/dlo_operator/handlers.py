@@ -36,7 +36,7 @@ from dlo_operator.installation import InstallationConfig
 from dlo_operator.kube import KubeClient
 from dlo_operator.naming import ANNOTATION_FILL_SUMMARY, GROUP, LABEL_DEPLOYMENT, PLURAL, VERSION
 from dlo_operator.node_cache import LABEL_NODE_CACHE, NODE_CACHE_CLASS, NodeCacheConfig
-from dlo_operator.reconcile import ReconcileConfig, reconcile
+from dlo_operator.reconcile import ReconcileConfig, reconcile, utc_now
 from dlo_operator.prefill_stage import BackoffConfig
 from dlo_operator.spec import parse_spec
 
@@ -73,7 +73,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.retries = {}
     memo.config = ReconcileConfig(
         backoff=BackoffConfig(base_s=float(os.environ.get(PREFILL_BACKOFF_ENV) or 10.0)),
-        installation=memo.get("installation") or InstallationConfig())
+        installation=memo.get("installation") or InstallationConfig(),
+        clock=memo.get("clock") or utc_now)
     memo.node_cache = NodeCacheConfig(root=memo.config.installation.node_cache_root)
 
 

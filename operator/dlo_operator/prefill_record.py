@@ -31,6 +31,9 @@ class PrefillRecord:
     state: PrefillState | None
     """None for a record this operator cannot read (written by another version)."""
     attempt: int
+    entry_key: str = ""
+    """The cache entry the prefill fills (`configmap.entry_key`): a settings edit that keeps it
+    keeps the record's attempts and backoff. Empty in a record of an older operator."""
     nodes: tuple[Mapping[str, Any], ...] = ()
     """One row per prefill pod (`status.prefill_node`), by rank."""
     message: str = ""
@@ -44,11 +47,18 @@ class PrefillRecord:
     @classmethod
     def previous(cls, status: Mapping[str, Any], revision: str) -> PrefillRecord | None:
         """The previous status's record when it is of `revision`, else None."""
-        if status.get("revision") != revision:
+        record = cls.read(status)
+        return record if record is not None and record.revision == revision else None
+
+    @classmethod
+    def read(cls, status: Mapping[str, Any]) -> PrefillRecord | None:
+        """The previous status's record, of whichever revision (None without one)."""
+        if not status.get("revision"):
             return None
         state = status.get("state")
-        return cls(revision=revision, attempt=int(status.get("attempt", 0)),
+        return cls(revision=str(status["revision"]), attempt=int(status.get("attempt", 0)),
                    state=PrefillState(state) if state in _STATES else None,
+                   entry_key=str(status.get("entryKey", "")),
                    nodes=tuple(status.get("nodes") or ()), message=str(status.get("message", "")),
                    retry_at=parse_time(status.get("retryAt")))
 
@@ -60,6 +70,7 @@ class PrefillRecord:
         """The record as `status.prefill` spells it."""
         status = {"revision": self.revision,
                   "state": self.state.value if self.state is not None else None,
+                  **({"entryKey": self.entry_key} if self.entry_key else {}),
                   "attempt": self.attempt, "nodes": [dict(node) for node in self.nodes],
                   "bytesFromStore": self.bytes_from_store, "message": self.message}
         if self.retry_at is not None:
@@ -67,9 +78,11 @@ class PrefillRecord:
         return status
 
 
-def record_of(revision: str, attempt: int, nodes: Sequence[Mapping[str, Any]]) -> PrefillRecord:
+def record_of(revision: str, entry_key: str, attempt: int,
+              nodes: Sequence[Mapping[str, Any]]) -> PrefillRecord:
     """The record of an attempt whose Job exists, before its state is known."""
-    return PrefillRecord(revision=revision, state=None, attempt=attempt, nodes=tuple(nodes))
+    return PrefillRecord(revision=revision, state=None, attempt=attempt, entry_key=entry_key,
+                         nodes=tuple(nodes))
 
 
 _STATES = {state.value for state in PrefillState}

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dlo_operator.conditions import EventType, Report
-from dlo_operator.configmap import build_configmap, revision
+from dlo_operator.configmap import build_configmap, entry_key, revision
 from dlo_operator.decision import Decision, Observed, Stage
 from dlo_operator.manifests import restart_children
 from dlo_operator.naming import LABEL_REVISION, Owner, labels_of
@@ -46,16 +46,56 @@ class BackoffConfig:
 
 def prefill_step(owner: Owner, spec: DeploymentSpec, seen: Observed,
                  backoff: BackoffConfig) -> Decision:
-    """The entry changed: fill it on the serving nodes first; roll only once all hold it."""
+    """The entry changed: fill it on the serving nodes first; roll only once all hold it. The
+    record of another revision's prefill is handed over first (`_handover`)."""
+    previous, ended = _handover(seen.prefill, revision(spec), entry_key(spec))
+    decision = _step(owner, spec, seen, backoff, previous)
+    decision.reports[:0] = ended
+    return decision
+
+
+def _handover(status: Mapping[str, Any], rev: str,
+              key: str) -> tuple[PrefillRecord | None, list[Report]]:
+    """The record `rev`'s prefill continues from, and the Events that end another revision's.
+    A failed prefill of the same cache entry (a settings edit that keeps the entry, made during
+    its backoff) is continued: its attempts, reason and retry time carry over. Any other
+    unfinished prefill ends (`abandon`): the spec asks for `rev` now."""
+    record = PrefillRecord.read(status)
+    if record is None or record.revision == rev:
+        return record, []
+    if record.state is PrefillState.FAILED and record.entry_key == key:
+        return replace(record, revision=rev), []
+    if record.state not in (PrefillState.RUNNING, PrefillState.FAILED):
+        return None, []
+    return None, [abandon(status, f"the spec asks for revision {rev} now")[1]]
+
+
+def abandon(status: Mapping[str, Any], why: str) -> tuple[dict[str, Any], Report]:
+    """End the unfinished prefill `status` records, which no attempt follows any more: kept as
+    history, state Superseded, without its retry time. A running attempt ends here, with a
+    Normal Event `PrefillSuperseded` (its Job is deleted); a failed one ended with its
+    `PrefillFailed`, so only its retry is cancelled (`PrefillRetryCancelled`): every attempt
+    that starts ends with exactly one of PrefillSucceeded, PrefillFailed, PrefillSuperseded."""
+    state = str(status.get("state"))
+    message = (f"prefill of revision {status.get('revision')} (attempt {status.get('attempt')}, "
+               f"{state.lower()}) superseded: {why}")
+    record = {**{key: value for key, value in status.items() if key != "retryAt"},
+              "state": PrefillState.SUPERSEDED.value, "message": message}
+    reason = ("PrefillSuperseded" if state == PrefillState.RUNNING.value
+              else "PrefillRetryCancelled")
+    return record, Report(type=EventType.NORMAL, reason=reason, message=message)
+
+
+def _step(owner: Owner, spec: DeploymentSpec, seen: Observed, backoff: BackoffConfig,
+          previous: PrefillRecord | None) -> Decision:
     rev = revision(spec)
     job = next((j for j in seen.jobs if j["metadata"]["name"] == owner.prefill_name(rev)), None)
-    previous = PrefillRecord.previous(seen.prefill, rev)
     keep = [build_configmap(owner, spec), build_prefill_service(owner, spec)]
     if job is None:
         return _without_job(owner, spec, seen, previous, keep)
     pods = [p for p in seen.job_pods if labels_of(p).get(LABEL_REVISION) == rev]
     nodes = sorted((prefill_node(p) for p in pods), key=lambda n: (n["rank"], n["pod"]))
-    record = record_of(rev, max(previous.attempt if previous else 0, 1), nodes)
+    record = record_of(rev, entry_key(spec), max(previous.attempt if previous else 0, 1), nodes)
     state, stuck = _job_state(job), None
     if state is PrefillState.RUNNING and (stuck := _stuck(pods)) is not None and (
             gone := _gone(job, stuck, seen.pods)):
@@ -96,7 +136,7 @@ def _without_job(owner: Owner, spec: DeploymentSpec, seen: Observed,
         f"prefilling revision {rev} on {len(nodes)} nodes while the old pods serve"))
     decision.apply = keep + [build_prefill_job(owner, spec, nodes)]
     decision.prefill = PrefillRecord(revision=rev, state=PrefillState.RUNNING,
-                                     attempt=attempt + 1,
+                                     attempt=attempt + 1, entry_key=entry_key(spec),
                                      message=f"filling on {', '.join(nodes)}").to_status()
     decision.reports.append(Report(type=EventType.NORMAL, reason="PrefillStarted", message=(
         f"prefilling the cache entry of revision {rev} on {len(nodes)} nodes "

@@ -21,7 +21,7 @@ import datetime
 import logging
 import math
 import time
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,12 +72,19 @@ _REPORTED_REASONS = {READY: TROUBLE_REASONS, PREFILLED: frozenset({PREFILL_STUCK
 elsewhere, or are steps of a rollout)."""
 
 
+def utc_now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ReconcileConfig:
     backoff: BackoffConfig = BackoffConfig()
     """Prefill retries."""
     installation: InstallationConfig = InstallationConfig()
     """The platform's choices (the chart's values, `dlo operator run`'s flags)."""
+    clock: Callable[[], datetime.datetime] = utc_now
+    """The time every decision reads (prefill backoff, a prefill without progress) and the
+    status is stamped with; tests move it instead of waiting."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,7 +107,7 @@ def reconcile(kube: KubeClient, dod: Mapping[str, Any], config: ReconcileConfig,
     failed applies between steps (the handlers keep one per operator)."""
     retries = {} if retries is None else retries
     owner = Owner.from_body(dod)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = config.clock()
     previous = dict(dod.get("status") or {})
     generation = (dod.get("metadata") or {}).get("generation")
     pods = kube.list("Pod", owner.namespace, {LABEL_DEPLOYMENT: owner.name})

@@ -29,7 +29,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dlo_contract.fill_group import FillGroup
-from dlo_operator.conditions import EventType, Report
 from dlo_operator.configmap import (
     build_configmap,
     build_fill_group_configmap,
@@ -39,7 +38,13 @@ from dlo_operator.configmap import (
 from dlo_operator.decision import Decision, Observed, Stage
 from dlo_operator.manifests import fill_group, optional_children, restart_children
 from dlo_operator.naming import Owner
-from dlo_operator.prefill_stage import BackoffConfig, PrefillState, prefill_step, serving_nodes
+from dlo_operator.prefill_stage import (
+    BackoffConfig,
+    PrefillState,
+    abandon,
+    prefill_step,
+    serving_nodes,
+)
 from dlo_operator.service import build_service
 from dlo_operator.spec import DeploymentSpec
 from dlo_operator.statefulset import build_statefulset, live_replicas, template_revision
@@ -107,20 +112,14 @@ def _serve(owner: Owner, spec: DeploymentSpec, seen: Observed) -> Decision:
 def _carry(record: Mapping[str, Any], rev: str, decision: Decision) -> None:
     """Outside a prefill the previous record stays as it is, unless it is unfinished (running,
     or failed and waiting for its retry): no attempt of it follows any more (the model was
-    reverted, or no pod serves an older entry), so it is superseded, kept as history without
-    its retry time, with a Normal Event."""
+    reverted, or no pod serves an older entry), so it ends (`prefill_stage.abandon`)."""
     decision.prefill = dict(record)
-    state = record.get("state")
-    if state not in (PrefillState.RUNNING.value, PrefillState.FAILED.value):
+    if record.get("state") not in (PrefillState.RUNNING.value, PrefillState.FAILED.value):
         return
     why = (f"the spec asks for revision {rev} now" if record.get("revision") != rev else
            f"no pod serves an older revision, so the pods of revision {rev} fill it themselves")
-    message = (f"prefill of revision {record.get('revision')} (attempt {record.get('attempt')}, "
-               f"{str(state).lower()}) superseded: {why}")
-    decision.prefill = {**{key: value for key, value in record.items() if key != "retryAt"},
-                        "state": PrefillState.SUPERSEDED.value, "message": message}
-    decision.reports.append(Report(type=EventType.NORMAL, reason="PrefillSuperseded",
-                                   message=message))
+    decision.prefill, report = abandon(record, why)
+    decision.reports.append(report)
 
 
 def _held_scale(stage: Stage, live: int, wanted: int) -> str:

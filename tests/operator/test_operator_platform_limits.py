@@ -7,11 +7,7 @@ installation's refusals of attacks 3 and 6 also run through `support.bad_crs`' t
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +20,11 @@ from support.operator_harness import (
     ClusterEmulator,
     eventually,
     live,
+    operator_with,
     request,
 )
 
 from dlo_cli import main as cli
-from dlo_operator import handlers
 from dlo_operator.errors import SpecError
 from dlo_operator.host_paths import within
 from dlo_operator.installation import InstallationConfig
@@ -212,21 +208,9 @@ def test_the_pods_settings_carry_the_node_limits_and_the_dods_own_asks(
                        "node_min_free_bytes": 20 * GIB}
 
 
-@contextlib.asynccontextmanager
-async def operator_of(installation: InstallationConfig) -> AsyncIterator[None]:
-    """The operator as `dlo operator run` starts it with the chart's flags: kopf with the
-    installation in its memo (kopf's test runner has no memo), in a thread of its own."""
-    stop, ready = threading.Event(), threading.Event()
-    thread = threading.Thread(target=asyncio.run, args=(kopf.operator(
-        registry=handlers.registry, clusterwide=True, standalone=True,
-        memo=kopf.Memo(installation=installation), stop_flag=stop, ready_flag=ready),))
-    thread.start()
-    try:
-        await asyncio.to_thread(ready.wait)
-        yield
-    finally:
-        stop.set()
-        await asyncio.to_thread(thread.join)
+def operator_of(installation: InstallationConfig) -> Any:
+    """The operator as `dlo operator run` starts it with the chart's flags."""
+    return operator_with(kopf.Memo(installation=installation))
 
 
 async def test_the_operator_refuses_each_attack_as_render_does(

@@ -11,7 +11,7 @@ import pytest
 
 from dlo_contract.documents import FillStatus, FillSummary
 from dlo_contract.fill_group import FILL_GROUP_KEY, FillGroup
-from dlo_operator.configmap import revision
+from dlo_operator.configmap import entry_key, revision
 from dlo_operator.decision import Observed, Stage
 from dlo_operator.manifests import build_children, fill_group
 from dlo_operator.naming import LABEL_JOB_INDEX, LABEL_REVISION, LOADER_CONTAINER, Owner
@@ -171,10 +171,13 @@ def test_optional_children_the_spec_turns_off_are_deleted() -> None:
     assert not [d for d in decide(OWNER, on, off, BackoffConfig()).delete if d in made]
 
 
-@pytest.mark.parametrize("state", ["Failed", "Running"])
-def test_a_prefill_the_spec_no_longer_asks_for_is_superseded(state: str) -> None:
+@pytest.mark.parametrize(("state", "reason"), [("Failed", "PrefillRetryCancelled"),
+                                               ("Running", "PrefillSuperseded")])
+def test_a_prefill_the_spec_no_longer_asks_for_is_superseded(state: str, reason: str) -> None:
     """The model reverted during a prefill or its backoff: the old revision serves on, and the
-    record of the abandoned prefill ends, once, without a retry time."""
+    record of the abandoned prefill ends, once, without a retry time. A running attempt ends
+    here (`PrefillSuperseded`); a failed one ended with its `PrefillFailed`, so only its retry
+    is cancelled."""
     abandoned = {"revision": revision(NEW), "attempt": 2, "state": state, "nodes": [],
                  "message": "loader on gpu-0: 403 AccessDenied", "retryAt": "2026-12-01T09:05:00Z"}
     reverted = Observed(**{**vars(serving(OLD, 2, [cached_pod(0), cached_pod(1)], FillGroup())),
@@ -186,7 +189,7 @@ def test_a_prefill_the_spec_no_longer_asks_for_is_superseded(state: str) -> None
     assert decision.prefill == {"revision": revision(NEW), "attempt": 2, "nodes": [],
                                 "state": "Superseded", "message": message}
     assert [(r.type.value, r.reason, r.message) for r in decision.reports] == [
-        ("Normal", "PrefillSuperseded", message)]
+        ("Normal", reason, message)]
     later = Observed(**{**vars(reverted), "prefill": decision.prefill})
     again = decide(OWNER, OLD, later, BackoffConfig())
     assert (again.prefill, again.reports) == (decision.prefill, [])
@@ -289,3 +292,58 @@ def test_a_scale_up_held_through_a_restart_fills_its_new_pods_as_one_group(resta
     scaling = decide(OWNER, bigger, restarted, BackoffConfig())
     assert applied(scaling, "StatefulSet")["spec"]["replicas"] == 4
     assert published_group(scaling).members == {"flux-2": 0, "flux-3": 1}
+
+
+EDITED = parse_spec({"model": {"source": "s3://models/flux-v2/"}, "inference": {"image": "s:1"},
+                     "replicas": 2, "offload": {"useAllgather": False, "residentLayers": 2}})
+"""NEW with a settings edit that keeps its cache entry: another revision, the same entry."""
+THIRD = parse_spec({"model": {"source": "s3://models/flux-v3/"}, "inference": {"image": "s:1"},
+                    "replicas": 2})
+
+
+def failed_record(spec: DeploymentSpec) -> dict[str, Any]:
+    return {"revision": revision(spec), "entryKey": entry_key(spec), "attempt": 1,
+            "state": "Failed", "nodes": [], "message": "loader on gpu-0: 403 AccessDenied",
+            "retryAt": "2026-12-01T09:05:00Z"}
+
+
+def test_a_settings_edit_that_keeps_the_entry_continues_the_backoff_of_its_prefill() -> None:
+    """The edit's revision waits out the failed attempt's backoff, counts on from its attempt
+    and keeps its reason on show; no prefill starts and nothing is superseded."""
+    in_backoff = Observed(**{**vars(seen([], completed_s_ago=None)), "jobs": [],
+                             "prefill": failed_record(NEW)})
+    decision = decide(OWNER, EDITED, in_backoff, BackoffConfig())
+    assert (decision.stage, decision.reports) == (Stage.BACKOFF, [])
+    assert decision.message.startswith(f"prefill of revision {revision(EDITED)} failed "
+                                       "(attempt 1): loader on gpu-0: 403 AccessDenied")
+    assert {key: decision.prefill[key] for key in ("revision", "attempt", "state", "retryAt")} == {
+        "revision": revision(EDITED), "attempt": 1, "state": "Failed",
+        "retryAt": "2026-12-01T09:05:00Z"}
+    due = Observed(**{**vars(in_backoff), "prefill": decision.prefill,
+                      "now": NOW + datetime.timedelta(minutes=6)})
+    retry = decide(OWNER, EDITED, due, BackoffConfig())
+    assert (retry.stage, retry.prefill["attempt"]) == (Stage.PREFILLING, 2)
+    assert [r.reason for r in retry.reports] == ["PrefillStarted"]
+
+
+def test_another_entry_asked_for_during_a_backoff_cancels_the_retry_and_starts_at_once() -> None:
+    in_backoff = Observed(**{**vars(seen([], completed_s_ago=None)), "jobs": [],
+                             "prefill": failed_record(NEW)})
+    decision = decide(OWNER, THIRD, in_backoff, BackoffConfig())
+    assert decision.stage is Stage.PREFILLING and decision.prefill["attempt"] == 1
+    assert [r.reason for r in decision.reports] == ["PrefillRetryCancelled", "PrefillStarted"]
+
+
+@pytest.mark.parametrize("spec", [EDITED, THIRD], ids=["same-entry", "other-entry"])
+def test_a_change_during_a_prefill_supersedes_it_before_the_next_starts(
+        spec: DeploymentSpec) -> None:
+    """B -> C while B's prefill runs: B's Job is deleted and B ends, once, superseded."""
+    running = Observed(**{**vars(running_prefill(NODES, stuck_prefill_pod("gpu-1", {}))),
+                          "prefill": {**failed_record(NEW), "state": "Running"}})
+    decision = decide(OWNER, spec, running, BackoffConfig())
+    assert [(r.reason, r.message) for r in decision.reports] == [
+        ("PrefillSuperseded", f"prefill of revision {revision(NEW)} (attempt 1, running) "
+                              f"superseded: the spec asks for revision {revision(spec)} now"),
+        ("PrefillStarted", decision.reports[1].message)]
+    assert ("Job", OWNER.prefill_name(revision(NEW))) in decision.delete
+    assert (decision.prefill["revision"], decision.prefill["attempt"]) == (revision(spec), 1)

@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import datetime
 import itertools
 import json
+import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
@@ -24,6 +26,7 @@ from typing import Any
 
 import kmock
 import kmock._internal.dsl as kmock_dsl
+import kopf
 import kubernetes.config.kube_config
 import pytest
 import pytest_asyncio
@@ -209,19 +212,55 @@ async def operator(cluster: ClusterEmulator) -> AsyncIterator[Operator]:
 
 
 @contextlib.asynccontextmanager
-async def operator_beside(controllers: Coroutine[Any, Any, None]) -> AsyncIterator[None]:
+async def operator_beside(controllers: Coroutine[Any, Any, None],
+                          memo: kopf.Memo | None = None) -> AsyncIterator[None]:
     """The operator running while `controllers` (a stand-in for the cluster's own controllers,
-    e.g. `KubeStandIn.run()`) runs as a task; both stopped on exit, the operator first."""
+    e.g. `KubeStandIn.run()`) runs as a task; both stopped on exit, the operator first. With a
+    `memo` (the installation `dlo operator run` passes, a test clock), the operator runs as
+    `dlo operator run` starts it (`operator_with`): kopf's test runner takes no memo."""
     task = asyncio.create_task(controllers)
-    operator = Operator()
-    await operator.start()
     try:
-        yield
+        if memo is None:
+            operator = Operator()
+            await operator.start()
+            try:
+                yield
+            finally:
+                await operator.stop()
+        else:
+            async with operator_with(memo):
+                yield
     finally:
-        await operator.stop()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+@contextlib.asynccontextmanager
+async def operator_with(memo: kopf.Memo) -> AsyncIterator[None]:
+    """The operator with `memo`, as `dlo operator run` starts it: kopf in a thread of its own."""
+    stop, ready = threading.Event(), threading.Event()
+    thread = threading.Thread(target=asyncio.run, args=(kopf.operator(
+        registry=handlers.registry, clusterwide=True, standalone=True, memo=memo,
+        stop_flag=stop, ready_flag=ready),))
+    thread.start()
+    try:
+        await asyncio.to_thread(ready.wait)
+        yield
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join)
+
+
+@dataclasses.dataclass
+class ShiftedClock:
+    """The operator's clock (`memo.clock`) in a test: the real time plus `offset`, which the
+    test moves forward instead of waiting."""
+
+    offset: datetime.timedelta = datetime.timedelta()
+
+    def __call__(self) -> datetime.datetime:
+        return datetime.datetime.now(datetime.timezone.utc) + self.offset
 
 
 def dod_status(cluster: ClusterEmulator, name: str = "flux") -> dict[str, Any]:
