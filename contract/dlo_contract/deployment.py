@@ -138,8 +138,9 @@ class DisruptionBudgetConfig(Section):
         description="Create the PodDisruptionBudget (off, since a budget can block the drain of "
         "a one-replica DOD).")
     max_unavailable: str = setting(
-        "1", crd="disruptionBudget.maxUnavailable", pattern="^[0-9]+%?$",
-        description="Pods a drain may evict at once, a count or a percentage such as 25%.")
+        "1", crd="disruptionBudget.maxUnavailable", pattern="^([0-9]+|([0-9]|[1-9][0-9]|100)%)$",
+        description="Pods a drain may evict at once, a count or a percentage from 0% to 100% "
+        "such as 25%.")
 
 
 class DeploymentSpec(Section):

@@ -1,7 +1,9 @@
 """`admit`: the one verdict on a DiffusionOffloadDeployment, for the operator and `dlo render`.
 
 In order: what the API server would refuse (`crd_verdict`: unknown fields, schema, CEL rules,
-the name), then the settings validator (`spec.parse_spec`), then the platform's choices
+the name), then the settings validator (`spec.parse_spec`), then what the API server would
+refuse of the core/v1 objects the DOD passes to its children (`core_rules`: their Kubernetes
+schema, labels, names, quantities, probes, mounts), then the platform's choices
 (`installation.InstallationConfig`, the chart's values): the host-path allowlist of the DOD's own
 volumes (`host_paths`), the loader images and the node cache's limits
 (`platform_limits`), with the pod rules (`pod_rules`). The first stage that refuses ends the
@@ -16,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from dlo_operator.core_rules import core_problems
 from dlo_operator.crd_verdict import crd_refusals
 from dlo_operator.errors import SpecError
 from dlo_operator.host_paths import user_volume_problems
@@ -44,6 +47,10 @@ def admit(document: Mapping[str, Any],
                         hint=f"fix the fields named; `kubectl explain {KIND.lower()}.spec` "
                         "describes each")
     spec = parse_spec(judged.get("spec"), default_loader_image=installation.loader_image)
+    refused = core_problems(spec)
+    if refused:
+        raise SpecError("; ".join(refused), hint="the API server would refuse these in the "
+                        "DOD's StatefulSet; fix the fields named")
     problems = user_volume_problems(spec.volumes, allowed=installation.allowed_user_host_paths,
                                     cache_roots=installation.cache_directories)
     problems += loader_image_problems(spec, installation)

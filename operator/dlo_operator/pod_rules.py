@@ -9,15 +9,13 @@ the CRD cannot express them; the operator and `dlo render` check them through `a
 
 from __future__ import annotations
 
-import re
-from decimal import Decimal, InvalidOperation
-from typing import Any
-
+from dlo_operator.core_rules import PORT_NAME, quantity
 from dlo_operator.host_paths import OWN_MOUNT_PATHS, overlaps, user_mount_paths
 from dlo_contract.validation import cr_names
 from dlo_operator.naming import Owner, selector_labels
 from dlo_operator.node_cache import DEFAULT_RUNTIME_CACHE_PATH
 from dlo_operator.pod import GPU_RESOURCE, OWN_VOLUMES
+from dlo_operator.source_access import share_problems
 from dlo_operator.spec import DeploymentSpec, runtime_cache_on
 
 LOADER_BACKEND_MESSAGE = (
@@ -29,7 +27,7 @@ def pod_problems(spec: DeploymentSpec) -> list[str]:
     found = (_gpu_limit(spec), _ranks(spec), _loader_memory(spec), _backend(spec),
              _reserved_labels(spec), _volume_names(spec), _mounts(spec), _inference_ports(spec),
              _ports(spec), _cache_paths(spec), _runtime_cache_apart(spec))
-    return [problem for problem in found if problem]
+    return [problem for problem in found if problem] + share_problems(spec)
 
 
 def ranks_per_pod(spec: DeploymentSpec) -> int:
@@ -42,7 +40,7 @@ def ranks_per_pod(spec: DeploymentSpec) -> int:
 def _gpu_limit(spec: DeploymentSpec) -> str | None:
     for kind in ("limits", "requests"):
         own = (spec.inference.resources.get(kind) or {}).get(GPU_RESOURCE)
-        if own is not None and spec.gpus_per_pod and _quantity(own) != spec.gpus_per_pod:
+        if own is not None and spec.gpus_per_pod and quantity(own) != spec.gpus_per_pod:
             return (f"[gpus-per-pod-resources] spec.inference.resources.{kind}"
                     f"[{GPU_RESOURCE!r}]={own!r} contradicts spec.gpusPerPod={spec.gpus_per_pod}; "
                     f"remove it (gpusPerPod sets the {GPU_RESOURCE} limit) or make them equal")
@@ -63,7 +61,7 @@ def _ranks(spec: DeploymentSpec) -> str | None:
 def _loader_memory(spec: DeploymentSpec) -> str | None:
     limit = (spec.loader.resources.get("limits") or {}).get("memory")
     wanted = spec.settings.loader.memory_limit_bytes
-    if limit is None or _quantity(limit) is None or wanted < _quantity(limit):
+    if limit is None or quantity(limit) is None or wanted < quantity(limit):
         return None
     field = cr_names("loader.memory_limit_bytes")
     return (f"[loader-memory-container-limit] {field}={wanted} does not fit "
@@ -74,14 +72,6 @@ def _loader_memory(spec: DeploymentSpec) -> str | None:
 
 def _backend(spec: DeploymentSpec) -> str | None:
     return LOADER_BACKEND_MESSAGE if spec.settings.loader.backend == "nccl" else None
-
-
-_QUANTITY = re.compile(r"^([+]?[0-9.]+(?:[eE][+-]?[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?$")
-_SUFFIX = {None: Decimal(1), "m": Decimal("0.001"), "k": Decimal(10) ** 3,
-           "M": Decimal(10) ** 6, "G": Decimal(10) ** 9, "T": Decimal(10) ** 12,
-           "P": Decimal(10) ** 15, "E": Decimal(10) ** 18, "Ki": Decimal(2) ** 10,
-           "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30, "Ti": Decimal(2) ** 40,
-           "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60}
 
 
 def _reserved_labels(spec: DeploymentSpec) -> str | None:
@@ -144,9 +134,6 @@ def _runtime_cache_apart(spec: DeploymentSpec) -> str | None:
             f"path that neither contains nor lies inside {host_path}")
 
 
-_PORT_NAME = re.compile(r"^(?=.*[a-z])(?!.*--)[a-z0-9](?:[a-z0-9-]*[a-z0-9])?$")
-"""A container port's name as the API server takes it (IANA service name): lowercase letters,
-digits and '-', at least one letter, no '-' at either end, no '--'; at most 15 characters."""
 _PROTOCOLS = ("TCP", "UDP", "SCTP")
 
 
@@ -164,7 +151,7 @@ def _inference_ports(spec: DeploymentSpec) -> str | None:
                     "number; set an integer from 1 to 65535")
         name = port.get("name")
         if name is not None and (not isinstance(name, str) or len(name) > 15
-                                 or not _PORT_NAME.match(name)):
+                                 or not PORT_NAME.match(name)):
             return (f"[inference-ports-valid] {field}.name={name!r} is not a port name; use at "
                     "most 15 lowercase letters, digits and '-', with a letter, no '-' at either "
                     "end and no '--'")
@@ -199,15 +186,3 @@ def _ports(spec: DeploymentSpec) -> str | None:
     port, fields = clashes[0]
     return (f"[pod-ports-distinct] {' and '.join(fields)} are both {port}; the pod's containers "
             "share one network, so one of them could not bind it: choose distinct ports")
-
-
-def _quantity(value: Any) -> Decimal | None:
-    """A Kubernetes resource quantity (`4Gi`, `500M`, `2`, `1e9`) as a number; None when it is
-    not one (the API server refuses those itself)."""
-    match = _QUANTITY.match(str(value).strip())
-    if not match:
-        return None
-    try:
-        return Decimal(match.group(1)) * _SUFFIX[match.group(2)]
-    except InvalidOperation:
-        return None

@@ -32,7 +32,8 @@ from dlo_operator.node_cache import DEFAULT_RUNTIME_CACHE_PATH
 
 __all__ = [
     "DEFAULT_LOADER_IMAGE", "DEFAULT_LOADER_RESOURCES", "CR_LEAVES",
-    "CredentialsConfig", "DeploymentSpec", "InferenceConfig", "LoaderPodConfig", "parse_spec",
+    "CredentialsConfig", "DeploymentSpec", "InferenceConfig", "LoaderPodConfig", "field_name",
+    "parse_spec",
     "runtime_cache_on", "settings_from_spec",
 ]
 
@@ -41,8 +42,10 @@ CR_LEAVES: tuple[Leaf, ...] = tuple(leaf for leaf in leaves(DeploymentSpec) if l
 _CR_PATH = {leaf.path: leaf.meta.crd for leaf in CR_LEAVES}
 
 
-def _name(path: str) -> str:
-    """`DeploymentSpec` path -> the CR path the user wrote."""
+def field_name(path: str) -> str:
+    """`DeploymentSpec` path -> the CR path the user wrote (`inference.volume_mounts` ->
+    `spec.inference.volumeMounts`): the operator's namer of the CR-only fields, as
+    `dlo_contract.validation.cr_names` is of the settings."""
     return f"spec.{_CR_PATH[path]}" if path in _CR_PATH else f"spec.{path}"
 
 
@@ -63,7 +66,7 @@ def parse_spec(spec: Mapping[str, Any] | None, *,
             hint="set spec.inference.image",
         )
     deployment = _build(spec, DeploymentSpec, "")
-    problems = [f"{_name(leaf.path)}={_value(deployment, leaf.path)!r} {problem}"
+    problems = [f"{field_name(leaf.path)}={_value(deployment, leaf.path)!r} {problem}"
                 for leaf in CR_LEAVES if not leaf.path.startswith("settings.")
                 and (problem := leaf.meta.bounds.problem(_value(deployment, leaf.path)))]
     if problems:
@@ -116,7 +119,7 @@ def _build(spec: Mapping[str, Any], model: type[Any], prefix: str) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        message = describe(exc, model, "spec", name=lambda path: _name(prefix + path))
+        message = describe(exc, model, "spec", name=lambda path: field_name(prefix + path))
         raise SpecError(message) from None
 
 

@@ -150,10 +150,13 @@ def test_the_rendezvous_address_needs_no_cluster_domain() -> None:
      "29500; the pod's containers share one network, so one of them could not bind it: choose "
      "distinct ports"),
     ({"inference": {"image": "s:1", "ports": [{"name": "http"}]}},
-     "[inference-ports-valid] spec.inference.ports[0].containerPort=None is not a port number; "
-     "set an integer from 1 to 65535"),
+     "spec.inference.ports[0]: 'containerPort' is a required property (core/v1 ContainerPort, "
+     "as the API server checks it)"),
     ({"inference": {"image": "s:1", "ports": [{"containerPort": "8000"}]}},
-     "[inference-ports-valid] spec.inference.ports[0].containerPort='8000' is not a port "
+     "spec.inference.ports[0].containerPort: '8000' is not of type 'integer' (core/v1 "
+     "ContainerPort, as the API server checks it)"),
+    ({"inference": {"image": "s:1", "ports": [{"containerPort": 70000}]}},
+     "[inference-ports-valid] spec.inference.ports[0].containerPort=70000 is not a port "
      "number; set an integer from 1 to 65535"),
     ({"inference": {"image": "s:1", "ports": [
         {"containerPort": 8000}, {"name": "inference-metrics", "containerPort": 9000}]}},

@@ -56,6 +56,20 @@ ROWS: tuple[BadCR, ...] = (
     BadCR("source-empty-bucket", {"model": {"source": "s3:///x/"}},
           "spec.model.source: 's3:///x/' does not match"),
     BadCR("source-http", {"model": {"source": "http://x"}}, "spec.model.source: 'http://x'"),
+    BadCR("source-hf-no-repo", {"model": {"source": "hf://org"}},
+          "spec.model.source: 'hf://org' does not match"),
+    BadCR("source-file-dot-dot", {"model": {"source": "file:///models/../etc/"}},
+          "spec.model.source: 'file:///models/../etc/' does not match"),
+    BadCR("source-az-upper-account",
+          {"model": {"source": "https://Acct.blob.core.windows.net/c/p/"}},
+          "spec.model.source='https://Acct.blob.core.windows.net/c/p/' must be az://account/"
+          "container/prefix/ or https://account.blob.core.windows.net/container/prefix/ "
+          "(account in lower case)", crd=False),
+    BadCR("source-share", {"model": {"source": "file:///models/m/"}}, "[source-share]"),
+    BadCR("source-share-volume", {"model": {"source": "file:///models/m/",
+                                            "share": {"volumeName": "w"}}},
+          "[source-share-volume] spec.model.share.volumeName='w' is not one of spec.volumes",
+          crd=False),
     # Typos are refused, not pruned (`kubectl apply` validates fields strictly).
     BadCR("typo-replica", {"replica": 3}, "spec.replica: unknown field"),
     BadCR("typo-nested", {"offload": {"useAllGather": False}},
@@ -121,6 +135,68 @@ ROWS: tuple[BadCR, ...] = (
         "memoryLimitBytes": 8 << 30, "resources": {"limits": {"memory": "4Gi"}}}},
         "[loader-memory-container-limit] spec.loader.memoryLimitBytes=8589934592 does not fit",
         crd=False),
+    # The core/v1 objects the DOD passes to its children, refused as the API server would
+    # refuse the StatefulSet or the PodDisruptionBudget (issue 35): named in the DOD's words.
+    BadCR("label-key", {"podLabels": {"team name": "ml"}},
+          "[labels-valid] spec.podLabels key 'team name' is not a qualified name", crd=False),
+    BadCR("label-value", {"podLabels": {"team": "machine learning"}},
+          "[labels-valid] spec.podLabels['team']='machine learning' is not a label value",
+          crd=False),
+    BadCR("node-selector-key", {"nodeSelector": {"-gpu": "true"}},
+          "[labels-valid] spec.nodeSelector key '-gpu' is not a qualified name", crd=False),
+    BadCR("priority-class-name", {"priorityClassName": "High_Priority"},
+          "[dns-subdomain] spec.priorityClassName='High_Priority' is not an object name",
+          crd=False),
+    BadCR("service-account-name", {"serviceAccountName": "model reader"},
+          "[dns-subdomain] spec.serviceAccountName='model reader' is not an object name",
+          crd=False),
+    BadCR("toleration-operator", {"tolerations": [{"key": "gpu", "operator": "Sometimes"}]},
+          "[tolerations-valid] spec.tolerations[0].operator='Sometimes' is not one of Equal, "
+          "Exists", crd=False),
+    BadCR("toleration-seconds-type", {"tolerations": [{"key": "gpu", "operator": "Exists",
+                                                       "effect": "NoExecute",
+                                                       "tolerationSeconds": "1h"}]},
+          "spec.tolerations[0].tolerationSeconds: '1h' is not of type 'integer'", crd=False),
+    BadCR("probe-no-handler", {"inference": {"readinessProbe": {"periodSeconds": 10}}},
+          "[probe-handler] spec.inference.readinessProbe needs exactly one of exec, httpGet, "
+          "tcpSocket, grpc (it has none)", crd=False),
+    BadCR("probe-unknown-field", {"inference": {"livenessProbe": {"httpGet": {"port": 8000},
+                                                                  "periodSecond": 5}}},
+          "spec.inference.livenessProbe: Additional properties are not allowed ('periodSecond' "
+          "was unexpected)", crd=False),
+    BadCR("pdb-percent", {"disruptionBudget": {"enabled": True, "maxUnavailable": "150%"}},
+          "spec.disruptionBudget.maxUnavailable: '150%' does not match"),
+    BadCR("mount-run-dlo", {"volumes": [{"name": "s", "emptyDir": {}}], "inference": {
+        "volumeMounts": [{"name": "s", "mountPath": "/run/dlo"}]}},
+          "[volume-mounts-paths] spec.inference.volumeMounts[0].mountPath='/run/dlo' is where "
+          "dlo mounts its own volume '/run/dlo'", crd=False),
+    BadCR("mount-path-twice", {"volumes": [{"name": "a", "emptyDir": {}},
+                                           {"name": "b", "emptyDir": {}}], "inference": {
+        "volumeMounts": [{"name": "a", "mountPath": "/data"},
+                         {"name": "b", "mountPath": "/data"}]}},
+          "[volume-mounts-paths] spec.inference.volumeMounts[1].mountPath='/data' is also "
+          "spec.inference.volumeMounts[0].mountPath", crd=False),
+    BadCR("quantity-cpu", {"inference": {"resources": {"requests": {"cpu": "lots"}}}},
+          "[resource-quantity] spec.inference.resources.requests['cpu']='lots' is not a "
+          "quantity", crd=False),
+    BadCR("quantity-request-over-limit", {"loader": {"resources": {
+        "requests": {"memory": "8Gi"}, "limits": {"memory": "4Gi"}}}},
+          "[resource-quantity] spec.loader.resources.requests['memory']='8Gi' exceeds its limit "
+          "'4Gi'", crd=False),
+    BadCR("env-no-name", {"inference": {"env": [{"value": "1"}]}},
+          "spec.inference.env[0]: 'name' is a required property", crd=False),
+    BadCR("affinity-malformed", {"affinity": {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": [{"key": "gpu"}]}}},
+          "spec.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution: "
+          "[{'key': 'gpu'}] is not of type 'object'", crd=False),
+    BadCR("affinity-operator", {"affinity": {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "gpu", "operator": "Within", "values": ["a"]}]}]}}}},
+          "[affinity-valid] spec.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuring"
+          "Execution.nodeSelectorTerms[0].matchExpressions[0].operator='Within' is not one of "
+          "In, NotIn, Exists, DoesNotExist, Gt, Lt", crd=False),
+    BadCR("volume-name", {"volumes": [{"name": "Data", "emptyDir": {}}]},
+          "[volumes-valid] spec.volumes[0].name='Data' is not a DNS label", crd=False),
     # The platform's choices with the chart's defaults (issue 33; other values:
     # tests/operator/test_operator_platform_limits.py): no host path, only the chart's loader.
     BadCR("user-host-path-root", {"volumes": [{"name": "h", "hostPath": {"path": "/"}}],
