@@ -15,7 +15,19 @@ from pydantic import Field
 
 from dlo_contract.names import DEFAULT_RENDEZVOUS_PORT
 from dlo_contract.schema import Section, setting
-from dlo_contract.settings import Settings
+from dlo_contract.settings import NORMALIZED_PATH, Settings
+from dlo_contract.source_credentials import (
+    AWS_ACCESS_KEY_ID_ENV,
+    AWS_SECRET_ACCESS_KEY_ENV,
+    AWS_SESSION_TOKEN_ENV,
+    AZURE_ACCOUNT_KEY_ENV,
+    AZURE_CONNECTION_STRING_ENV,
+    AZURE_SAS_TOKEN_ENV,
+    GCS_KEY_FILE,
+    GOOGLE_APPLICATION_CREDENTIALS_ENV,
+    HF_TOKEN_ENV,
+    HTTPS_TOKEN_ENV,
+)
 
 DEFAULT_LOADER_IMAGE = "dlo-loader:0.1.0"
 """The loader image of a DOD that names none, unless the operator is given another
@@ -38,10 +50,15 @@ Objects = Annotated[tuple[dict[str, Any], ...], Field(strict=False)]
 
 CR_SECTIONS: dict[str, str] = {
     "": "The desired deployment. Fields mirror the DLO settings document.",
-    "model": "Where the checkpoint lives in object storage.",
-    "model.credentials": "S3 credentials. With a Secret name, the loader reads its keys into the "
-    "standard AWS environment variables; without one, the SDK's chain uses the pod's service "
-    "account (web identity) or the node's role.",
+    "model": "Where the checkpoint lives: an object store, a file share, an HTTP(S) server or "
+    "the Hugging Face Hub.",
+    "model.credentials": "The source's credentials. With a Secret name, the loader receives the "
+    "keys its source's scheme reads (each key below names one; the others are not passed), as "
+    "secretKeyRef variables or, for gs://, a read-only key file; without one, each scheme's "
+    "client uses the pod's workload identity (serviceAccountName) or the node's.",
+    "model.share": "The file share of a file:/// source: one of spec.volumes (a "
+    "persistentVolumeClaim of the DOD's namespace, an nfs volume, or a hostPath under the chart "
+    "value allowedUserHostPaths), mounted read-only into the loader only.",
     "parallel": "The parallel topology the inference engine runs inside each pod. DLO never "
     "creates groups: it shards host weights over the DP group if dp > 1, else the SP group if "
     "sp > 1, never TP.",
@@ -56,20 +73,54 @@ CR_SECTIONS: dict[str, str] = {
 
 
 class CredentialsConfig(Section):
-    """Where the loader's S3 credentials come from."""
+    """Where the loader's source credentials come from: a Secret's keys, each the variable of
+    `dlo_contract.source_credentials` it becomes (its default key is that variable's name)."""
 
     secret_name: str = setting(
         "", crd="model.credentials.secretName",
-        description="Secret in the DOD's namespace holding the keys; empty for none.")
+        description="Secret in the DOD's namespace holding the keys; empty for none (workload "
+        "identity).")
     access_key_id_key: str = setting(
-        "AWS_ACCESS_KEY_ID", crd="model.credentials.accessKeyIdKey",
-        description="Key of the access key id in the Secret.")
+        AWS_ACCESS_KEY_ID_ENV, crd="model.credentials.accessKeyIdKey",
+        description="s3://: key of the access key id in the Secret.")
     secret_access_key_key: str = setting(
-        "AWS_SECRET_ACCESS_KEY", crd="model.credentials.secretAccessKeyKey",
-        description="Key of the secret access key in the Secret.")
+        AWS_SECRET_ACCESS_KEY_ENV, crd="model.credentials.secretAccessKeyKey",
+        description="s3://: key of the secret access key in the Secret.")
     session_token_key: str = setting(
-        "AWS_SESSION_TOKEN", crd="model.credentials.sessionTokenKey",
-        description="Key of the session token in the Secret, used only if present.")
+        AWS_SESSION_TOKEN_ENV, crd="model.credentials.sessionTokenKey",
+        description="s3://: key of the session token in the Secret, used only if present.")
+    key_file_key: str = setting(
+        "key.json", crd="model.credentials.keyFileKey",
+        description="gs://: key of the service-account key file (JSON) in the Secret, mounted "
+        f"read-only at {GCS_KEY_FILE} ({GOOGLE_APPLICATION_CREDENTIALS_ENV}).")
+    connection_string_key: str = setting(
+        AZURE_CONNECTION_STRING_ENV, crd="model.credentials.connectionStringKey",
+        description="az://: key of a connection string in the Secret, used only if present.")
+    account_key_key: str = setting(
+        AZURE_ACCOUNT_KEY_ENV, crd="model.credentials.accountKeyKey",
+        description="az://: key of the account's shared key in the Secret, used only if present.")
+    sas_token_key: str = setting(
+        AZURE_SAS_TOKEN_ENV, crd="model.credentials.sasTokenKey",
+        description="az://: key of a SAS token in the Secret, used only if present.")
+    bearer_token_key: str = setting(
+        HTTPS_TOKEN_ENV, crd="model.credentials.bearerTokenKey",
+        description="https://: key of the bearer token in the Secret.")
+    hf_token_key: str = setting(
+        HF_TOKEN_ENV, crd="model.credentials.hfTokenKey",
+        description="hf://: key of the Hugging Face access token in the Secret.")
+
+
+class ShareConfig(Section):
+    """The file share a `file:///` source reads (mounted read-only into the loader)."""
+
+    volume_name: str = setting(
+        "", crd="model.share.volumeName",
+        description="Name of the spec.volumes entry holding the checkpoint; required with a "
+        "file:/// source, refused with any other.")
+    mount_path: str = setting(
+        "/models", crd="model.share.mountPath", pattern=NORMALIZED_PATH,
+        description="Where the loader sees the share; the file:/// source's path lies under it "
+        "(file:///models/flux-dev/ with the default).")
 
 
 class LoaderPodConfig(Section):
@@ -156,11 +207,14 @@ class DeploymentSpec(Section):
         description="GPUs requested by the inference container (nvidia.com/gpu); 0 requests none.")
     settings: Settings = Field(default_factory=Settings)
     credentials: CredentialsConfig = Field(default_factory=CredentialsConfig)
+    share: ShareConfig = Field(default_factory=ShareConfig)
     loader: LoaderPodConfig = Field(default_factory=LoaderPodConfig)
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
     service_account_name: str = setting(
         "", crd="serviceAccountName",
-        description="Service account of the pods (e.g. for S3 web identity); empty uses the "
+        description="Service account of the pods, the loader's workload identity for its source "
+        "without model.credentials.secretName (EKS IAM roles for service accounts, GKE Workload "
+        "Identity, AKS Workload Identity with its pod label in podLabels); empty uses the "
         "namespace default.")
     automount_service_account_token: bool = setting(
         False, crd="automountServiceAccountToken",
@@ -192,9 +246,9 @@ class DeploymentSpec(Section):
                                               description="Extra annotations on the pods.")
     volumes: Objects = setting(
         (), crd="volumes",
-        description="Extra pod volumes (core/v1 Volume), mounted through inference.volumeMounts; "
-        "names may not reuse the operator's (settings, run, loader-tmp, cache, runtime-cache, "
-        "dshm). A hostPath must lie under the chart value allowedUserHostPaths (default: none); "
+        description="Extra pod volumes (core/v1 Volume), mounted through inference.volumeMounts "
+        "(and model.share, in the loader); names may not reuse the operator's (settings, run, "
+        "loader-tmp, cache, runtime-cache, dshm, source-credentials). A hostPath must lie under the chart value allowedUserHostPaths (default: none); "
         "gitRepo and flexVolume are refused.")
     shm_size: str = setting(
         "", crd="shmSize", pattern=QUANTITY,

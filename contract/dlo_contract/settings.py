@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError
 
 from dlo_contract.names import CONFIG_ENV, DEFAULT_CACHE_ROOT, DEFAULT_CONFIG_PATH
 from dlo_contract.schema import Section, SettingsError, describe, leaves, setting
+from dlo_contract.source_uri import SOURCE_PATTERN
 
 __all__ = [
     "CONFIG_ENV", "DEFAULT_CACHE_ROOT", "DEFAULT_CONFIG_PATH", "GIB", "MIB", "SCHEMA_VERSION",
@@ -76,6 +77,12 @@ class OffloadConfig(Section):
         0.0, crd="offload.runtimeCachePinLimitGiB", minimum=0,
         description="Per-process budget (GiB) for registering the runtime-cache mapping with the "
         "device runtime; 0 turns registration off and keeps the two bounded staging slots.")
+    group_wait_timeout_s: float = setting(
+        300.0, crd="offload.groupWaitTimeoutSeconds", above=0,
+        description="Seconds a rank of the DLO AllGather group waits for the others at the "
+        "check that starts each forward (and disable) before it fails naming the forward. DLO "
+        "creates no process group: the server's group's own timeout (torch's default is 30 "
+        "minutes) bounds the block AllGathers. Five minutes covers a slower first compile.")
     model_cpu_offload: bool = setting(
         False, crd="offload.modelCpuOffload",
         description="Model-level CPU offload; forced off while DLO is enabled.")
@@ -106,14 +113,19 @@ class LoaderConfig(Section):
     """How the init container streams the checkpoint from object storage into the node cache."""
 
     source: str = setting(
-        "", crd="model.source", cli="--source", required=True, pattern=r"^s3://[^/]+/.*$",
-        description="S3 URI of the checkpoint prefix, e.g. s3://models/flux-dev/.")
+        "", crd="model.source", cli="--source", required=True, pattern=SOURCE_PATTERN,
+        description="URI of the checkpoint prefix: s3://bucket/prefix/, file:///path/ (a share, "
+        "model.share), gs://bucket/prefix/, az://account/container/prefix/ (or "
+        "https://account.blob.core.windows.net/container/prefix/), https://host/path/ (a server "
+        "with a listing file) or hf://org/repo[@revision]/ (the Hugging Face Hub).")
     include: Globs = setting(
         ("*.safetensors", "*.json"), crd="model.include", cli="--include", max_items=64,
         description="Glob patterns, relative to the prefix, of the objects to fetch.")
     endpoint_url: str | None = setting(
         None, crd="model.endpointUrl", cli="--endpoint-url",
-        description="S3 endpoint URL; empty uses the SDK's default for the region.")
+        description="The store's endpoint URL, for an S3-compatible server, a GCS or Azure "
+        "emulator or a Hub mirror; empty uses the scheme's default (the S3 SDK's for the region, "
+        "storage.googleapis.com, https://<account>.blob.core.windows.net, huggingface.co).")
     region: str | None = setting(
         None, crd="model.region", cli="--region",
         description="S3 region; empty uses the SDK's default chain.")
@@ -159,6 +171,12 @@ class LoaderConfig(Section):
         30.0, crd="loader.stallTimeoutSeconds", cli="--stall-timeout", above=0,
         description="Seconds without a byte after which a ranged GET is abandoned and asked "
         "again at once on a new connection.")
+    peer_timeout_s: float = setting(
+        10.0, crd="loader.peerTimeoutSeconds", cli="--peer-timeout", above=0,
+        description="Seconds a loader of a fill group may send no heartbeat (it sends about one "
+        "a second, on its own connection to the group's store) before the others take it for "
+        "lost (killed, stopped, frozen or cut off) and stop, naming its rank, pod and node; a "
+        "wait on the group for a silent loader ends within it.")
     timeout_s: float = setting(
         3600.0, crd="loader.timeoutSeconds", above=0,
         description="Whole-fill deadline in seconds; any rank past it fails every rank.")

@@ -29,7 +29,9 @@ from dlo_contract.generate import CRD_NAME, crd_text
 
 CRD_FILE = CRD_NAME
 _RULE_ID = re.compile(r"^\[([a-z0-9-]+)\] ")
-_SELF_PATH = re.compile(r"self((?:\.[A-Za-z]+)+)")
+_SELF_PATH = re.compile(r"self((?:\.[A-Za-z]+)+)(?![\w(])")
+"""A field a rule reads, without a method called on it (`self.model.source.startsWith(...)`
+reads `model.source`): the memo of `CelRule.holds` is keyed on these fields' values."""
 
 
 @functools.cache

@@ -22,14 +22,16 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from dlo_contract.names import RUN_DIR, SETTINGS_MOUNT
+from dlo_contract.source_credentials import SOURCE_CREDENTIALS_MOUNT
 from dlo_operator.naming import LOADER_TMP, SHM_PATH
 from dlo_operator.node_cache import NODE_CACHE_CLASS
 from dlo_operator.spec import DeploymentSpec
 
 DEFAULT_ALLOWED_HOST_PATHS: tuple[str, ...] = ("/var/lib/dlo",)
-OWN_MOUNT_PATHS: tuple[str, ...] = (SETTINGS_MOUNT, RUN_DIR, LOADER_TMP, SHM_PATH)
+OWN_MOUNT_PATHS: tuple[str, ...] = (SETTINGS_MOUNT, RUN_DIR, LOADER_TMP, SHM_PATH,
+                                     SOURCE_CREDENTIALS_MOUNT)
 """Where the operator mounts its own volumes in the containers (settings, entry file, the
-loader's scratch space, shared memory)."""
+loader's scratch space, shared memory, the source's key file)."""
 
 
 def normalized(path: str) -> bool:

@@ -58,11 +58,17 @@ from dlo_operator.node_cache import (
     build_cache_volume,
     runtime_subpath,
 )
+from dlo_operator.source_access import (
+    CREDENTIALS_VOLUME,
+    credential_env,
+    source_mounts,
+    source_volumes,
+)
 from dlo_operator.spec import DeploymentSpec, runtime_cache_on
 
 GPU_RESOURCE = "nvidia.com/gpu"
 SHM_VOLUME = "dshm"
-OWN_VOLUMES = ("settings", "run", "loader-tmp", CACHE_VOLUME, SHM_VOLUME)
+OWN_VOLUMES = ("settings", "run", "loader-tmp", CACHE_VOLUME, SHM_VOLUME, CREDENTIALS_VOLUME)
 """Volume names the operator uses; a user's `volumes` entry may not reuse one."""
 
 def loader_security_context(spec: DeploymentSpec) -> dict[str, Any]:
@@ -120,7 +126,8 @@ def build_pod_template(owner: Owner, spec: DeploymentSpec, revision: str,
 
 def volumes(settings_configmap: str, spec: DeploymentSpec) -> list[dict[str, Any]]:
     """Settings (the revision's ConfigMap), the run and tmp dirs, the node cache (the pod's
-    claim of its namespace's directory on its node)."""
+    claim of its namespace's directory on its node), the source's key file (`source_access`)
+    and the DOD's own volumes (a `file:///` share among them)."""
     volumes: list[dict[str, Any]] = [
         {"name": "settings", "configMap": {
             "name": settings_configmap, "items": [{"key": SETTINGS_KEY, "path": SETTINGS_KEY}],
@@ -133,16 +140,17 @@ def volumes(settings_configmap: str, spec: DeploymentSpec) -> list[dict[str, Any
     if spec.shm_size:
         shm["sizeLimit"] = spec.shm_size
     volumes.append({"name": SHM_VOLUME, "emptyDir": shm})
-    return volumes + [copy.deepcopy(dict(v)) for v in spec.volumes]
+    return volumes + source_volumes(spec) + [copy.deepcopy(dict(v)) for v in spec.volumes]
 
 
 def loader_container(spec: DeploymentSpec, group_env: list[dict[str, Any]], *,
                      sidecar: bool = False) -> dict[str, Any]:
-    """Contract C2: `dlo cache fill`; `group_env` says where it learns its fill group. As the
+    """Contract C2: `dlo cache fill`; `group_env` says where it learns its fill group; its
+    source's credentials and mounts come from `source_access`. As the
     workload pod's `sidecar` it stays up after publishing and is ready once the entry document
     exists; in the prefill Job it is an ordinary container that ends with its fill."""
     env: list[dict[str, Any]] = [*group_env, {"name": CONFIG_ENV, "value": DEFAULT_CONFIG_PATH}]
-    env += _credential_env(spec)
+    env += credential_env(spec)
     args = ["--config", DEFAULT_CONFIG_PATH, "--entry-file", DEFAULT_ENTRY_FILE]
     container: dict[str, Any] = {
         "name": LOADER_CONTAINER,
@@ -161,6 +169,7 @@ def loader_container(spec: DeploymentSpec, group_env: list[dict[str, Any]], *,
             {"name": "loader-tmp", "mountPath": LOADER_TMP},
             {"name": CACHE_VOLUME, "mountPath": spec.settings.cache.root,
              "subPath": CACHE_SUBPATH},
+            *source_mounts(spec),
         ],
     }
     if sidecar:
@@ -180,25 +189,6 @@ def _loader_ports(spec: DeploymentSpec) -> list[dict[str, Any]]:
         ports.append({"name": LOADER_METRICS_PORT_NAME,
                       "containerPort": spec.settings.loader.metrics_port, "protocol": "TCP"})
     return ports
-
-
-def _credential_env(spec: DeploymentSpec) -> list[dict[str, Any]]:
-    """S3 keys from a Secret reference; without one the SDK chain uses the service account."""
-    creds = spec.credentials
-    if not creds.secret_name:
-        return []
-    pairs = [
-        ("AWS_ACCESS_KEY_ID", creds.access_key_id_key, False),
-        ("AWS_SECRET_ACCESS_KEY", creds.secret_access_key_key, False),
-        ("AWS_SESSION_TOKEN", creds.session_token_key, True),
-    ]
-    return [
-        {"name": name, "valueFrom": {"secretKeyRef": {
-            "name": creds.secret_name, "key": key, "optional": optional,
-        }}}
-        for name, key, optional in pairs
-        if key
-    ]
 
 
 def _inference_container(dod: str, spec: DeploymentSpec) -> dict[str, Any]:

@@ -9,13 +9,14 @@ from typing import Any
 from support.crd_schema import apply_defaults, cel_rules, load_crd, root_schema
 
 from dlo_operator.pod_rules import LOADER_BACKEND_MESSAGE
+from dlo_operator.source_access import SHARE_NEEDED_MESSAGE
 from dlo_operator.spec import settings_from_spec
 from dlo_contract.settings import Settings
 from dlo_contract.validation import CR_PATHS, RULES, range_errors, violated_rules
 
 CRD = load_crd()
 SPEC_SCHEMA = root_schema(CRD)["properties"]["spec"]
-POD_RULES = ("loader-backend-gloo",)
+POD_RULES = ("loader-backend-gloo", "source-share")
 """Rules on the pod rather than the settings document (`dlo_operator.pod_rules`)."""
 RULES_CEL = [rule for rule in cel_rules(CRD) if rule.id not in POD_RULES]
 LOADER_RULE = "loader-memory-two-chunks"
@@ -85,8 +86,9 @@ def test_every_validation_rule_has_a_cel_twin() -> None:
 
 
 def test_pod_rules_in_cel_say_what_the_operator_says() -> None:
-    (backend,) = [rule for rule in cel_rules(CRD) if rule.id in POD_RULES]
+    backend, share = [rule for rule in cel_rules(CRD) if rule.id in POD_RULES]
     assert backend.message == LOADER_BACKEND_MESSAGE
+    assert share.message == SHARE_NEEDED_MESSAGE
 
 
 def test_cel_and_the_validator_agree_on_the_whole_matrix() -> None:
@@ -120,3 +122,15 @@ def test_a_cel_rule_reads_only_spec_fields_that_exist() -> None:
             if "type" not in node:
                 missing.append(f"{rule.id}: {path}")
     assert missing == []
+
+
+def test_the_share_rule_holds_for_every_scheme_but_a_file_source_without_a_share() -> None:
+    (share,) = [rule for rule in cel_rules(CRD) if rule.id == "source-share"]
+    verdicts = {}
+    for source in ("s3://m/p/", "gs://m/p/", "hf://o/r/", "file:///models/p/"):
+        for volume in ("", "weights"):
+            spec = apply_defaults(SPEC_SCHEMA, {
+                "model": {"source": source, "share": {"volumeName": volume}},
+                "inference": {"image": "server:1"}})
+            verdicts[source, volume] = share.holds(SPEC_SCHEMA, spec)
+    assert [key for key, holds in verdicts.items() if not holds] == [("file:///models/p/", "")]
