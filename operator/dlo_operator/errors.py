@@ -30,3 +30,8 @@ class KubeError(OperatorError, PermanentError):
 
 class KubeTransientError(OperatorError, TransientError):
     """The Kubernetes API was throttling, unavailable or reported a conflict: retry later."""
+
+
+class NameConflict(OperatorError, PermanentError):
+    """A child's name is taken by an object another DOD (or controller) controls: the operator
+    writes none of the DOD's children until the name is free (rechecked on every reconcile)."""

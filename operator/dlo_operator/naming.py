@@ -166,6 +166,24 @@ def labels_of(obj: Mapping[str, Any]) -> Mapping[str, str]:
     return (obj.get("metadata") or {}).get("labels") or {}
 
 
+def foreign_controller(owner: Owner, child: Mapping[str, Any] | None) -> str | None:
+    """Who controls `child` if not `owner` ("DiffusionOffloadDeployment flux"), else None.
+
+    Child names are `<dod>`, `<dod>-peers`, `<dod>-prefill`, ...: DOD `flux`'s headless Service
+    `flux-peers` is DOD `flux-peers`'s inference Service. The controller reference (or, on an
+    object without one, the deployment label) says whose it is; a DOD of `owner`'s name with
+    another uid is the one `owner` replaced (its children wait for the garbage collector) and
+    counts as `owner`. An object nobody controls or labels is the operator's to adopt."""
+    meta = (child or {}).get("metadata") or {}
+    ref = next((r for r in meta.get("ownerReferences") or () if r.get("controller")), None)
+    if ref is not None:
+        mine = (ref.get("kind") == KIND and str(ref.get("apiVersion", "")).startswith(f"{GROUP}/")
+                and ref.get("name") == owner.name)
+        return None if mine else f"{ref.get('kind')} {ref.get('name')}"
+    labelled = labels_of(child or {}).get(LABEL_DEPLOYMENT)
+    return f"{KIND} {labelled}" if labelled and labelled != owner.name else None
+
+
 def owns(owner: Owner, child: Mapping[str, Any] | None) -> bool:
     """Whether `child` (None: absent) carries `owner`'s owner reference: an object of the same
     name that someone else made is never the operator's to delete."""

@@ -38,7 +38,7 @@ from dlo_operator.conditions import (
     report_event,
 )
 from dlo_operator.decision import Decision, Observed, Stage
-from dlo_operator.errors import KubeError, KubeTransientError, SpecError
+from dlo_operator.errors import KubeError, KubeTransientError, NameConflict, SpecError
 from dlo_operator.installation import InstallationConfig
 from dlo_operator.kube import KubeClient, backoff_delay
 from dlo_operator.manifests import optional_child_names
@@ -46,6 +46,7 @@ from dlo_operator.naming import (
     LABEL_DEPLOYMENT,
     LABEL_ROLE,
     Owner,
+    foreign_controller,
     labels_of,
     owns,
     selector_labels,
@@ -65,6 +66,8 @@ from dlo_operator.status import (
 )
 
 log = logging.getLogger(__name__)
+NAME_CONFLICT = "NameConflict"
+"""The `Applied` reason of a DOD whose child name another DOD's (or controller's) object holds."""
 PREFILL_STUCK = "PrefillStuck"
 """The `Prefilled` reason (and Warning Event) of a prefill pod that cannot start its loader."""
 _REPORTED_REASONS = {READY: TROUBLE_REASONS, PREFILLED: frozenset({PREFILL_STUCK})}
@@ -154,6 +157,12 @@ def _apply(kube: KubeClient, owner: Owner, dod: Mapping[str, Any], decision: Dec
         return before.condition
     try:
         _converge(kube, owner, decision)
+    except NameConflict as exc:
+        retries.pop(key, None)
+        condition = Condition(APPLIED, FALSE, NAME_CONFLICT, str(exc))
+        if find(dod.get("status") or {}, APPLIED) != condition:
+            report_event(dod, condition)
+        return condition
     except KubeTransientError as exc:
         attempt = before.attempt + 1 if before is not None else 0
         delay = backoff_delay(attempt, exc.delay_s)
@@ -211,9 +220,21 @@ def _observe(kube: KubeClient, owner: Owner, pods: list[dict[str, Any]],
 
 
 def _converge(kube: KubeClient, owner: Owner, decision: Decision) -> None:
-    for manifest in decision.apply:
+    """Apply what drifted and delete what is no longer used, writing nothing unless every
+    child's name is free of another controller's object (`NameConflict`)."""
+    lives = [(manifest, kube.get(manifest["kind"], owner.namespace, manifest["metadata"]["name"]))
+             for manifest in decision.apply]
+    taken = [(manifest, who) for manifest, live in lives
+             if (who := foreign_controller(owner, live)) is not None]
+    if taken:
+        raise NameConflict("; ".join(
+            f"{m['kind']} {owner.namespace}/{m['metadata']['name']} belongs to {who}" for m, who
+            in taken) + "; the operator writes no object another controls, so this DOD has no "
+            "children: rename it (its children are named after it), or delete the other",
+            hint="child names add -peers, -prefill, -settings-<revision> or -fill-group to the "
+            "DOD's name")
+    for manifest, live in lives:
         meta = manifest["metadata"]
-        live = kube.get(manifest["kind"], owner.namespace, meta["name"])
         if live is None or drifted(manifest, live):
             log.info("%s/%s: applying %s %s (%s)", owner.namespace, owner.name,
                      manifest["kind"], meta["name"], "missing" if live is None else "drifted")
@@ -221,6 +242,8 @@ def _converge(kube: KubeClient, owner: Owner, decision: Decision) -> None:
                 kube.delete(manifest["kind"], owner.namespace, meta["name"])
             kube.apply(manifest)
     for kind, name in decision.delete:
+        if foreign_controller(owner, kube.get(kind, owner.namespace, name)) is not None:
+            continue  # another's object of the name: never the operator's to delete
         log.info("%s/%s: deleting %s %s", owner.namespace, owner.name, kind, name)
         kube.delete(kind, owner.namespace, name)
 
