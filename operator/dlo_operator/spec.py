@@ -57,7 +57,8 @@ def parse_spec(spec: Mapping[str, Any] | None, *,
     if not _get(spec, "model.source", ""):
         source = cr_names("loader.source")
         raise SpecError(
-            f"{source} is required: the s3:// URI of the checkpoint prefix",
+            f"{source} is required: the URI of the checkpoint prefix (s3://, file:///, gs://, "
+            "az://, https:// or hf://)",
             hint=f"set {source}, e.g. s3://models/flux-dev/",
         )
     if not _get(spec, "inference.image", ""):

@@ -64,7 +64,8 @@ def test_empty_optional_strings_mean_unset() -> None:
      "spec.loader.mode: 'fastest' is not one of 'multi-reader', 'single-reader', "
      "'independent'"),
     ({"inference": {"image": "server:1"}},
-     "spec.model.source is required: the s3:// URI of the checkpoint prefix"),
+     "spec.model.source is required: the URI of the checkpoint prefix (s3://, file:///, gs://, "
+     "az://, https:// or hf://)"),
     ({"model": {"source": "s3://b/p/"}},
      "spec.inference.image is required: the image of the inference server"),
     ({**MINIMAL, "replicas": 0}, "spec.replicas=0 must be greater than 0"),
