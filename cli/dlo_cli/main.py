@@ -36,6 +36,7 @@ COMMANDS: tuple[Command, ...] = (
     Command(("cache", "fill"), "dlo_loader.cli", "stream a checkpoint from object storage into the cache"),
     Command(("operator", "run"), "dlo_operator.cli", "run the DiffusionOffloadDeployment operator"),
     Command(("node-agent", "run"), "dlo_operator.node_agent", "prepare this node's node-cache directories for the loader"),
+    Command(("serve",), "dlo_server.cli", "serve images over HTTP from an offloaded DiT (the reference server)"),
     Command(("render",), "dlo_operator.render", "print the manifests the operator would create"),
     Command(("bench", "runtime"), "dlo_bench.runtime", "hook overhead, step times, host memory"),
     Command(("bench", "gpu-check"), "dlo_bench.gpu_check", "tests/gpu and the CUDA step-time benchmark (skips without CUDA)"),

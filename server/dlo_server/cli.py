@@ -1,0 +1,223 @@
+"""`dlo serve`: the reference inference server of a dlo pod.
+
+Owns the server's processes and its lifetime. The command is rank 0: it serves HTTP
+(`dlo_server.app`) from the start, so the probes answer while the loader fills, and starts ranks
+1..G-1 as child processes of the same command (`--rank`), one per device. Each rank joins the
+group (gloo on the CPU; gloo and NCCL on CUDA), builds its model with the pod API
+(`engine.start_model`) and runs the wave loop (`engine.lead` on rank 0, `engine.follow` on the
+others) on a thread of its own. SIGTERM (or Ctrl-C) on rank 0: readiness fails at once, new
+requests get 503, the queued and running ones finish, rank 0 tells the others to stop, every
+rank closes its offload handle and destroys its process groups, and the command exits 0 once
+its children have. The children ignore SIGTERM and SIGINT: they stop when rank 0 says so (or
+fail when it is gone). A server that is broken (a rank exited, a failed start) fails every probe
+and exits 1 on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+from dlo_server.metrics import ServerMetrics
+from dlo_server.requests import Limits
+from dlo_server.status import State, Status
+from dlo_server.waves import WaveQueue
+
+log = logging.getLogger(__name__)
+
+_CHILD_POLL_S = 0.5
+_CHILD_GRACE_S = 30.0
+_UNSTARTED = (State.JOINING, State.FILLING)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
+    add("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
+    add("--ranks", type=int, help="data-parallel ranks, one process and device each "
+                                  "(default: the settings' parallel.dp)")
+    add("--queue-size", type=int, default=16,
+        help="images that may wait; a request that does not fit gets 503 (default: %(default)s)")
+    add("--max-n", type=int, default=Limits.max_n, help="images per request (default: %(default)s)")
+    add("--max-steps", type=int, default=Limits.max_steps,
+        help="num_inference_steps at most (default: %(default)s)")
+    add("--max-side", type=int, default=Limits.max_side,
+        help="width and height at most, in pixels (default: %(default)s)")
+    add("--threads", type=int, help="torch CPU threads per rank (default: torch's own choice)")
+    add("--collective-timeout", type=float, default=1800.0, metavar="S",
+        help="seconds a collective of the group may wait (default: %(default)s)")
+    add("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    add("--master-port", type=int, help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    world = args.ranks or _settings_dp()
+    if args.rank > 0:
+        return _follower(args, world)
+    return asyncio.run(_leader(args, world))
+
+
+def _settings_dp() -> int:
+    from dlo_contract.settings import load_settings
+
+    return load_settings().parallel.dp
+
+
+def _follower(args: argparse.Namespace, world: int) -> int:
+    from dlo_server.engine import follow
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 decides when the group stops
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with _rank(args, args.rank, world, args.master_port, Status()) as (model, group):
+        follow(model, args.rank, group)
+    return 0
+
+
+async def _leader(args: argparse.Namespace, world: int) -> int:
+    from aiohttp import web
+
+    from dlo_server.app import Server
+
+    status, metrics = Status(), ServerMetrics()
+    queue = WaveQueue(args.queue_size, world)
+    server = Server(status, queue, metrics)
+    master_port = args.master_port or _free_port()
+    runner = web.AppRunner(server.app())
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    log.info("dlo serve: listening on %s:%d, %d rank(s)", args.host, args.port, world)
+    children = [_start_child(args, rank, world, master_port) for rank in range(1, world)]
+    engine = threading.Thread(target=_lead_rank, name="dlo-engine", daemon=True,
+                              args=(args, world, master_port, server))
+    engine.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    watcher = asyncio.create_task(_watch_children(children, status, queue, stop))
+    await stop.wait()
+    watcher.cancel()
+    return await _shutdown(status, queue, engine, runner, children)
+
+
+def _lead_rank(args: argparse.Namespace, world: int, master_port: int, server: Any) -> None:
+    """Rank 0's engine thread: start, serve waves, stop; a failure breaks the server."""
+    from dlo_runtime.metrics import OffloadCollector
+    from dlo_server.engine import lead
+
+    status, queue = server.status, server.queue
+    try:
+        with _rank(args, 0, world, master_port, status) as (model, group):
+            queue.same_steps = model.allgather
+            server.limits = Limits(size_multiple=model.sampler.size_multiple,
+                                   max_side=args.max_side, max_steps=args.max_steps,
+                                   max_n=args.max_n)
+            server.metrics.registry.register(OffloadCollector(model.handle.stats))
+            status.set(State.READY, f"{world} rank(s), "
+                                    f"{'allgather' if model.allgather else 'rank-local'} mode")
+            lead(model, queue, group, server.metrics)
+    except BaseException as exc:  # noqa: BLE001 (reported by the probes and the log)
+        log.exception("dlo serve: the engine stopped")
+        status.set(State.BROKEN, f"{type(exc).__name__}: {exc}")
+        queue.fail_all(exc)
+
+
+@contextmanager
+def _rank(args: argparse.Namespace, rank: int, world: int, master_port: int | None,
+          status: Status) -> Iterator[tuple[Any, Any]]:
+    """Join the group (when there is one), start the model, wait for every rank; on the way
+    out close the offload handle, then destroy the process groups."""
+    import torch
+    import torch.distributed as dist
+
+    from dlo_server.engine import start_model
+
+    group = None
+    if world > 1:
+        status.set(State.JOINING, f"joining the group of {world} ranks")
+        dist.init_process_group(
+            "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
+            init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=world,
+            timeout=timedelta(seconds=args.collective_timeout))
+        group = dist.new_group(backend="gloo")  # the waves' messages, whatever the devices
+    try:
+        device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+        model = start_model(status, device)
+        try:
+            if group is not None:
+                dist.barrier(group=group)
+            yield model, group
+        finally:
+            model.handle.close()
+    finally:
+        if group is not None:
+            dist.destroy_process_group()
+
+
+def _start_child(args: argparse.Namespace, rank: int, world: int,
+                 master_port: int) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-m", "dlo_cli.main", "serve", "--rank", str(rank),
+            "--ranks", str(world), "--master-port", str(master_port),
+            "--collective-timeout", str(args.collective_timeout)]
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    return subprocess.Popen(argv)
+
+
+async def _watch_children(children: list[subprocess.Popen[bytes]], status: Status,
+                          queue: WaveQueue, stop: asyncio.Event) -> None:
+    """A rank that exits before rank 0 asked it to breaks the server."""
+    while not stop.is_set():
+        for rank, child in enumerate(children, start=1):
+            if child.poll() is not None and status.state is not State.STOPPING:
+                message = f"rank {rank} exited with status {child.returncode}"
+                log.error("dlo serve: %s", message)
+                status.set(State.BROKEN, message)
+                queue.fail_all(RuntimeError(message))
+                return
+        await asyncio.sleep(_CHILD_POLL_S)
+
+
+async def _shutdown(status: Status, queue: WaveQueue, engine: threading.Thread, runner: Any,
+                    children: list[subprocess.Popen[bytes]]) -> int:
+    """Finish what was accepted, stop the ranks, close the HTTP side; 0 when all went well."""
+    before = status.state
+    status.set(State.STOPPING, "stopping: finishing the queued requests, taking no new ones")
+    log.info("dlo serve: stopping (was %s); %d image(s) queued", before.value, queue.depth)
+    queue.close()
+    waits = before not in _UNSTARTED and before is not State.BROKEN
+    if waits:
+        await asyncio.to_thread(engine.join)
+    await runner.cleanup()
+    clean = waits and status.state is State.STOPPING
+    for child in children:
+        if not clean:
+            child.kill()
+        try:
+            await asyncio.to_thread(child.wait, _CHILD_GRACE_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            clean = False
+    clean = clean and all(child.returncode == 0 for child in children)
+    log.info("dlo serve: stopped %s", "cleanly" if clean else "after a failure")
+    return 0 if clean or before in _UNSTARTED else 1
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,156 @@
+"""One rank of `dlo serve`: build the model with the pod API, then run waves until told to stop.
+
+Owns the start of a rank (the entry, `pod.build_dit`, `pod.enable`, the sampler) and the wave
+loop. Rank 0 leads: it draws each wave from the queue (`waves.WaveQueue`), broadcasts it to the
+other ranks over the gloo dispatch group (`broadcast_object_list`), makes its own job's image,
+and gathers the others' PNGs (`gather_object`). Every rank makes the job with its index; in
+AllGather mode a rank without one runs the wave's forwards on the smallest latent and drops
+them, so every gather of the wave has all G ranks (`FluxSampler.idle`). While no request comes,
+rank 0 broadcasts a tick every `HEARTBEAT_S`, so the others' waits never reach the group's
+timeout and a rank that died is seen. The stop order: rank 0 broadcasts STOP once its queue is
+closed and empty, then every rank closes its handle; the caller destroys the process groups.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dlo_server.metrics import ServerMetrics
+from dlo_server.sampler import FluxSampler, Job
+from dlo_server.status import State, Status
+from dlo_server.waves import Pending, WaveQueue
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 5.0
+_TICK = "tick"
+_STOP = "stop"
+
+
+@dataclass(frozen=True)
+class Wave:
+    """Jobs by rank (None: that rank has none) and the step count they share (AllGather)."""
+
+    steps: int
+    jobs: tuple[Job | None, ...]
+
+
+@dataclass
+class Model:
+    """What a started rank serves with."""
+
+    sampler: FluxSampler
+    handle: Any
+    allgather: bool
+
+
+class WaveFailed(RuntimeError):
+    """A rank could not make its job's image; the message is that rank's error."""
+
+
+def start_model(status: Status, device: torch.device) -> Model:
+    """Wait for the loader's entry, build the DiT weightless when the entry backs it, enable DLO,
+    and load the VAE and scheduler from the entry."""
+    from diffusers import FluxTransformer2DModel
+
+    from dlo_runtime import pod
+
+    status.set(State.FILLING, "waiting for the loader to publish the entry")
+    entry = pod.wait_for_entry_file()
+    if entry is None:
+        raise pod.PodError(f"no entry file at {pod.entry_file_path()}",
+                           hint="run the loader (`dlo cache fill`) first")
+    status.set(State.LOADING, f"building the model of entry {entry.entry_id}")
+    dit = pod.build_dit(FluxTransformer2DModel)
+    handle = pod.enable(dit, device=device)
+    try:
+        sampler = FluxSampler(dit, entry.path, handle.device)
+        allgather = handle.stats().mode == "allgather"
+    except BaseException:
+        handle.close()
+        raise
+    log.info("serving entry %s on %s, %s mode, host backing %s", entry.entry_id, handle.device,
+             "allgather" if allgather else "rank-local", handle.backing().value)
+    return Model(sampler, handle, allgather)
+
+
+def lead(model: Model, queue: WaveQueue, group: Any, metrics: ServerMetrics) -> None:
+    """Rank 0's loop: waves until the queue is closed and empty, then STOP to the others."""
+    while True:
+        metrics.queue_depth.set(queue.depth)
+        pending = queue.take_wave(HEARTBEAT_S)
+        if pending is None:
+            _broadcast(_TICK, group)
+            continue
+        if not pending:
+            _broadcast(_STOP, group)
+            return
+        started = time.monotonic()
+        _run_wave(model, pending, queue.ranks, group, metrics)
+        queue.wave_s = time.monotonic() - started
+        metrics.wave_seconds.observe(queue.wave_s)
+
+
+def follow(model: Model, rank: int, group: Any) -> None:
+    """The other ranks' loop: each wave rank 0 broadcasts, until STOP."""
+    while True:
+        order = _broadcast(None, group)
+        if order == _STOP:
+            return
+        if order == _TICK:
+            continue
+        _gather(_own_part(model, order, rank), group)
+
+
+def _run_wave(model: Model, pending: list[Pending], ranks: int, group: Any,
+              metrics: ServerMetrics) -> None:
+    jobs = tuple(item.job for item in pending) + (None,) * (ranks - len(pending))
+    wave = Wave(steps=pending[0].job.steps, jobs=jobs)
+    _broadcast(wave, group)
+    results = _gather(_own_part(model, wave, 0), group)
+    metrics.waves.inc()
+    metrics.idle_slots.inc(ranks - len(pending))
+    for item, result in zip(pending, results):
+        if isinstance(result, bytes):
+            metrics.images.inc()
+            item.future.set_result(result)
+        else:
+            item.future.set_exception(WaveFailed(str(result)))
+
+
+def _own_part(model: Model, wave: Wave, rank: int) -> bytes | str | None:
+    """This rank's image of `wave` (or its error as text); an idle rank's dropped forwards in
+    AllGather mode."""
+    job = wave.jobs[rank]
+    if job is None:
+        if model.allgather:
+            model.sampler.idle(wave.steps)
+        return None
+    try:
+        return model.sampler.generate(job)
+    except Exception as exc:  # answered as this request's 500; the wave goes on
+        log.exception("rank %d: the job failed", rank)
+        return f"rank {rank}: {type(exc).__name__}: {exc}"
+
+
+def _broadcast(message: Any, group: Any) -> Any:
+    if group is None:
+        return message
+    box = [message]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def _gather(result: Any, group: Any) -> list[Any]:
+    if group is None:
+        return [result]
+    rank = dist.get_rank(group)
+    out = [None] * dist.get_world_size(group) if rank == 0 else None
+    dist.gather_object(result, out, dst=0, group=group)
+    return out or []

@@ -1,0 +1,116 @@
+"""The body of `POST /v1/images/generations` (OpenAI images API shape) checked and turned into
+jobs, one per image.
+
+Owns the request fields, their defaults and bounds (`Limits`), and the 400 answer's wording: each
+`RequestError` names the field as the client wrote it, the value, and what is accepted. Pure: no
+HTTP, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dlo_server.sampler import Job
+
+RESPONSE_FORMAT = "b64_json"
+FIELDS = ("prompt", "n", "size", "response_format", "num_inference_steps", "guidance_scale",
+          "seed", "model", "user")
+"""Every field a request may carry; `model` and `user` are accepted and not used."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the server accepts: sizes are multiples of `size_multiple` up to `max_side`."""
+
+    size_multiple: int
+    max_side: int = 1024
+    max_steps: int = 50
+    max_n: int = 4
+    default_size: str = "64x64"
+    default_steps: int = 4
+    default_guidance: float = 3.5
+
+
+class RequestError(ValueError):
+    """A request the server refuses; `field` is the body's key at fault."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A checked request: `jobs()` gives one job per image."""
+
+    prompt: str
+    n: int
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
+    seed: int
+
+    def jobs(self) -> list[Job]:
+        return [Job(prompt=self.prompt, width=self.width, height=self.height, steps=self.steps,
+                    guidance_scale=self.guidance_scale, seed=self.seed + index)
+                for index in range(self.n)]
+
+
+def parse_request(body: Any, limits: Limits, *, default_seed: int) -> GenerationRequest:
+    """Check a decoded JSON body; raises `RequestError` naming the first field at fault.
+    `default_seed` is used when the body names none."""
+    if not isinstance(body, dict):
+        raise RequestError("body", "must be a JSON object")
+    unknown = sorted(set(body) - set(FIELDS))
+    if unknown:
+        raise RequestError(unknown[0], f"unknown field; accepted: {', '.join(FIELDS)}")
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise RequestError("prompt", "is required: a non-empty string")
+    if body.get("response_format", RESPONSE_FORMAT) != RESPONSE_FORMAT:
+        raise RequestError("response_format", f"{body['response_format']!r} is not served; "
+                                              f"use {RESPONSE_FORMAT!r}")
+    width, height = _size(body.get("size", limits.default_size), limits)
+    return GenerationRequest(
+        prompt=prompt,
+        n=_integer(body, "n", 1, 1, limits.max_n),
+        width=width, height=height,
+        steps=_integer(body, "num_inference_steps", limits.default_steps, 1, limits.max_steps),
+        guidance_scale=_number(body, "guidance_scale", limits.default_guidance),
+        seed=_integer(body, "seed", default_seed, 0, 2**63 - 1 - limits.max_n),
+    )
+
+
+def _integer(body: dict[str, Any], field: str, default: int, low: int, high: int) -> int:
+    value = body.get(field, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(field, f"{value!r} is not an integer")
+    if not low <= value <= high:
+        raise RequestError(field, f"{value} is out of bounds; accepted: {low} to {high}")
+    return value
+
+
+def _number(body: dict[str, Any], field: str, default: float) -> float:
+    value = body.get(field, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise RequestError(field, f"{value!r} is not a number of 0 or more")
+    return float(value)
+
+
+def _size(value: Any, limits: Limits) -> tuple[int, int]:
+    """`WIDTHxHEIGHT`, each side a multiple of the model's factor, at most `max_side`."""
+    multiple = limits.size_multiple
+    accepted = (f"WIDTHxHEIGHT, each a multiple of {multiple} from {multiple} to "
+                f"{limits.max_side}")
+    parts = value.split("x") if isinstance(value, str) else []
+    if len(parts) != 2 or not all(part.isdigit() for part in parts):
+        raise RequestError("size", f"{value!r} is not {accepted}")
+    width, height = int(parts[0]), int(parts[1])
+    for side in (width, height):
+        if side % multiple or not multiple <= side <= limits.max_side:
+            raise RequestError("size", f"{value!r}: {side} is not a multiple of {multiple} "
+                                       f"from {multiple} to {limits.max_side} (the model's "
+                                       "patch times its VAE factor)")
+    return width, height

@@ -1,0 +1,100 @@
+"""The bounded queue of images waiting to be made, and how waves are drawn from it.
+
+Owns the wave rule of an AllGather group: every rank runs the same blocks in the same order, so a
+wave holds up to G jobs (one per rank) with the same step count; the oldest job always leads the
+next wave (no job waits behind younger ones of another step count for more than the waves
+before it). In rank-local mode (`same_steps=False`) a wave takes the G oldest jobs whatever their
+step counts. Pure threading, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from dlo_server.sampler import Job
+
+
+@dataclass
+class Pending:
+    """A job and the future its PNG bytes (or its error) resolve."""
+
+    job: Job
+    future: Future[bytes] = field(default_factory=Future)
+
+
+class QueueFull(Exception):
+    """No room for the request's images; `retry_after_s` estimates when there will be."""
+
+    def __init__(self, retry_after_s: int) -> None:
+        super().__init__(f"the queue is full; retry after {retry_after_s} s")
+        self.retry_after_s = retry_after_s
+
+
+class QueueClosed(Exception):
+    """The server is shutting down and takes no new requests."""
+
+
+class WaveQueue:
+    """At most `capacity` images waiting; waves of at most `ranks` jobs."""
+
+    def __init__(self, capacity: int, ranks: int, *, same_steps: bool = True) -> None:
+        self.capacity = capacity
+        self.ranks = ranks
+        self.same_steps = same_steps
+        self.wave_s = 1.0
+        """Seconds the last wave took (the engine sets it): the Retry-After estimate."""
+        self._pending: list[Pending] = []
+        self._closed = False
+        self._changed = threading.Condition()
+
+    @property
+    def depth(self) -> int:
+        with self._changed:
+            return len(self._pending)
+
+    def submit(self, jobs: list[Job]) -> list[Future[bytes]]:
+        """Queue all of `jobs` or none: `QueueFull` when they do not fit, `QueueClosed` after
+        `close()`."""
+        with self._changed:
+            if self._closed:
+                raise QueueClosed("the server is shutting down")
+            if len(self._pending) + len(jobs) > self.capacity:
+                waves_ahead = math.ceil((len(self._pending) + len(jobs)) / self.ranks)
+                raise QueueFull(max(1, math.ceil(waves_ahead * self.wave_s)))
+            added = [Pending(job) for job in jobs]
+            self._pending.extend(added)
+            self._changed.notify_all()
+        return [item.future for item in added]
+
+    def take_wave(self, timeout_s: float) -> list[Pending] | None:
+        """The next wave; None when nothing came within `timeout_s`; [] once closed and empty."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._pending or self._closed, timeout_s):
+                return None
+            if not self._pending:
+                return []
+            lead = self._pending[0]
+            wave = [item for item in self._pending
+                    if not self.same_steps or item.job.steps == lead.job.steps][:self.ranks]
+            taken = {id(item) for item in wave}
+            self._pending = [item for item in self._pending if id(item) not in taken]
+            return wave
+
+    def close(self) -> None:
+        """Take no new jobs; the ones queued still run."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    def fail_all(self, error: BaseException) -> None:
+        """Close and fail every queued job with `error` (the group broke)."""
+        with self._changed:
+            self._closed = True
+            pending, self._pending = self._pending, []
+            self._changed.notify_all()
+        for item in pending:
+            if not item.future.done():
+                item.future.set_exception(error)

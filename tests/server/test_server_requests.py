@@ -1,0 +1,85 @@
+"""The request body checks and the wave rule, without a server."""
+
+from __future__ import annotations
+
+import pytest
+
+from dlo_server.requests import Limits, RequestError, parse_request
+from dlo_server.sampler import Job
+from dlo_server.waves import QueueClosed, QueueFull, WaveQueue
+
+LIMITS = Limits(size_multiple=4, max_side=64, max_steps=8, max_n=3)
+
+
+def test_a_full_request_becomes_one_job_per_image() -> None:
+    parsed = parse_request({"prompt": "a cat", "n": 2, "size": "32x16", "seed": 7,
+                            "num_inference_steps": 3, "guidance_scale": 2,
+                            "response_format": "b64_json", "model": "flux"}, LIMITS,
+                           default_seed=0)
+    assert parsed.jobs() == [Job("a cat", 32, 16, 3, 2.0, 7), Job("a cat", 32, 16, 3, 2.0, 8)]
+
+
+def test_defaults_fill_what_the_body_leaves_out() -> None:
+    parsed = parse_request({"prompt": "a cat"}, LIMITS, default_seed=11)
+    assert (parsed.n, parsed.width, parsed.height, parsed.steps, parsed.seed) == (
+        1, 64, 64, LIMITS.default_steps, 11)
+
+
+@pytest.mark.parametrize(("body", "field", "words"), [
+    ({"prompt": "x", "size": "30x32"}, "size", "30 is not a multiple of 4"),
+    ({"prompt": "x", "size": "128x32"}, "size", "from 4 to 64"),
+    ({"prompt": "x", "size": "big"}, "size", "WIDTHxHEIGHT"),
+    ({"prompt": "x", "num_inference_steps": 0}, "num_inference_steps", "1 to 8"),
+    ({"prompt": "x", "num_inference_steps": 9}, "num_inference_steps", "1 to 8"),
+    ({"prompt": "x", "num_inference_steps": 2.5}, "num_inference_steps", "not an integer"),
+    ({"prompt": "x", "n": 4}, "n", "1 to 3"),
+    ({"prompt": "x", "guidance_scale": "high"}, "guidance_scale", "not a number"),
+    ({"prompt": "x", "response_format": "url"}, "response_format", "'url' is not served"),
+    ({"prompt": "x", "quality": "hd"}, "quality", "unknown field"),
+    ({"size": "32x32"}, "prompt", "is required"),
+    (["x"], "body", "JSON object"),
+])
+def test_a_bad_request_names_its_field(body: object, field: str, words: str) -> None:
+    with pytest.raises(RequestError) as caught:
+        parse_request(body, LIMITS, default_seed=0)
+    assert caught.value.field == field
+    assert str(caught.value).startswith(f"{field}: ") and words in str(caught.value)
+
+
+def job(steps: int, seed: int = 0) -> Job:
+    return Job("x", 8, 8, steps, 0.0, seed)
+
+
+def test_waves_hold_one_step_count_led_by_the_oldest_job() -> None:
+    queue = WaveQueue(capacity=10, ranks=2)
+    queue.submit([job(2, 0), job(3, 1), job(2, 2), job(2, 3), job(3, 4)])
+    waves = [[(p.job.steps, p.job.seed) for p in queue.take_wave(0)] for _ in range(3)]
+    assert waves == [[(2, 0), (2, 2)], [(3, 1), (3, 4)], [(2, 3)]]
+    assert queue.take_wave(0) is None
+
+
+def test_rank_local_waves_take_the_oldest_jobs_whatever_their_steps() -> None:
+    queue = WaveQueue(capacity=10, ranks=2, same_steps=False)
+    queue.submit([job(2, 0), job(3, 1), job(2, 2)])
+    assert [p.job.seed for p in queue.take_wave(0)] == [0, 1]
+
+
+def test_a_request_that_does_not_fit_is_refused_whole() -> None:
+    queue = WaveQueue(capacity=3, ranks=2)
+    queue.submit([job(2), job(2)])
+    with pytest.raises(QueueFull) as caught:
+        queue.submit([job(2), job(2)])
+    assert caught.value.retry_after_s >= 1
+    assert queue.depth == 2
+
+
+def test_a_closed_queue_drains_then_ends_and_fail_all_fails_the_rest() -> None:
+    queue = WaveQueue(capacity=4, ranks=1)
+    first, second = queue.submit([job(2), job(2)])
+    queue.close()
+    with pytest.raises(QueueClosed):
+        queue.submit([job(2)])
+    assert len(queue.take_wave(0)) == 1
+    queue.fail_all(RuntimeError("rank 1 exited"))
+    assert queue.take_wave(0) == []
+    assert not first.done() and isinstance(second.exception(), RuntimeError)
