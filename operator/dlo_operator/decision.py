@@ -39,6 +39,9 @@ class Observed:
     prefill: Mapping[str, Any]
     """The previous `status.prefill` record ({} when none)."""
     now: datetime.datetime
+    refused: Mapping[str, Trouble] = field(default_factory=dict)
+    """A pod the API server refused to create, by the name of the StatefulSet or prefill Job
+    that tried (`pod_refusals`)."""
     optional: Sequence[tuple[str, str]] = ()
     """(kind, name) of the optional children (`manifests.optional_child_names`) that exist and
     this DOD owns."""

@@ -104,6 +104,17 @@ class KubeClient:
         return [item for item in found.get("items") or ()
                 if all(labels_of(item).get(k) == v for k, v in labels.items())]
 
+    def events_about(self, kind: str, namespace: str, name: str) -> list[dict[str, Any]]:
+        """The Events about one object (e.g. its controller's `FailedCreate`); the server
+        filters by field, and we check again."""
+        selector = f"involvedObject.kind={kind},involvedObject.name={name}"
+        found = self._call(f"Events of {kind} {namespace}/{name}",
+                           self._core.list_namespaced_event, namespace,
+                           field_selector=selector) or {}
+        return [item for item in found.get("items") or ()
+                if ((item.get("involvedObject") or {}).get("kind"),
+                    (item.get("involvedObject") or {}).get("name")) == (kind, name)]
+
     def delete(self, kind: str, namespace: str, name: str) -> None:
         """Delete one child and (background propagation) what it owns; gone already is fine."""
         try:

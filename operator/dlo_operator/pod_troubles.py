@@ -1,7 +1,8 @@
 """Pod states that mean trouble, named as Kubernetes names them, with the pod and the node.
 
 `pod_troubles(pods)` reads each pod's scheduling condition and container statuses and returns
-one `Trouble` per pod in trouble, most telling first: `Unschedulable` (the scheduler's message),
+one `Trouble` per pod in trouble, most telling first (a pod the API server refused to create,
+`FailedCreate`, is `pod_refusals`'): `Unschedulable` (the scheduler's message),
 `ImagePullBackOff`, `OOMKilled`, `CrashLoopBackOff` of the inference container, and
 `LoaderFailed` (the loader's own one-line error, from its summary or its log tail). The pods are
 workload pods (the loader a sidecar) or prefill Job pods (the loader their one container). Pure;
@@ -19,6 +20,8 @@ from dlo_operator.naming import INFERENCE_CONTAINER, LOADER_CONTAINER
 
 
 class TroubleReason(str, enum.Enum):
+    FAILED_CREATE = "FailedCreate"
+    """The API server refused to create the pod (`pod_refusals`): it does not exist."""
     UNSCHEDULABLE = "Unschedulable"
     IMAGE_PULL_BACK_OFF = "ImagePullBackOff"
     OOM_KILLED = "OOMKilled"
@@ -27,7 +30,8 @@ class TroubleReason(str, enum.Enum):
     LOADER_FAILED = "LoaderFailed"
 
 
-NOT_STARTING = frozenset({TroubleReason.UNSCHEDULABLE, TroubleReason.IMAGE_PULL_BACK_OFF,
+NOT_STARTING = frozenset({TroubleReason.FAILED_CREATE, TroubleReason.UNSCHEDULABLE,
+                          TroubleReason.IMAGE_PULL_BACK_OFF,
                           TroubleReason.CONTAINER_CONFIG_ERROR})
 """Troubles that keep a container from starting at all: they last until someone acts (a
 container that ran and failed has an end, which its pod or its Job reports)."""
@@ -45,8 +49,9 @@ class Trouble:
 
     @property
     def message(self) -> str:
+        state = "not created" if self.reason is TroubleReason.FAILED_CREATE else "not scheduled"
         where = f"pod {self.pod} on node {self.node}" if self.node else (
-            f"pod {self.pod} (not scheduled)")
+            f"pod {self.pod} ({state})" if self.pod else f"a pod ({state})")
         what = f"{self.container} container of {where}" if self.container else where
         return f"{what}: {self.reason.value}: {self.detail or 'no message'}"
 

@@ -97,7 +97,8 @@ def _step(owner: Owner, spec: DeploymentSpec, seen: Observed, backoff: BackoffCo
     nodes = sorted((prefill_node(p) for p in pods), key=lambda n: (n["rank"], n["pod"]))
     record = record_of(rev, entry_key(spec), max(previous.attempt if previous else 0, 1), nodes)
     state, stuck = _job_state(job), None
-    if state is PrefillState.RUNNING and (stuck := _stuck(pods)) is not None and (
+    if state is PrefillState.RUNNING and (stuck := seen.refused.get(job["metadata"]["name"])
+                                          or _stuck(pods)) is not None and (
             gone := _gone(job, stuck, seen.pods)):
         why = (f"{stuck.message}; the Job is pinned to {', '.join(gone)}, where no pod of this "
                "DOD runs any more, so the next attempt fills the nodes that serve now")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dlo_contract.fill_group import FILL_GROUP_KEY, FillGroup
-from dlo_operator import metrics
+from dlo_operator import metrics, pod_refusals
 from dlo_operator.admission import admit
 from dlo_operator.conditions import (
     FALSE,
@@ -135,7 +135,9 @@ def reconcile(kube: KubeClient, dod: Mapping[str, Any], config: ReconcileConfig,
         post_event(dod, report)
     status = status_from_pods(workload, replicas=spec.replicas, previous=previous,
                               now=_stamp(now), generation=generation,
-                              problems=[problem] if problem else [], revision=decision.revision)
+                              problems=[problem] if problem else [], revision=decision.revision,
+                              refused=[t for name, t in seen.refused.items()
+                                       if name == owner.statefulset_name])
     status.update(_rollout_status(owner, decision, status, previous, _stamp(now), generation))
     _report_new(dod, previous, status, (READY, PREFILLED))
     _write_status(kube, owner, dod, previous, status)
@@ -207,11 +209,13 @@ def _observe(kube: KubeClient, owner: Owner, pods: list[dict[str, Any]],
         except ValueError:
             group = FillGroup()
     mine = {LABEL_DEPLOYMENT: owner.name}
+    statefulset = kube.get("StatefulSet", owner.namespace, owner.statefulset_name)
+    jobs = kube.list("Job", owner.namespace, {**mine, LABEL_ROLE: "prefill"})
+    job_pods = [p for p in pods if labels_of(p).get(LABEL_ROLE) == "prefill"]
     return Observed(
-        statefulset=kube.get("StatefulSet", owner.namespace, owner.statefulset_name),
-        pods=workload, group=group,
-        jobs=kube.list("Job", owner.namespace, {**mine, LABEL_ROLE: "prefill"}),
-        job_pods=[p for p in pods if labels_of(p).get(LABEL_ROLE) == "prefill"],
+        statefulset=statefulset, pods=workload, group=group, jobs=jobs, job_pods=job_pods,
+        refused=pod_refusals.observe(kube, owner.namespace, statefulset, workload, jobs,
+                                     job_pods),
         settings_configmaps=kube.list("ConfigMap", owner.namespace,
                                       {**mine, LABEL_ROLE: "settings"}),
         prefill=previous.get("prefill") or {}, now=now,

@@ -9,7 +9,8 @@ transition times) and the clock. It must not call the cluster or read the settin
 
 Phases, first match wins:
     Failed     the spec is refused (`Valid=False`) or the API refused a child (`Applied=False`)
-    Pending    an API error is being retried, or a pod is Unschedulable
+    Pending    an API error is being retried, a pod is Unschedulable, or the API server refused
+               to create one (`FailedCreate`, its StatefulSet's Event: Pod Security, a quota)
     Degraded   a pod is in trouble (`pod_troubles`: a loader failing, ImagePullBackOff,
                OOMKilled, a crash-looping inference container)
     Updating   a pod of an older revision is left: a rollout to the spec's revision runs while
@@ -59,6 +60,8 @@ _FAILING_WAIT_REASONS = frozenset({
     "CreateContainerConfigError", "CreateContainerError", "RunContainerError",
 })
 _MESSAGE_LIMIT = 512
+_WAITING = frozenset({TroubleReason.FAILED_CREATE, TroubleReason.UNSCHEDULABLE})
+"""Troubles of a pod that does not run yet: the DOD is Pending until someone acts."""
 
 
 class LoaderState(str, enum.Enum):
@@ -129,11 +132,13 @@ def status_from_pods(
     generation: int | None = None,
     problems: Sequence[Condition] = (),
     revision: str | None = None,
+    refused: Sequence[Trouble] = (),
 ) -> dict[str, Any]:
     """The status fields this operator owns. `problems` are failed conditions found outside the
     pods (`Valid` for a refused spec, `Applied` for a refused or retried apply); they decide the
     phase before the pods do. `revision` is the spec's: a pod whose revision annotation differs
-    is outdated (None, for a refused spec, counts every pod as current)."""
+    is outdated (None, for a refused spec, counts every pod as current). `refused`: pods the
+    API server refused to create (`pod_refusals`), troubles that no pod shows."""
     live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
     nodes = sorted((node_entry(p) for p in live), key=lambda n: (n["rank"], n["pod"]))
     ready = sum(1 for n in nodes if n["ready"])
@@ -141,7 +146,7 @@ def status_from_pods(
     updated = sum(1 for p in live if revision is None or _revision(p) == revision)
     loader_errors = {n["pod"]: n["message"] for n in nodes
                      if n["loader"] == LoaderState.FAILED.value and n.get("message")}
-    troubles = pod_troubles(live, loader_errors)
+    troubles = [*refused, *pod_troubles(live, loader_errors)]
     if problems or troubles or updated == len(live):
         phase, reason, message = _phase(nodes, ready, cached, replicas, troubles, problems)
     else:  # pods of an older revision are left: a rollout runs while they serve
@@ -172,7 +177,7 @@ def _phase(nodes: list[dict[str, Any]], ready: int, cached: int, replicas: int,
         return phase, problem.reason, problem.message
     if troubles:
         trouble = troubles[0]
-        phase = "Pending" if trouble.reason is TroubleReason.UNSCHEDULABLE else "Degraded"
+        phase = "Pending" if trouble.reason in _WAITING else "Degraded"
         return phase, trouble.reason.value, trouble.message
     if ready >= replicas:
         return "Ready", "Ready", f"{ready}/{replicas} replicas ready"

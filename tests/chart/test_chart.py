@@ -181,7 +181,7 @@ def test_rbac_grants_only_what_the_operator_uses() -> None:
         ("apps", "statefulsets"): ["get", "list", "patch", "watch"],
         ("policy", "poddisruptionbudgets"): ["delete", "get", "list", "patch", "watch"],
         ("batch", "jobs"): ["delete", "get", "list", "patch", "watch"],
-        ("", "events"): ["create"],
+        ("", "events"): ["create", "list"],
         ("", "persistentvolumeclaims"): ["get", "list", "watch"],
         ("", "persistentvolumes"): ["create", "delete", "get", "list", "watch"],
         ("", "nodes"): ["get"],

@@ -9,6 +9,8 @@ It polls the emulator and writes through its API (so watches fire), like the rea
 - Job (Indexed): creates one pod per index, places them on the nodes its required node affinity
   names (one per node), sets `Complete` or `Failed` once every pod finished; deletes the pods of
   a deleted Job.
+- the API server's admission: while `refusing` names a controller kind, the pods it would create
+  are refused, and the controller posts a Warning Event `FailedCreate` worded as the real one.
 - kubelet: resolves each loader's environment as the kubelet would (values, `fieldRef`,
   optional `configMapKeyRef`), reads the settings from the mounted ConfigMap, and runs a model of
   `dlo cache fill`: a node holding the entry reads nothing; a group (from `RANK`/`WORLD_SIZE` or
@@ -46,6 +48,7 @@ from dlo_operator.naming import (
 from support.operator_harness import NAMESPACE, PODS_PATH, ClusterEmulator, request
 
 JOBS_PATH = f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs"
+EVENTS_PATH = f"/api/v1/namespaces/{NAMESPACE}/events"
 
 
 @dataclass(frozen=True)
@@ -87,11 +90,15 @@ class KubeStandIn:
     unschedulable: str = ""
     """The scheduler's message for the prefill pods created while set: they stay Pending on no
     node (the nodes they are pinned to are full)."""
+    refusing: dict[str, str] = field(default_factory=dict)
+    """Controller kind ("StatefulSet", "Job") -> why the API server refuses the pods it creates
+    while set (Pod Security, a quota): no pod, a `FailedCreate` Event on the controller."""
     fills: list[Fill] = field(default_factory=list)
     store_bytes: int = 0
     rendezvous_timeouts: list[str] = field(default_factory=list)
     _waiting: dict[tuple[str, int], dict[int, _Waiting]] = field(default_factory=dict)
     _started: set[str] = field(default_factory=set)
+    _refusals: set[tuple[str, str]] = field(default_factory=set)
 
     async def run(self) -> None:
         while True:
@@ -133,8 +140,10 @@ class KubeStandIn:
                 await self._delete_pod(pod_name)
         for index in range(replicas):
             if f"{name}-{index}" not in mine:
-                await self._create_pod(f"{name}-{index}", template, {LABEL_POD_INDEX: str(index)},
-                                       {}, self._free_node(mine.values()))
+                if not await self._refused(sts, f"{name}-{index}"):
+                    await self._create_pod(f"{name}-{index}", template,
+                                           {LABEL_POD_INDEX: str(index)}, {},
+                                           self._free_node(mine.values()))
                 return  # the next step sees it
         current = [mine[f"{name}-{i}"] for i in range(replicas)]
         outdated = [p for p in current if _annotation(p, ANNOTATION_REVISION) != revision]
@@ -161,6 +170,8 @@ class KubeStandIn:
             nodes = terms[0]["matchFields"][0]["values"]
             for index in range(completions):
                 pod = f"{name}-{index}-{uid[:5]}"
+                if await self._refused(job, pod):
+                    return
                 await self._create_pod(
                     pod, job["spec"]["template"],
                     {"job-name": name, "controller-uid": uid, LABEL_JOB_INDEX: str(index)},
@@ -179,6 +190,31 @@ class KubeStandIn:
             "conditions": [{"type": kind, "status": "True",
                             "reason": "Completed" if kind == "Complete" else
                             "BackoffLimitExceeded"}]}})
+
+    async def _refused(self, controller: Mapping[str, Any], pod: str) -> bool:
+        """Whether the API server refuses `pod` (`refusing`); if so, its controller's Warning
+        Event `FailedCreate`, worded as the real controller words it, once per message (the
+        real recorder counts repeats on one Event)."""
+        kind = "StatefulSet" if "serviceName" in controller["spec"] else "Job"
+        why = self.refusing.get(kind)
+        if why is None:
+            return False
+        meta = controller["metadata"]
+        error = f'pods "{pod}" is forbidden: {why}'
+        message = (f"create Pod {pod} in StatefulSet {meta['name']} failed error: {error}"
+                   if kind == "StatefulSet" else f"Error creating: {error}")
+        if (meta["uid"], message) not in self._refusals:
+            self._refusals.add((meta["uid"], message))
+            now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            await request(self.cluster, "POST", EVENTS_PATH, {
+                "apiVersion": "v1", "kind": "Event", "type": "Warning", "reason": "FailedCreate",
+                "metadata": {"generateName": f"{meta['name']}.", "namespace": NAMESPACE},
+                "involvedObject": {"kind": kind, "namespace": NAMESPACE, "name": meta["name"],
+                                   "uid": meta["uid"], "apiVersion": "apps/v1"
+                                   if kind == "StatefulSet" else "batch/v1"},
+                "source": {"component": f"{kind.lower()}-controller"}, "message": message,
+                "count": 1, "firstTimestamp": now, "lastTimestamp": now})
+        return True
 
     async def _collect_orphans(self) -> None:
         """The garbage collector: pods whose StatefulSet or Job is gone."""

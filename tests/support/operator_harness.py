@@ -156,7 +156,7 @@ async def cluster(tmp_path: Path,
         emulator.resources["v1/namespaces"] = kmock.ResourceInfo(
             kind="Namespace", singular="namespace", namespaced=False, verbs={"get", "list"})
         emulator.resources["v1/events"] = kmock.ResourceInfo(
-            kind="Event", singular="event", namespaced=True, verbs={"create"})
+            kind="Event", singular="event", namespaced=True, verbs={"create", "list"})
         emulator.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = (
             kmock.ResourceInfo(kind="CustomResourceDefinition",
                                singular="customresourcedefinition", namespaced=False,

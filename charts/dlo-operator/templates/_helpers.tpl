@@ -33,7 +33,9 @@ them from the requests the operator makes): watch and patch its CR (kopf's final
 annotations) and the CR's status; read one CR when a pod or child changes; list and watch its
 pods and children (drift correction); read a child before applying it; annotate a workload pod with its sidecar loader's fill summary; server-side apply (patch)
 its children; delete superseded settings ConfigMaps and prefill Jobs, and the inference Service
-and PodDisruptionBudget once the spec turns them off; post events; read, list and watch the
+and PodDisruptionBudget once the spec turns them off; post events, and list those of a
+StatefulSet or prefill Job short of pods (their controller's FailedCreate: a pod the API server
+refused); read, list and watch the
 node-cache claims it serves (templates/node-cache-clusterrole.yaml holds its cluster-scoped
 rules). `update` on the finalizers
 subresource lets the children's owner references block the DOD's deletion where the API server
@@ -65,7 +67,7 @@ enforces OwnerReferencesPermissionEnforcement. */}}
   verbs: ["get", "list", "watch", "patch", "delete"]
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create"]
+  verbs: ["create", "list"]
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
   verbs: ["get", "list", "watch"]
