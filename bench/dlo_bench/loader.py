@@ -32,6 +32,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import botocore.session
@@ -66,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="measured runs of each, interleaved; the medians are compared (default: %(default)s)")
     add("--work-dir", help="where the source files and cache roots go (default: a temp dir)")
     add("--output", help="also write the JSON report to this file")
+    add("--schemes", help="comma-separated schemes (s3, file, gs, az, https, hf): the same "
+        "checkpoint through each scheme's local server in this run, fill against each server's "
+        "ceiling (`loader_schemes`), instead of the one S3 report")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,11 +77,19 @@ def run(args: argparse.Namespace) -> int:
         os.environ.setdefault(name, value)
     work = Path(tempfile.mkdtemp(prefix="dlo-bench-loader-", dir=args.work_dir))
     try:
-        with start_ministack(args.ministack) as server:
-            report = measure(args, server, work)
+        if args.schemes:
+            from dlo_bench import loader_schemes
+
+            report = loader_schemes.run_schemes(args, args.schemes.split(","), work)
+            loader_schemes.print_report(report)
+            if args.json:
+                print(json.dumps(report), flush=True)
+        else:
+            with start_ministack(args.ministack) as server:
+                report = measure(args, server, work)
+            _print(report, args.json)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    _print(report, args.json)
     if args.output:
         Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
     return 0 if report["correct"] else 1
@@ -85,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
 def measure(args: argparse.Namespace, server: S3Server, work: Path) -> dict[str, Any]:
     """The whole report for one server (ministack from `run`; any S3 server works)."""
-    digests = _write_checkpoint(work / "source", args.size_mib * MIB, args.files)
+    digests = write_checkpoint(work / "source", args.size_mib * MIB, args.files)
     upload_tree(server, BUCKET, PREFIX, work / "source")
     total = sum(p.stat().st_size for p in (work / "source").iterdir())
     ranges = _ranges(server, args.chunk_bytes)
@@ -192,7 +204,7 @@ def _median_host(readings: list[hostcpu.HostCpu | None]) -> dict[str, float] | N
     return {share: round(statistics.median(r[share] for r in read), 3) for share in read[0]}
 
 
-def _write_checkpoint(directory: Path, total: int, files: int) -> dict[str, str]:
+def write_checkpoint(directory: Path, total: int, files: int) -> dict[str, str]:
     """`files` valid safetensors files of one U8 tensor each, `total` bytes in all, random
     content; returns their SHA-256 digests."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -236,14 +248,15 @@ def _ranges(server: S3Server, chunk_bytes: int) -> list[tuple[str, int, int]]:
             for item in listing["Contents"] for start in range(0, item["Size"], chunk_bytes)]
 
 
-def _ceiling(server: S3Server, ranges: list[tuple[str, int, int]], readers: int,
-             meter: _Meter) -> float:
-    """Seconds to GET every range with `readers` threads, reading each body and dropping it,
-    from creating the client on (the fill's time includes its client too). The client comes from
-    a fresh botocore session, as the loader's does (a fresh process has no service model
-    loaded); a pool of `readers` connections, as the loader's."""
-    def get(item: tuple[str, int, int]) -> int:
-        key, start, length = item
+def s3_get(server: S3Server, readers: int) -> Callable[[str, int, int], int]:
+    """A ranged GET of (key, start, length), its body read a MiB at a time and dropped, through
+    a client from a fresh botocore session, as the loader's is (a fresh process has no service
+    model loaded), with a pool of `readers` connections, as the loader's."""
+    client = botocore.session.get_session().create_client(
+        "s3", endpoint_url=server.endpoint_url,
+        config=Config(s3={"addressing_style": "path"}, max_pool_connections=readers))
+
+    def get(key: str, start: int, length: int) -> int:
         body = client.get_object(Bucket=BUCKET, Key=key,
                                  Range=f"bytes={start}-{start + length - 1}")["Body"]
         got = 0
@@ -251,12 +264,17 @@ def _ceiling(server: S3Server, ranges: list[tuple[str, int, int]], readers: int,
             got += len(piece)
         return got
 
+    return get
+
+
+def _ceiling(server: S3Server, ranges: list[tuple[str, int, int]], readers: int,
+             meter: _Meter) -> float:
+    """Seconds to GET every range with `readers` threads (`s3_get`), from creating the client on
+    (the fill's time includes its client too)."""
     with meter:
-        client = botocore.session.get_session().create_client(
-            "s3", endpoint_url=server.endpoint_url,
-            config=Config(s3={"addressing_style": "path"}, max_pool_connections=readers))
+        get = s3_get(server, readers)
         with ThreadPoolExecutor(max_workers=readers) as pool:
-            got = sum(pool.map(get, ranges))
+            got = sum(pool.map(lambda item: get(*item), ranges))
     if got != sum(r[2] for r in ranges):
         raise RuntimeError(f"ceiling run read {got} bytes, expected {sum(r[2] for r in ranges)}")
     return meter.seconds
@@ -284,7 +302,7 @@ def _disk(directory: Path, total: int, chunk_bytes: int, meter: _Meter) -> float
         finally:
             os.close(fd)
     (directory / "probe").unlink()
-    _settle_disk()
+    settle_disk()
     return meter.seconds
 
 
@@ -303,11 +321,11 @@ def _fill(args: argparse.Namespace, server: S3Server, root: Path,
     with meter:
         result = fill(FillRequest(settings=_settings(args, server, root)))
     shutil.rmtree(root)
-    _settle_disk()
+    settle_disk()
     return meter.seconds, {k: round(v, 3) for k, v in (result.stage_seconds or {}).items()}
 
 
-def _settle_disk() -> None:
+def settle_disk() -> None:
     """After a run deleted what it wrote: commit the deletion before the next run starts. On a
     filesystem mounted with online discard the freed blocks are trimmed at the next journal
     commit, which would otherwise land inside the next measured run (a write-heavy fill after a

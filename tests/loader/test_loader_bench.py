@@ -15,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("aws_env")
 
 
 def test_synthetic_checkpoint_is_valid_safetensors(tmp_path: Path) -> None:
-    digests = bench._write_checkpoint(tmp_path, 3 << 20, 3)
+    digests = bench.write_checkpoint(tmp_path, 3 << 20, 3)
     assert sorted(digests) == [f"model-0000{i}-of-00003.safetensors" for i in range(3)]
     for name in digests:
         header = read_header(tmp_path / name, name)
