@@ -4,8 +4,10 @@ Owns the demo's sequence: start a moto S3 server on loopback; write a tiny Flux 
 diffusers class, random weights from a fixed seed) in diffusers layout and upload it; fill three
 node caches with three cooperating `dlo cache fill` processes in multi-reader mode (one process
 per simulated node, each with its own cache root); run two data-parallel runtime processes
-(`dlo_bench.demo_runtime`) in AllGather mode from node0's mapped entry, as a pod would; then
-print the report of `dlo_bench.demo_report` and exit non-zero on any failure or mismatch.
+(`dlo_bench.demo_runtime`) in AllGather mode from node0's mapped entry, as a pod would; serve one
+image through `dlo serve`'s HTTP API from the same entry and save the PNG
+(`dlo_bench.demo_serve`); then print the report of `dlo_bench.demo_report` and exit non-zero on
+any failure or mismatch.
 Everything it starts (the server, the processes, the work directory) is stopped or removed on
 every exit, Ctrl-C and SIGTERM included; `--keep` keeps the work directory and its logs.
 Must not be imported by the runtime or the loader.
@@ -28,6 +30,7 @@ from typing import Any
 
 from dlo_bench.demo_processes import Children, DemoError, sigterm_as_interrupt
 from dlo_bench.demo_report import MODES, build_report, compare_outputs, format_report
+from dlo_bench.demo_serve import serve_one_image
 from dlo_bench.s3server import DUMMY_CREDENTIALS, free_port, start_moto, upload_tree
 from dlo_contract.errors import DloError
 from dlo_contract.names import CONFIG_ENV, ENTRY_FILE_ENV
@@ -63,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=0, help="seed of the weights and inputs (default: %(default)s)")
     add("--timeout", type=float, default=150.0, metavar="S",
         help="seconds each group of processes may take (default: %(default)s)")
+    add("--image", type=Path, default=Path("dlo-demo.png"), metavar="PATH",
+        help="where the PNG served through `dlo serve` is written (default: %(default)s)")
     add("--keep", action="store_true", help="keep the work directory (logs, caches, outputs)")
     add("--json", action="store_true", help="also print the report as one JSON line, last")
 
@@ -99,17 +104,22 @@ def _demo(args: argparse.Namespace, work: Path, children: Children, stack: ExitS
     upload_tree(server, BUCKET, PREFIX, work / "model")
     model["source"] = f"s3://{BUCKET}/{PREFIX}/"
     loaders = _fill(args, work, children, model["source"], server.endpoint_url)
-    ranks = _serve(args, work, children)
-    return build_report(model=model, loaders=loaders, ranks=ranks, steps=args.steps,
-                        seconds=time.monotonic() - started)
+    env = _runtime_env(work)
+    ranks = _serve(args, work, children, env)
+    log.info("serving one image through `dlo serve` (%d ranks, AllGather) over HTTP", RANKS)
+    served = serve_one_image(children, ranks=RANKS, env=env, steps=args.steps, seed=args.seed,
+                             image=args.image, timeout_s=args.timeout)
+    return build_report(model=model, loaders=loaders, ranks=ranks, served=served,
+                        steps=args.steps, seconds=time.monotonic() - started)
 
 
 def _write_model(args: argparse.Namespace, model_dir: Path, runtime_dir: Path) -> dict[str, Any]:
-    """The checkpoint to upload, plus each rank's fixed inputs; returns the model's description."""
-    import diffusers
+    """The model folder to upload (the DiT, a tiny VAE and the scheduler: what `dlo serve`
+    runs), plus each rank's fixed inputs; returns the model's description."""
     import torch
 
-    from dlo_bench.models import example_inputs, save_diffusers_layout, tiny_model
+    from dlo_bench.models import example_inputs, tiny_model
+    from dlo_bench.serve_model import save_pipeline_layout
 
     log.info("writing a tiny Flux DiT (%d blocks, seed %d) in diffusers layout",
              args.layers, args.seed)
@@ -118,10 +128,7 @@ def _write_model(args: argparse.Namespace, model_dir: Path, runtime_dir: Path) -
     except ValueError as exc:
         raise DemoError(f"cannot build the demo model: {exc}",
                         hint="pass --layers of 1 or more and --head-dim a multiple of 16") from exc
-    save_diffusers_layout(dit, model_dir)
-    (model_dir / "model_index.json").write_text(json.dumps({
-        "_class_name": "FluxPipeline", "_diffusers_version": diffusers.__version__,
-        "transformer": ["diffusers", type(dit).__name__]}, indent=2) + "\n")
+    save_pipeline_layout(dit, model_dir, seed=args.seed)
     runtime_dir.mkdir(parents=True)
     for rank in range(RANKS):  # data parallel: each rank denoises its own sample
         torch.save(example_inputs("flux", dit, seed=args.seed + rank),
@@ -161,17 +168,23 @@ def _summary(path: Path) -> dict[str, Any]:
                         f"unreadable: {exc}") from exc
 
 
-def _serve(args: argparse.Namespace, work: Path, children: Children) -> list[dict[str, Any]]:
-    """Two data-parallel ranks offloaded (AllGather, node0's entry), then the same two ranks
-    resident; each rank's figures of both runs and the comparison of its outputs."""
+def _runtime_env(work: Path) -> dict[str, str]:
+    """What the operator gives a serving pod: the settings document (AllGather over the two
+    data-parallel ranks, node0's cache) and node0's entry file."""
     node = work / "node0"
-    runtime_dir = work / "runtime"
     settings = Settings(offload=OffloadConfig(enabled=True, use_allgather=True),
                         parallel=ParallelConfig(dp=RANKS),
                         cache=CacheConfig(root=str(node / "cache")))
-    config = runtime_dir / "settings.json"
+    config = work / "runtime" / "settings.json"
     config.write_text(validate(settings).to_json())
-    env = {CONFIG_ENV: str(config), ENTRY_FILE_ENV: str(node / "entry.json")}
+    return {CONFIG_ENV: str(config), ENTRY_FILE_ENV: str(node / "entry.json")}
+
+
+def _serve(args: argparse.Namespace, work: Path, children: Children,
+           env: dict[str, str]) -> list[dict[str, Any]]:
+    """Two data-parallel ranks offloaded (AllGather, node0's entry), then the same two ranks
+    resident; each rank's figures of both runs and the comparison of its outputs."""
+    runtime_dir = work / "runtime"
     for mode in MODES:
         log.info("running %d data-parallel ranks %s for %d steps", RANKS, _DESCRIBE[mode],
                  args.steps)

@@ -3,7 +3,8 @@
 Owns what counts as success: every loader reports `ok` for the same entry and, in multi-reader
 mode, the loaders together read the model's bytes from the store exactly once; every runtime rank
 served the DiT weightless from the mapped checkpoint; and each rank's offloaded latents equal its
-resident latents bit for bit. Renders the figures as a short text report and as one JSON object.
+resident latents bit for bit; and `dlo serve` answered one image over HTTP (its step fails the demo
+otherwise). Renders the figures as a short text report and as one JSON object.
 Called by `dlo_bench.demo` (and by tests directly); it starts nothing and reads no files.
 """
 
@@ -68,7 +69,8 @@ def runtime_problems(ranks: list[dict[str, Any]]) -> list[str]:
 
 
 def build_report(*, model: dict[str, Any], loaders: list[dict[str, Any]],
-                 ranks: list[dict[str, Any]], steps: int, seconds: float) -> dict[str, Any]:
+                 ranks: list[dict[str, Any]], served: dict[str, Any], steps: int,
+                 seconds: float) -> dict[str, Any]:
     """The JSON report: inputs, figures, `problems` and `status` ("ok" only without problems)."""
     problems = loader_problems(loaders, model["bytes"]) + runtime_problems(ranks)
     return {
@@ -80,6 +82,7 @@ def build_report(*, model: dict[str, Any], loaders: list[dict[str, Any]],
         "loaders": loaders,
         "bytes_from_store_total": sum(s.get("bytes_from_store", 0) for s in loaders),
         "ranks": ranks,
+        "served": served,
         "seconds": round(seconds, 1),
     }
 
@@ -107,6 +110,10 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"  rank{rank['rank']} {mode + ':':10} {_run(rank[mode])}")
     verdict = "identical" if report["identical"] else "DIFFERENT"
     lines.append(f"outputs: {verdict} (offloaded vs resident, bit for bit, every rank)")
+    served = report["served"]
+    lines.append(f"served: one {served['size'][0]}x{served['size'][1]} PNG through `dlo serve` "
+                 f"({served['ranks']} ranks, AllGather), POST /v1/images/generations in "
+                 f"{served['latency_s']:.2f} s, saved to {served['image']}")
     lines.extend(f"problem: {problem}" for problem in report["problems"])
     lines.append(f"result: {report['status']} in {report['seconds']:.0f} s")
     return "\n".join(lines)

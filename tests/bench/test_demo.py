@@ -13,8 +13,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+from PIL import Image
 
 from dlo_bench.models import tiny_model
+from dlo_bench.serve_model import tiny_vae
 
 LAYERS = 8
 HEAD_DIM = 32
@@ -73,16 +75,23 @@ def assert_nothing_left(tmpdir: Path) -> None:
 @pytest.mark.slow
 def test_demo_fills_three_caches_and_serves_identical_outputs(tmp_path: Path) -> None:
     tmpdir = tmp_path / "tmp"
-    done = subprocess.run(demo_command("--steps", "1"), env=demo_env(tmpdir),
-                          capture_output=True, text=True, timeout=DEMO_TIMEOUT_S)
+    image = tmp_path / "out" / "demo.png"
+    done = subprocess.run(demo_command("--steps", "1", "--image", str(image)),
+                          env=demo_env(tmpdir), capture_output=True, text=True,
+                          timeout=DEMO_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "outputs: identical (offloaded vs resident, bit for bit, every rank)" in done.stdout
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["status"] == "ok"
-    tensor_bytes = sum(t.nbytes for t in tiny_model(
-        "flux", num_layers=LAYERS, head_dim=HEAD_DIM).state_dict().values())
-    # the checkpoint is the tensors plus safetensors headers and two small JSON documents
+    tensor_bytes = sum(t.nbytes for module in (
+        tiny_model("flux", num_layers=LAYERS, head_dim=HEAD_DIM), tiny_vae())
+        for t in module.state_dict().values())
+    # the model folder is the DiT's and the VAE's tensors plus safetensors headers and small
+    # JSON documents (configs, the scheduler's, the model index)
     assert tensor_bytes < report["model"]["bytes"] < tensor_bytes + (64 << 10)
+    with Image.open(image) as png:  # served over HTTP by `dlo serve`
+        assert (png.format, png.size) == ("PNG", tuple(report["served"]["size"]))
+    assert report["served"]["image"] == str(image)
     from_store = [summary["bytes_from_store"] for summary in report["loaders"]]
     assert sum(from_store) == report["model"]["bytes"]
     assert all(share > 0 for share in from_store)  # every node read a part

@@ -36,7 +36,10 @@ def report(ranks: list[dict[str, Any]], loaders: list[dict[str, Any]] | None = N
     loaders = loaders or [loader(0, 1_000_000), loader(1, 1_000_000), loader(2, 1_000_000)]
     model = {"class": "FluxTransformer2DModel", "layers": 4, "head_dim": 16, "files": 3,
              "bytes": MODEL_BYTES, "source": "s3://dlo-demo/flux-tiny/"}
-    return build_report(model=model, loaders=loaders, ranks=ranks, steps=2, seconds=12.34)
+    served = {"ranks": 2, "image": "dlo-demo.png", "size": [64, 64], "bytes": 9000, "steps": 2,
+              "ready_s": 3.0, "latency_s": 0.25}
+    return build_report(model=model, loaders=loaders, ranks=ranks, served=served, steps=2,
+                        seconds=12.34)
 
 
 def test_equal_tensors_are_identical() -> None:
@@ -71,6 +74,8 @@ def test_a_complete_run_is_ok_and_says_identical() -> None:
     assert "  node1: 1.0 MiB from S3, 0.0 MiB from peers, 0.0 MiB to peers, 1.0 s" in text
     assert ("  rank0 offloaded: PSS 120.0 MiB (+20.0 MiB since start), median step 15.0 ms, "
             "backing checkpoint") in text
+    assert ("served: one 64x64 PNG through `dlo serve` (2 ranks, AllGather), POST "
+            "/v1/images/generations in 0.25 s, saved to dlo-demo.png") in text
     assert text.endswith("result: ok in 12 s")
 
 
