@@ -1,14 +1,14 @@
-"""A counting, fault-injecting HTTP proxy between an S3 client and an S3 server.
+"""A counting, fault-injecting HTTP proxy between an object store's client and its server.
 
-Owns the evidence for the loader's claims: every object read (a GET with a `Range` header) that
-passes through is counted in bytes actually sent to the client, so a test can check how many
-object-store bytes each loader rank read without trusting the loader (one proxy per rank). A
-`FaultPlan` turns chosen object reads into the failures real object stores produce: 503 SlowDown,
-500 InternalError, a connection reset in the middle of the body, a truncated body (a short
-but well-formed response) and a stall (half the body, then silence for `stall_s`); it can also
-slow every read down, act as a store that ignores `If-Match` (`ignore_if_match`) or one whose
-listings name no checksum (`unlisted_checksums`); `reads_open` holds object reads until it is
-set. Other requests pass through untouched.
+Owns the evidence for the loader's claims: every object read (a GET with a `Range` header, or
+Azure Blob's `x-ms-range`) that passes through is counted in bytes actually sent to the client,
+so a test can check how many object-store bytes each loader rank read without trusting the
+loader (one proxy per rank). A `FaultPlan` turns chosen object reads into the failures real
+object stores produce: 503 SlowDown, 500 InternalError, a connection reset in the middle of the
+body, a truncated body (a short but well-formed response) and a stall (half the body, then
+silence for `stall_s`); it can also slow every read down, act as a store that ignores `If-Match`
+(`ignore_if_match`) or one whose listings name no checksum (`unlisted_checksums`); `reads_open`
+holds object reads until it is set. Other requests pass through untouched.
 
 Runs in threads of the calling process (`with FaultProxy(upstream) as proxy: proxy.url`). Used by
 the loader tests and benchmarks; it must not be imported by the loader.
@@ -149,7 +149,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
     do_HEAD = do_PUT = do_POST = do_DELETE = do_GET
 
     def _forward(self) -> None:
-        is_object_read = self.command == "GET" and "Range" in self.headers
+        is_object_read = self.command == "GET" and any(
+            name in self.headers for name in ("Range", "x-ms-range"))  # Azure Blob's own too
         fault = self.owner._next_fault() if is_object_read else None
         if is_object_read:
             self.owner.reads_open.wait()

@@ -1,11 +1,14 @@
-"""Fixtures for the loader tests: one moto S3 server per session and a tiny checkpoint in it."""
+"""Fixtures for the loader tests: one moto S3 server per session and a tiny checkpoint in it; the
+GCS and Azure Blob emulators, each started once per session by the first test that needs it."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import pytest
+from dlo_bench.emulators import Emulator, start_azurite, start_fake_gcs
 from dlo_bench.s3server import DUMMY_CREDENTIALS, S3Server, start_moto, upload_tree
+from support.cloud_stores import CloudStore
 from support.loader_fleet import BUCKET, Checkpoint, write_checkpoint
 
 
@@ -29,3 +32,41 @@ def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in DUMMY_CREDENTIALS.items():
         monkeypatch.setenv(name, value)
 
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator() -> Iterator[Emulator]:
+    with start_fake_gcs() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def azurite() -> Iterator[Emulator]:
+    with start_azurite() as server:
+        yield server
+
+
+@pytest.fixture(params=["gs", "az"])
+def cloud(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> CloudStore:
+    """Each cloud scheme's emulator (started once per session), its credentials in the
+    environment of the loaders this test runs."""
+    return _cloud_store(request.param, request, monkeypatch)
+
+
+@pytest.fixture
+def gs_store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> CloudStore:
+    return _cloud_store("gs", request, monkeypatch)
+
+
+@pytest.fixture
+def az_store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> CloudStore:
+    return _cloud_store("az", request, monkeypatch)
+
+
+def _cloud_store(scheme: str, request: pytest.FixtureRequest,
+                 monkeypatch: pytest.MonkeyPatch) -> CloudStore:
+    emulator = request.getfixturevalue("gcs_emulator" if scheme == "gs" else "azurite")
+    store = CloudStore(scheme, emulator)
+    for name, value in store.env().items():
+        monkeypatch.setenv(name, value)
+    return store

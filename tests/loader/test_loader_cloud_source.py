@@ -1,0 +1,280 @@
+"""The `gs://` and `az://` readers against their emulators (fake-gcs-server, Azurite), each behind
+the fault-injecting proxy: listing with version identity and store checksums, ranged reads into
+the caller's buffer, the retried faults, a replaced object, wrong credentials, an empty prefix."""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import hashlib
+import itertools
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import google_crc32c
+import pytest
+from dlo_bench.emulators import (
+    AZURITE_ACCOUNT,
+    AZURITE_KEY,
+    GCS_EMULATOR_ENV,
+    azurite_connection_string,
+)
+from dlo_bench.faultproxy import CORRUPT, FAULT_KINDS, STALL, FaultPlan, FaultProxy
+from dlo_loader import digest
+from dlo_loader.errors import SourceChanged, SourceError, SourceUnavailable
+from dlo_loader.sources import Source, SourceOptions, open_source, parse_source
+from dlo_contract.cache import ObjectIdentity
+from dlo_contract.source_credentials import (
+    AZURE_ACCOUNT_KEY_ENV,
+    AZURE_CONNECTION_STRING_ENV,
+    AZURE_SAS_TOKEN_ENV,
+    GOOGLE_APPLICATION_CREDENTIALS_ENV,
+)
+from support.cloud_stores import CONTAINER, CloudStore
+from support.loader_fleet import included, write_checkpoint
+
+INCLUDE = ("*.safetensors", "*.json")
+SHARD = "transformer/model-00001-of-00002.safetensors"
+_prefixes = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    return write_checkpoint(tmp_path_factory.mktemp("checkpoint"))
+
+
+@pytest.fixture
+def source(cloud: CloudStore, files: dict[str, bytes]) -> str:
+    """A fresh copy of the tiny checkpoint in the test's store (a prefix of its own)."""
+    return cloud.put(f"tiny-{next(_prefixes)}", files)
+
+
+def open_store(cloud: CloudStore, source: str, via: str | None = None,
+               **options: object) -> Source:
+    settings = {"readers": 4, "attempts": 4} | options
+    return open_source(parse_source(source),
+                       SourceOptions(endpoint_url=cloud.endpoint(via), **settings))
+
+
+def read_whole(store: Source, obj: ObjectIdentity) -> tuple[bytes, str]:
+    """The object's bytes read in one range, and their digest as the fill hashes them."""
+    algorithm = store.chunk_algorithms.get(obj.key, digest.ALGORITHM)
+    buffer = bytearray(obj.size)
+    crc = store.read(obj, 0, memoryview(buffer), algorithm)
+    return bytes(buffer), digest.of_running(crc, algorithm)
+
+
+def listed(store: Source, key: str) -> ObjectIdentity:
+    return next(o for o in store.list(INCLUDE) if o.key == key)
+
+
+def test_listing_names_each_objects_version_and_the_stores_checksum(
+        cloud: CloudStore, source: str, files: dict[str, bytes]) -> None:
+    store = open_store(cloud, source)
+    objects = store.list(INCLUDE)
+    assert [(o.key, o.size) for o in objects] == [(k, len(v)) for k, v in
+                                                   sorted(included(files).items())]
+    checksums = store.checksums(objects)
+    for obj in objects:
+        data = files[obj.key]
+        if cloud.scheme == "gs":  # the generation, and the CRC32C the chunks are hashed with
+            assert obj.etag.isdigit()
+            assert store.chunk_algorithms[obj.key] == "crc32c"
+            assert checksums[obj.key] == digest.StoreChecksum(
+                "crc32c", google_crc32c.Checksum(data).digest().hex())
+        else:  # the ETag; Content-MD5, which Azure keeps for a blob written in one request
+            assert obj.etag.startswith("0x")
+            assert obj.key not in store.chunk_algorithms
+            assert checksums[obj.key] == digest.StoreChecksum("md5", hashlib.md5(data).hexdigest())
+
+
+def test_a_range_lands_in_the_callers_buffer_with_its_crc(
+        cloud: CloudStore, source: str, files: dict[str, bytes]) -> None:
+    store = open_store(cloud, source)
+    obj = listed(store, SHARD)
+    buffer = bytearray(b"\xee" * 1002)
+    view = memoryview(buffer)[1:1001]
+    crc = store.read(obj, 4096, view, "crc64nvme")
+    assert bytes(buffer) == b"\xee" + files[SHARD][4096:5096] + b"\xee"
+    assert digest.of_running(crc, "crc64nvme") == digest.chunk_digest(view, "crc64nvme")
+
+
+def test_a_stream_delivers_every_piece_in_order(
+        cloud: CloudStore, source: str, files: dict[str, bytes]) -> None:
+    store = open_store(cloud, source)
+    obj = listed(store, SHARD)
+    got = bytearray()
+    pieces = iter(lambda: memoryview(bytearray(100_000)), None)
+    crc = store.stream(obj, 10, obj.size - 10, pieces,
+                       lambda offset, view: got.extend(view), "crc32c")
+    assert bytes(got) == files[SHARD][10:]
+    assert crc == google_crc32c.value(files[SHARD][10:])
+
+
+@pytest.mark.parametrize("kind", FAULT_KINDS)
+def test_transient_faults_are_asked_again(
+        kind: str, cloud: CloudStore, source: str, files: dict[str, bytes]) -> None:
+    with FaultProxy(cloud.emulator.server_url, FaultPlan(kinds=(kind,), limit=2)) as proxy:
+        store = open_store(cloud, source, proxy.url)
+        obj = listed(store, SHARD)
+        assert read_whole(store, obj)[0] == files[SHARD]
+    assert proxy.faults[kind] == 2
+
+
+def test_a_stall_is_abandoned_and_asked_again(
+        cloud: CloudStore, source: str, files: dict[str, bytes]) -> None:
+    stalls: list[str] = []
+    plan = FaultPlan(kinds=(STALL,), limit=1, stall_s=5.0)
+    with FaultProxy(cloud.emulator.server_url, plan) as proxy:
+        store = open_store(cloud, source, proxy.url, stall_timeout_s=0.5,
+                           on_stall=stalls.append)
+        obj = listed(store, SHARD)
+        assert read_whole(store, obj)[0] == files[SHARD]
+    assert len(stalls) == 1 and f"{source}{SHARD}" in stalls[0]
+
+
+def test_faults_that_persist_give_up_as_unavailable(cloud: CloudStore, source: str) -> None:
+    with FaultProxy(cloud.emulator.server_url, FaultPlan(kinds=("slowdown",))) as proxy:
+        store = open_store(cloud, source, proxy.url, attempts=2)
+        obj = listed(store, SHARD)
+        with pytest.raises(SourceUnavailable) as caught:
+            read_whole(store, obj)
+    assert str(caught.value).startswith(f"{source}{SHARD} bytes 0-")
+    assert "gave up after 2 attempt(s)" in str(caught.value)
+
+
+def test_damaged_bytes_differ_from_the_stores_checksum(
+        cloud: CloudStore, source: str, files: dict[str, bytes]) -> None:
+    """Nothing in the answer tells a flipped byte; the store's checksum of the object does."""
+    with FaultProxy(cloud.emulator.server_url, FaultPlan(kinds=(CORRUPT,), limit=1)) as proxy:
+        store = open_store(cloud, source, proxy.url)
+        obj = listed(store, SHARD)
+        data, ours = read_whole(store, obj)
+    published = store.checksums([obj])[obj.key]
+    assert data != files[SHARD]
+    mine = ours if cloud.scheme == "gs" else hashlib.md5(data).hexdigest()
+    assert published.value != mine
+
+
+def container_sas(cloud: CloudStore) -> str:
+    """A read-and-list SAS of the test container (it signs no header, unlike the shared key)."""
+    from azure.storage.blob import ContainerSasPermissions, generate_container_sas
+
+    return generate_container_sas(AZURITE_ACCOUNT, CONTAINER, account_key=AZURITE_KEY,
+                                  permission=ContainerSasPermissions(read=True, list=True),
+                                  expiry=datetime.datetime.now(datetime.UTC)
+                                  + datetime.timedelta(hours=1))
+
+
+@pytest.mark.parametrize("ignore_if_match", [False, True], ids=["precondition", "answer"])
+def test_an_object_replaced_after_listing_is_a_changed_source(
+        ignore_if_match: bool, cloud: CloudStore, source: str, files: dict[str, bytes],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the precondition (412) or, where a store ignores it, by the answer's version
+    (Azure then reads with a SAS: the proxy drops `If-Match`, which a shared key signs)."""
+    if ignore_if_match and cloud.scheme == "az":
+        monkeypatch.delenv(AZURE_ACCOUNT_KEY_ENV)
+        monkeypatch.setenv(AZURE_SAS_TOKEN_ENV, container_sas(cloud))
+    plan = FaultPlan(ignore_if_match=ignore_if_match)
+    with FaultProxy(cloud.emulator.server_url, plan) as proxy:
+        store = open_store(cloud, source, proxy.url)
+        obj = listed(store, SHARD)
+        prefix = source.rstrip("/").rsplit("/", 1)[1]
+        cloud.emulator.put(CONTAINER, {SHARD: files[SHARD][::-1]}, f"{prefix}/")
+        with pytest.raises(SourceChanged) as caught:
+            read_whole(store, obj)
+    assert str(caught.value).startswith(f"{source}{SHARD}")
+    assert "changed since it was listed" in str(caught.value)
+
+
+def test_an_empty_prefix_names_the_source_and_the_globs(cloud: CloudStore) -> None:
+    empty = cloud.source("nothing-here")
+    with pytest.raises(SourceError) as caught:
+        open_store(cloud, empty).list(INCLUDE)
+    assert str(caught.value) == (f"no object under {empty} matches "
+                                 f"loader.include={list(INCLUDE)}")
+
+
+def test_a_missing_container_is_not_found(cloud: CloudStore) -> None:
+    absent = cloud.source("tiny").replace("/models/", "/absent/")
+    with pytest.raises(SourceError) as caught:
+        open_store(cloud, absent).list(INCLUDE)
+    assert str(caught.value).startswith(f"listing {absent}: not found")
+
+
+def test_a_wrong_azure_key_is_denied_without_the_key(
+        az_store: CloudStore, files: dict[str, bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+    """(Azurite checks shared-key signatures; fake-gcs-server checks no credential.)"""
+    source = az_store.put("denied", files)
+    wrong = base64.b64encode(b"not the account key" * 3).decode()
+    monkeypatch.setenv(AZURE_ACCOUNT_KEY_ENV, wrong)
+    with pytest.raises(SourceError) as caught:
+        open_store(az_store, source).list(INCLUDE)
+    text = f"{caught.value} {caught.value.hint}"
+    assert str(caught.value).startswith(f"listing {source}: access denied")
+    assert AZURE_ACCOUNT_KEY_ENV in caught.value.hint
+    assert wrong not in text and AZURITE_KEY not in text
+
+
+def test_an_azure_connection_string_names_the_endpoint_and_its_account(
+        az_store: CloudStore, files: dict[str, bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+    source = az_store.put("connection-string", files)
+    monkeypatch.delenv(AZURE_ACCOUNT_KEY_ENV)
+    monkeypatch.setenv(AZURE_CONNECTION_STRING_ENV,
+                       azurite_connection_string(az_store.emulator.server_url))
+    store = open_source(parse_source(source), SourceOptions(readers=2))
+    assert [o.key for o in store.list(["*.json"])] == ["transformer/config.json"]
+    other = source.replace("az://devstoreaccount1/", "az://otheraccount/")
+    with pytest.raises(SourceError) as caught:
+        open_source(parse_source(other), SourceOptions(readers=2))
+    assert str(caught.value) == (
+        f"{AZURE_CONNECTION_STRING_ENV} is for account 'devstoreaccount1', the source {other} "
+        "is in account 'otheraccount'")
+    assert AZURITE_KEY not in str(caught.value)
+
+
+@pytest.fixture
+def denying_server() -> Iterator[str]:
+    """An HTTP server answering every request as GCS answers a caller without access."""
+
+    class Deny(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (stdlib naming)
+            body = json.dumps({"error": {"code": 403, "message": "caller has no access",
+                                         "errors": [{"reason": "forbidden"}]}}).encode()
+            self.send_response(403)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            """Silent."""
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Deny)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_gcs_access_denied_names_the_source_and_where_credentials_come_from(
+        gs_store: CloudStore, denying_server: str) -> None:
+    source = gs_store.source("tiny")
+    with pytest.raises(SourceError) as caught:
+        open_store(gs_store, source, denying_server).list(INCLUDE)
+    assert str(caught.value) == f"listing {source}: access denied (forbidden)"
+    assert GOOGLE_APPLICATION_CREDENTIALS_ENV in caught.value.hint
+
+
+def test_gcs_without_usable_credentials_says_so(
+        gs_store: CloudStore, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv(GCS_EMULATOR_ENV)
+    monkeypatch.setenv(GOOGLE_APPLICATION_CREDENTIALS_ENV, str(tmp_path / "absent.json"))
+    source = gs_store.source("tiny")
+    with pytest.raises(SourceError) as caught:
+        open_source(parse_source(source), SourceOptions())
+    assert str(caught.value).startswith(f"no GCS credentials for {source}: ")
+    assert GOOGLE_APPLICATION_CREDENTIALS_ENV in caught.value.hint
