@@ -110,12 +110,13 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         meta = request.data.setdefault("metadata", {})
         meta["resourceVersion"] = str(next(self._versions))
         current = self._objects[key].raw
-        if request.subresource is None and "spec" in request.data and _merged(
+        if request.subresource is None and "spec" in request.data and merge_patch(
                 current.get("spec"), request.data["spec"]) != current.get("spec"):
             meta["generation"] = int(current["metadata"].get("generation", 1)) + 1
 
 
-def _merged(base: Any, patch: Any) -> Any:
+def merge_patch(base: Any, patch: Any) -> Any:
+    """`patch` applied to `base` as a JSON merge patch (a None removes the field)."""
     if not isinstance(base, dict) or not isinstance(patch, dict):
         return patch
     out = dict(base)
@@ -123,7 +124,7 @@ def _merged(base: Any, patch: Any) -> Any:
         if value is None:
             out.pop(key, None)
         else:
-            out[key] = _merged(base.get(key), value)
+            out[key] = merge_patch(base.get(key), value)
     return out
 
 
