@@ -28,9 +28,10 @@ import torch.distributed as dist
 
 from dlo_runtime.discovery import DiscoveredModel, ModuleDiscovery
 from dlo_runtime.execution_order import ExecutionOrder, OrderState, StepHooks
-from dlo_runtime.forward_gate import ForwardGate
+from dlo_runtime.forward_gate import ForwardGate, refuse_released
 from dlo_runtime.hooks import BlockScheduler, DistributedLayerwiseOffloadHook
 from dlo_runtime.layout import BlockLayout
+from dlo_runtime.lockstep import GroupLockstep
 from dlo_runtime.misuse import MARK_ATTRIBUTE, OffloadMark, refuse_misuse
 from dlo_runtime.offload_plan import weight_bytes
 from dlo_runtime.run_stats import OffloadStats, StatsRecorder, load_bytes
@@ -62,8 +63,9 @@ class DistributedLayerwiseOffloadBackend:
     """Streams the DiT blocks of `dit` through two device slots while enabled.
 
     In AllGather mode (a DLO group of G > 1 ranks) every rank must call `enable`, run the same
-    forwards and call `disable` together: each of them issues collectives over `group`.
-    Forwards run one at a time (`dlo_runtime.forward_gate`).
+    forwards and call `disable` together: each of them issues collectives over `group`, and
+    each forward and `disable` first checks that every rank is at the same one
+    (`dlo_runtime.lockstep`). Forwards run one at a time (`dlo_runtime.forward_gate`).
     """
 
     def __init__(
@@ -117,6 +119,8 @@ class DistributedLayerwiseOffloadBackend:
         self._recorder: StatsRecorder | None = None
         self._step_hooks = StepHooks(self._step_end)
         self._forward_gate = ForwardGate(type(self.dit).__name__)
+        self._lockstep: GroupLockstep | None = None
+        """AllGather mode: the forward count compared across the group (see [Note: lockstep])."""
         self.streamed_share = 0.0
         """Share of the DiT's weight bytes (parameters and persistent buffers) that streams
         through the slots, set by `enable`; the rest stays resident or comes in on demand."""
@@ -236,6 +240,11 @@ class DistributedLayerwiseOffloadBackend:
         self._step_hooks.attach(self.dit)
         # After the step hook, so that the step end is recorded before the next forward enters.
         self._forward_gate.attach(self.dit)
+        if self.group is not None:
+            self._lockstep = GroupLockstep(
+                self.group, rank=self.rank, model=type(self.dit).__name__,
+                timeout_s=self.settings.offload.group_wait_timeout_s, names=self.names)
+            self._lockstep.attach(self.dit)
         self._hooks = []
         for position, block in enumerate(model.streamed):
             hook = DistributedLayerwiseOffloadHook(position, self._scheduler)
@@ -249,18 +258,29 @@ class DistributedLayerwiseOffloadBackend:
         `enable` (the model runs resident again and can be enabled again); in AllGather mode
         that gathers every block once, so all ranks must call it. `restore=False` is for
         shutdown: the streamed tensors stay empty placeholders (those of a block whose forward
-        raised get theirs back), so no slot stays allocated.
+        raised get theirs back), so no slot stays allocated, and a later forward of the DiT
+        raises `OffloadError`.
+
+        In AllGather mode every rank first checks that the others disable after the same forward
+        ([Note: lockstep]). When the group drifted, this rank tears down alone without issuing a
+        collective (its tensors stay placeholders, as with `restore=False`) and then raises
+        `OffloadError`, unless a forward raised the drift already and `restore` is False.
         """
         if not self.enabled:
             return
         assert self._tensors is not None and self._scheduler is not None and self.slots
         assert self._on_demand is not None
+        lockstep = self._lockstep
+        drift = lockstep.start_disable(restore=restore) if lockstep is not None else None
+        restore = restore and (lockstep is None or lockstep.in_step)
         # Outstanding transfers and kernels still read the slots and host sources.
         self._streams.synchronize()
         for hook in self._hooks:
             hook.detach()
         self._step_hooks.detach()
         self._forward_gate.detach()
+        if self._lockstep is not None:
+            self._lockstep.detach()
         self._on_demand.detach()
         # A forward that raised inside a streamed block left its tensors in a slot; with their
         # placeholders back, dropping the slots below frees them whatever `restore` says.
@@ -275,17 +295,21 @@ class DistributedLayerwiseOffloadBackend:
         self.slots = None
         self._tensors = None
         self._order = self._recorder = None
+        self._lockstep = None
         self.enabled = False
         if restore:
             delattr(self.dit, MARK_ATTRIBUTE)
         else:
             setattr(self.dit, MARK_ATTRIBUTE, OffloadMark.RELEASED)
+            refuse_released(self.dit)
         if self._mapped_plan is not None:
             # Mappings close only after the synchronize above: no copy reads them any more.
             self._mapped_plan.release_sources()
             self._mapped_plan = None
         gc.collect()
         logger.info("dlo: disabled on %s", type(self.dit).__name__)
+        if drift is not None:
+            raise drift
 
     def _restore(self) -> None:
         assert self._tensors is not None and self._scheduler is not None and self.slots

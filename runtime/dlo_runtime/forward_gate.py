@@ -12,8 +12,12 @@ overwrite each other's slots and compute with another block's weights, or with p
   `OffloadError` before anything runs: DLO streams weights for inference only, and the post-hooks
   point the weights autograd saved at empty placeholders, so its backward would fail with a
   shape error far from the cause. Grad mode alone (no input requiring grad) is not refused:
-  diffusers pipelines may call the DiT that way, and no backward follows.
-Called by the backend (attach, detach); it must not touch slots, tensors or process groups.
+  diffusers pipelines may call the DiT that way, and no backward follows;
+- a forward of a DiT disabled with `restore=False` (`OffloadHandle.close()`) is refused with
+  `OffloadError` (`refuse_released`): its streamed tensors are empty placeholders, and torch
+  would fail in the first block with a shape error (`mat2 must be a matrix`).
+Called by the backend (attach, detach, refuse_released); it must not touch slots, tensors or
+process groups.
 
 [Note: forward lock] The lock is taken by the DiT's first forward pre-hook and released by its
 forward hook registered with `always_call=True`, which torch calls when the forward returns and
@@ -34,6 +38,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from dlo_runtime.compiled import outside_compiled_graphs
+from dlo_runtime.misuse import released_error
 from dlo_runtime.tensors import OffloadError
 
 
@@ -89,6 +94,17 @@ class ForwardGate:
             return
         self._owner = None
         self._lock.release()
+
+
+def refuse_released(dit: nn.Module) -> None:
+    """After `disable(restore=False)`: every later forward of `dit` raises `OffloadError`, before
+    any other hook runs (the hook stays; the DiT cannot be enabled again either)."""
+
+    @outside_compiled_graphs
+    def released(module: nn.Module, args: Any) -> None:
+        raise released_error(type(module).__name__, "keep running it")
+
+    dit.register_forward_pre_hook(released, prepend=True)
 
 
 def _refuse_backward(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -51,11 +51,7 @@ def refuse_misuse(dit: nn.Module, *, host_plan: bool) -> None:
             "it again, or keep using the enabled one",
         )
     if mark is OffloadMark.RELEASED:
-        raise OffloadError(
-            f"{name} was disabled with restore=False, so its streamed tensors are empty "
-            "placeholders",
-            hint="load the model again, or disable with restore=True to enable it again",
-        )
+        raise released_error(name, "enable it again")
     for path, module in dit.named_modules():
         where = f"{name}.{path}" if path else name
         registry = getattr(module, DIFFUSERS_REGISTRY, None)
@@ -77,6 +73,16 @@ def refuse_misuse(dit: nn.Module, *, host_plan: bool) -> None:
             )
     if not host_plan:
         refuse_unbacked(dit)
+
+
+def released_error(name: str, then: str) -> OffloadError:
+    """What enabling (`then`: "enable it again") or calling (`dlo_runtime.forward_gate`) a DiT
+    disabled with `restore=False` raises."""
+    return OffloadError(
+        f"{name} was disabled with restore=False, so its streamed tensors are empty "
+        "placeholders",
+        hint=f"load the model again, or disable with restore=True to {then}",
+    )
 
 
 def refuse_unbacked(dit: nn.Module) -> None:

@@ -35,6 +35,7 @@ from dlo_runtime import checkpoint_plan
 from dlo_contract.cache import open_entry
 from dlo_runtime import prefetch
 from dlo_runtime.discovery import find_dits
+from dlo_runtime.errors import OffloadError
 from dlo_runtime.metrics import NoStatistics
 from dlo_runtime.entry_file import (  # noqa: F401 (re-exported: the pod API)
     DEFAULT_ENTRY_FILE,
@@ -139,15 +140,23 @@ class OffloadHandle:
 
     def close(self) -> None:
         """Shutdown order: synchronize device work, remove hooks, unregister host pages, close
-        mappings. Process groups stay; the caller destroys them afterwards."""
+        mappings. Process groups stay; the caller destroys them afterwards. Every backend is
+        closed even when one raises `OffloadError` (its DLO group drifted: it tore down alone,
+        see `dlo_runtime.lockstep`); the first such error is raised at the end."""
         self._closed = True
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # no copy may still read pages about to go
+        first: OffloadError | None = None
         while self._offloaded:
             item = self._offloaded.pop()
-            item.backend.disable(restore=False)
+            try:
+                item.backend.disable(restore=False)
+            except OffloadError as exc:  # raised once its teardown is complete
+                first = first or exc
             if item.plan is not None:
                 item.plan.close()
+        if first is not None:
+            raise first
 
 
 def enable(target: Any, *, device: str | torch.device | None = None,

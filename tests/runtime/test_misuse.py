@@ -56,6 +56,19 @@ def test_a_model_left_with_placeholders_is_refused() -> None:
     assert error.hint == "load the model again, or disable with restore=True to enable it again"
 
 
+def test_a_model_left_with_placeholders_refuses_its_forwards_by_name() -> None:
+    """Called directly after `disable(restore=False)` (a closed handle), the DiT raises dlo's
+    error before any block runs, not torch's shape error from an empty weight."""
+    model = tiny_model("wan")
+    backend(model).enable().disable(restore=False)
+    with pytest.raises(OffloadError) as caught:
+        forward(model, example_inputs("wan", tiny_model("wan")))
+    assert str(caught.value) == ("WanTransformer3DModel was disabled with restore=False, so its "
+                                 "streamed tensors are empty placeholders")
+    assert caught.value.hint == ("load the model again, or disable with restore=True to keep "
+                                 "running it")
+
+
 def test_diffusers_group_offloading_is_refused_naming_the_module() -> None:
     model = tiny_model("sd3")
     apply_group_offloading(model, onload_device=torch.device("cpu"),

@@ -3,7 +3,8 @@ AllGather mode through `dlo_runtime.pod`.
 
 Usage: pod_allgather_worker.py RANK WORLD PORT. The settings document and the entry file come
 from DLO_CONFIG and DLO_ENTRY_FILE. Prints one JSON line: the backing, whether the offloaded
-output equals the resident model's, and whether the mapping was released after enable.
+output equals the resident model's, whether the mapping was released after enable, and what a
+call of the DiT raises once the handle is closed.
 """
 
 from __future__ import annotations
@@ -35,10 +36,21 @@ def main(rank: int, world: int, port: int) -> None:
             equal = torch.equal(dit(**inputs)[0], resident(**inputs)[0])
         backing = handle.backing().value
         handle.close()
+        after_close = _call(dit, inputs)
     finally:
         dist.destroy_process_group()
     print(json.dumps({"rank": rank, "weightless": weightless, "backing": backing,
-                      "equal": equal, "mapped_after_enable": mapped}))
+                      "equal": equal, "mapped_after_enable": mapped, "after_close": after_close}))
+
+
+def _call(dit: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> str:
+    """The message of the error a call of `dit` raises (its class first)."""
+    try:
+        with torch.no_grad():
+            dit(**inputs)
+    except Exception as exc:  # noqa: BLE001 - reported whatever it is
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
 
 
 if __name__ == "__main__":

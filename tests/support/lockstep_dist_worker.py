@@ -1,0 +1,92 @@
+"""Body of each gloo process started by `test_backend_lockstep.py`: ranks of one DLO AllGather
+group that run different numbers of forwards.
+
+Each case makes its own group with a one-hour timeout and waits an hour at the forward check
+(`offload.group_wait_timeout_s`), so only the check's comparison can end a case before the test's
+own timeout: a rank that hung in a collective would fail the test, not pass it. Every outcome is
+the message of the `OffloadError` a call raised (or "ok"), written as JSON for the test to read.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from support.gloo_world import in_gloo_rank
+from support.runtime_helpers import forward
+
+from dlo_bench.models import example_inputs, tiny_model
+from dlo_contract.settings import OffloadConfig, ParallelConfig, Settings
+from dlo_runtime.backend import DistributedLayerwiseOffloadBackend
+from dlo_runtime.tensors import OffloadError
+
+HOUR = datetime.timedelta(hours=1)
+STEPS = 2
+"""Forwards every rank runs before the ranks part."""
+
+
+def _settings(world: int) -> Settings:
+    return Settings(offload=OffloadConfig(group_wait_timeout_s=HOUR.total_seconds()),
+                    parallel=ParallelConfig(dp=world))
+
+
+def _outcome(call: Callable[[], Any]) -> str:
+    try:
+        call()
+    except OffloadError as exc:
+        return str(exc)
+    return "ok"
+
+
+def _drift_case(world: int, rank: int, *, restore: bool) -> dict[str, Any]:
+    """Every rank runs `STEPS` forwards; rank 0 then starts one more while the others disable
+    (with `restore`); then rank 0 disables too, and every rank calls its DiT once more."""
+    group = dist.new_group(list(range(world)), timeout=HOUR)
+    model = tiny_model("flux")
+    inputs = example_inputs("flux", model)
+    backend = DistributedLayerwiseOffloadBackend(model, settings=_settings(world), device="cpu",
+                                                 group=group).enable()
+    equal = [torch.equal(forward(model, inputs), forward(tiny_model("flux"), inputs))
+             for _ in range(STEPS)]
+    outcome: dict[str, Any] = {"equal": equal}
+    if rank == 0:
+        outcome["extra_forward"] = _outcome(lambda: forward(model, inputs))
+        outcome["forward_again"] = _outcome(lambda: forward(model, inputs))
+    outcome["disable"] = _outcome(lambda: backend.disable(restore=restore))
+    outcome["disable_again"] = _outcome(lambda: backend.disable(restore=restore))
+    outcome["call_after_disable"] = _outcome(lambda: forward(model, inputs))
+    dist.destroy_process_group(group)
+    return outcome
+
+
+def _in_step_case(world: int) -> dict[str, Any]:
+    """Every rank runs the same forwards and disables with restore: no error, and the model
+    runs resident again."""
+    group = dist.new_group(list(range(world)), timeout=HOUR)
+    model = tiny_model("flux")
+    inputs = example_inputs("flux", model)
+    backend = DistributedLayerwiseOffloadBackend(model, settings=_settings(world), device="cpu",
+                                                 group=group).enable()
+    for _ in range(STEPS + 1):
+        forward(model, inputs)
+    outcome = {"disable": _outcome(backend.disable),
+               "equal_after_disable": torch.equal(forward(model, inputs),
+                                                  forward(tiny_model("flux"), inputs))}
+    dist.destroy_process_group(group)
+    return outcome
+
+
+def main(rank: int, world: int, port: int, out_dir: str) -> None:
+    in_gloo_rank(rank, world, port, out_dir, _cases)
+
+
+def _cases(world: int, group: dist.ProcessGroup) -> dict[str, Any]:
+    rank = dist.get_rank()
+    return {
+        "in-step": _in_step_case(world),
+        "drift-close": _drift_case(world, rank, restore=False),
+        "drift-restore": _drift_case(world, rank, restore=True),
+    }
