@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
     add("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
+    add("--model", default=Limits.model,
+        help="name of the served model; a request's `model`, when given, must equal it "
+             "(default: %(default)s)")
     add("--ranks", type=int, help="data-parallel ranks, one process and device each "
                                   "(default: the settings' parallel.dp)")
     add("--queue-size", type=int, default=16,
@@ -124,7 +127,7 @@ def _lead_rank(args: argparse.Namespace, world: int, master_port: int, server: A
         with _rank(args, 0, world, master_port, status) as (model, group):
             queue.same_steps = model.allgather
             server.limits = Limits(size_multiple=model.sampler.size_multiple,
-                                   max_side=args.max_side, max_steps=args.max_steps,
+                                   model=args.model, max_side=args.max_side, max_steps=args.max_steps,
                                    max_n=args.max_n)
             server.metrics.registry.register(OffloadCollector(model.handle.stats))
             status.set(State.READY, f"{world} rank(s), "

@@ -16,14 +16,17 @@ from dlo_server.sampler import Job
 RESPONSE_FORMAT = "b64_json"
 FIELDS = ("prompt", "n", "size", "response_format", "num_inference_steps", "guidance_scale",
           "seed", "model", "user")
-"""Every field a request may carry; `model` and `user` are accepted and not used."""
+"""Every field a request may carry; `model`, when given, must name the served model; `user` is
+accepted and not used."""
 
 
 @dataclass(frozen=True)
 class Limits:
-    """What the server accepts: sizes are multiples of `size_multiple` up to `max_side`."""
+    """What the server accepts: sizes are multiples of `size_multiple` up to `max_side`; `model`
+    is the served model's name (`dlo serve --model`)."""
 
     size_multiple: int
+    model: str = "dlo"
     max_side: int = 1024
     max_steps: int = 50
     max_n: int = 4
@@ -69,6 +72,9 @@ def parse_request(body: Any, limits: Limits, *, default_seed: int) -> Generation
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise RequestError("prompt", "is required: a non-empty string")
+    if body.get("model", limits.model) != limits.model:
+        raise RequestError("model", f"{body['model']!r} is not served here; this server serves "
+                                    f"{limits.model!r}")
     if body.get("response_format", RESPONSE_FORMAT) != RESPONSE_FORMAT:
         raise RequestError("response_format", f"{body['response_format']!r} is not served; "
                                               f"use {RESPONSE_FORMAT!r}")

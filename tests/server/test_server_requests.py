@@ -14,7 +14,7 @@ LIMITS = Limits(size_multiple=4, max_side=64, max_steps=8, max_n=3)
 def test_a_full_request_becomes_one_job_per_image() -> None:
     parsed = parse_request({"prompt": "a cat", "n": 2, "size": "32x16", "seed": 7,
                             "num_inference_steps": 3, "guidance_scale": 2,
-                            "response_format": "b64_json", "model": "flux"}, LIMITS,
+                            "response_format": "b64_json", "model": "dlo"}, LIMITS,
                            default_seed=0)
     assert parsed.jobs() == [Job("a cat", 32, 16, 3, 2.0, 7), Job("a cat", 32, 16, 3, 2.0, 8)]
 
@@ -36,6 +36,7 @@ def test_defaults_fill_what_the_body_leaves_out() -> None:
     ({"prompt": "x", "guidance_scale": "high"}, "guidance_scale", "not a number"),
     ({"prompt": "x", "response_format": "url"}, "response_format", "'url' is not served"),
     ({"prompt": "x", "quality": "hd"}, "quality", "unknown field"),
+    ({"prompt": "x", "model": "sdxl"}, "model", "'sdxl' is not served here"),
     ({"size": "32x32"}, "prompt", "is required"),
     (["x"], "body", "JSON object"),
 ])
