@@ -26,8 +26,6 @@ SCHEME_SPECS: dict[str, dict[str, Any]] = {
                "secretName": SECRET, "sasTokenKey": ""}},
            "inference": INFERENCE},
     "az-https": {"model": {"source": "https://acct.blob.core.windows.net/models/flux/"},
-                 "serviceAccountName": "blob-reader",
-                 "podLabels": {"azure.workload.identity/use": "true"},
                  "inference": INFERENCE},
     "https": {"model": {"source": "https://cdn.example.com/models/flux/", "credentials": {
                   "secretName": SECRET, "bearerTokenKey": "token"}},
@@ -36,4 +34,4 @@ SCHEME_SPECS: dict[str, dict[str, Any]] = {
                "secretName": SECRET}},
            "inference": INFERENCE},
 }
-"""Keyed by a case name; `az-https` uses workload identity (no Secret)."""
+"""Keyed by a case name; `az-https` names no Secret (a public container)."""
