@@ -1,6 +1,6 @@
 """`python -m dlo_cli.metrics_reference [--check]`: the README's metric list, from the metric
 definitions of the three planes (`dlo_operator.metrics`, `dlo_loader.metrics`,
-`dlo_runtime.metrics`), so that the list and what `/metrics` serves cannot drift. `--check`
+`dlo_runtime.metrics`) and of the reference server (`dlo_server.metrics`), so that the list and what `/metrics` serves cannot drift. `--check`
 exits 1 with the fresh section when the README is stale (`make check-generated`).
 Imports only the metric modules (prometheus_client; no torch, kopf or boto3).
 """
@@ -29,6 +29,8 @@ def _planes() -> tuple[tuple[str, str, str], ...]:
          "fills", "dlo_loader.metrics"),
         ("Runtime", "the inference server's registry (`OffloadCollector`) or "
          "`dlo_runtime.metrics.serve`", "dlo_runtime.metrics"),
+        ("Server", "`dlo serve` on its HTTP port (`/metrics`, beside rank 0's runtime series)",
+         "dlo_server.metrics"),
     )
 
 
