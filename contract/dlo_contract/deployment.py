@@ -54,8 +54,9 @@ CR_SECTIONS: dict[str, str] = {
     "the Hugging Face Hub.",
     "model.credentials": "The source's credentials. With a Secret name, the loader receives the "
     "keys its source's scheme reads (each key below names one; the others are not passed), as "
-    "secretKeyRef variables or, for gs://, a read-only key file; without one, each scheme's "
-    "client uses the pod's workload identity (serviceAccountName) or the node's.",
+    "secretKeyRef variables or, for gs://, a read-only key file. Without one, s3:// and gs:// "
+    "use the pod's workload identity (serviceAccountName) or the node's, and az://, https:// "
+    "and hf:// read anonymously (a public container, server or repository).",
     "model.share": "The file share of a file:/// source: one of spec.volumes (a "
     "persistentVolumeClaim of the DOD's namespace, an nfs volume, or a hostPath under the chart "
     "value allowedUserHostPaths), mounted read-only into the loader only.",
@@ -78,8 +79,7 @@ class CredentialsConfig(Section):
 
     secret_name: str = setting(
         "", crd="model.credentials.secretName",
-        description="Secret in the DOD's namespace holding the keys; empty for none (workload "
-        "identity).")
+        description="Secret in the DOD's namespace holding the keys; empty for none.")
     access_key_id_key: str = setting(
         AWS_ACCESS_KEY_ID_ENV, crd="model.credentials.accessKeyIdKey",
         description="s3://: key of the access key id in the Secret.")
@@ -212,10 +212,9 @@ class DeploymentSpec(Section):
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
     service_account_name: str = setting(
         "", crd="serviceAccountName",
-        description="Service account of the pods, the loader's workload identity for its source "
-        "without model.credentials.secretName (EKS IAM roles for service accounts, GKE Workload "
-        "Identity, AKS Workload Identity with its pod label in podLabels); empty uses the "
-        "namespace default.")
+        description="Service account of the pods, the loader's workload identity for an s3:// "
+        "or gs:// source without model.credentials.secretName (EKS IAM roles for service "
+        "accounts or Pod Identity, GKE Workload Identity); empty uses the namespace default.")
     automount_service_account_token: bool = setting(
         False, crd="automountServiceAccountToken",
         description="Mount the service account's API token; the workload never needs it, so off.")
