@@ -143,6 +143,13 @@ class LoaderPodConfig(Section):
                                "value nodeCache.uid), set by the operator, never by the CR.")
     run_as_group: int = setting(DEFAULT_LOADER_UID, crd=None, minimum=1,
                                 description="The loader's group (chart value nodeCache.gid).")
+    progress_deadline_s: float = setting(
+        300.0, crd="loader.progressDeadlineSeconds", above=0,
+        description="Seconds a prefill loader may go without progress (no byte written, no "
+        "change of phase, as its metrics endpoint shows) before the operator reports the "
+        "prefill as PrefillStuck, naming the node and what the loader waits for; the Job "
+        "still runs until its deadline. Read by the operator only (not part of the settings "
+        "revision, so changing it restarts no pod); needs loader.metricsPort.")
 
 
 class InferenceConfig(Section):

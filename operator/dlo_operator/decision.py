@@ -39,6 +39,8 @@ class Observed:
     prefill: Mapping[str, Any]
     """The previous `status.prefill` record ({} when none)."""
     now: datetime.datetime
+    progress: Mapping[str, Any] = field(default_factory=dict)
+    """The previous `status.progress` (the loaders' live progress, `progressAt` per pod)."""
     refused: Mapping[str, Trouble] = field(default_factory=dict)
     """A pod the API server refused to create, by the name of the StatefulSet or prefill Job
     that tried (`pod_refusals`)."""

@@ -37,6 +37,7 @@ from dlo_operator.kube import KubeClient
 from dlo_operator.naming import ANNOTATION_FILL_SUMMARY, GROUP, LABEL_DEPLOYMENT, PLURAL, VERSION
 from dlo_operator.node_cache import LABEL_NODE_CACHE, NODE_CACHE_CLASS, NodeCacheConfig
 from dlo_operator.reconcile import ReconcileConfig, reconcile, utc_now
+from dlo_operator.prefill_record import format_time
 from dlo_operator.prefill_stage import BackoffConfig
 from dlo_operator.spec import parse_spec
 
@@ -209,7 +210,9 @@ def loader_progress(spec: kopf.Spec, name: str, namespace: str, status: kopf.Sta
     if port:
         _keep_summaries(memo, namespace, progress.published_without_summary(every), port, logger)
     pods = progress.running_loaders(every)
-    current = progress.progress_status(progress.read_all(pods, port) if port else [])
+    current = progress.progress_status(
+        progress.read_all(pods, port) if port else [], previous=status.get("progress"),
+        now=format_time(memo.config.clock()))
     if current == status.get("progress"):
         return
     try:

@@ -28,6 +28,8 @@ class TroubleReason(str, enum.Enum):
     CRASH_LOOP_BACK_OFF = "CrashLoopBackOff"
     CONTAINER_CONFIG_ERROR = "CreateContainerConfigError"
     LOADER_FAILED = "LoaderFailed"
+    NO_PROGRESS = "NoProgress"
+    """A prefill loader that runs but shows no progress (`prefill_watch`)."""
 
 
 NOT_STARTING = frozenset({TroubleReason.FAILED_CREATE, TroubleReason.UNSCHEDULABLE,

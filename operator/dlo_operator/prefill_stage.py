@@ -3,8 +3,8 @@ serving node by a prefill Job while the old pods serve, and only then do the pod
 
 `prefill_step` reads the prefill Job, its pods and the previous `status.prefill` record and
 says what to keep applied, the new record and the Events: the Job started (`PrefillStarted`),
-running (its pods' rows; a pod that cannot start its loader is named, `Decision.stuck`, and one
-that can never be scheduled, pinned to a node no pod of the DOD runs on any more, fails the
+running (its pods' rows; a pod that cannot start its loader, or whose loader shows no progress
+(`prefill_watch`), is named, `Decision.stuck`, and one that can never be scheduled, pinned to a node no pod of the DOD runs on any more, fails the
 attempt), succeeded (restart the pods, once the loaders' summaries are in), failed (delete it;
 retry after a doubling delay, `BackoffConfig`). Each outcome is one function that words its
 Decision and Event; the record is a `prefill_record.PrefillRecord`. Pure; called by `rollout`
@@ -28,6 +28,7 @@ from dlo_operator.prefill import build_prefill_job, build_prefill_service, pinne
 from dlo_operator.prefill_record import (
     PrefillRecord, PrefillState, format_time, parse_time, record_of,
 )
+from dlo_operator.prefill_watch import no_progress, unfinished
 from dlo_operator.spec import DeploymentSpec
 from dlo_operator.statefulset import live_replicas
 from dlo_operator.status import LoaderState, prefill_node
@@ -112,7 +113,10 @@ def _step(owner: Owner, spec: DeploymentSpec, seen: Observed, backoff: BackoffCo
     if state is PrefillState.SUCCEEDED:
         return _succeeded(owner, spec, seen, record)
     if state is PrefillState.FAILED:
-        return _failed(owner, record, seen, backoff, keep, _failure(nodes, job))
+        return _failed(owner, record, seen, backoff, keep, _failure(
+            nodes or list(previous.nodes if previous else ()), job))
+    if stuck is None and spec.settings.loader.metrics_port:
+        stuck = no_progress(pods, seen.progress, seen.now, spec.loader.progress_deadline_s)
     where = (f"prefill of revision {rev} is stuck: {stuck.message}" if stuck else
              f"prefilling revision {rev}: {_cached(nodes)}/{_completions(job, nodes)} nodes "
              "hold the entry")
@@ -249,5 +253,7 @@ def _failure(nodes: Sequence[Mapping[str, Any]], job: Mapping[str, Any]) -> str:
                     f"{node.get('message', 'no message')}")
     for condition in (job.get("status") or {}).get("conditions") or ():
         if condition.get("type") == "Failed":
-            return f"Job {condition.get('reason', 'Failed')}: {condition.get('message', '')}"
+            left = unfinished(nodes)
+            return (f"Job {condition.get('reason', 'Failed')}: {condition.get('message', '')}"
+                    + (f"; {left}" if left else ""))
     return "the prefill Job failed"

@@ -2,8 +2,9 @@
 
 While a loader fills, the operator reads `http://<podIP>:<loader.metricsPort>/metrics`
 (no API token in workload pods; the loader serves its `Progress`, see `dlo_loader.metrics`) and
-writes per-node bytes done / total, throughput and ETA (or `stalled`) plus a one-line summary for
-the PROGRESS printer column. When no loader runs the field is removed: the termination message
+writes per-node bytes done / total, throughput and ETA (or `stalled`), when it last saw the loader
+progress (`progressAt`: `prefill_watch` reports a prefill loader without progress), plus a
+one-line summary for the PROGRESS printer column. When no loader runs the field is removed: the termination message
 (the fill summary in `status.nodes`) holds the final figures; a sidecar loader that published
 stays up, so its summary is read once from its endpoint and kept on its pod
 (`published_without_summary`, `read_summary`). `read_loader` and `read_summary` do the HTTP;
@@ -134,20 +135,29 @@ def read_loader(address: str, port: int, timeout_s: float = READ_TIMEOUT_S) -> L
         stalled=values.get("dlo_loader_stalled", 0) == 1, phase=phase)
 
 
-def progress_status(readings: Sequence[tuple[Mapping[str, Any], LoaderReading]]
+def progress_status(readings: Sequence[tuple[Mapping[str, Any], LoaderReading]], *,
+                    previous: Mapping[str, Any] | None = None, now: str = ""
                     ) -> dict[str, Any] | None:
-    """`status.progress` from (pod, reading) pairs; None (remove the field) when there are none."""
+    """`status.progress` from (pod, reading) pairs; None (remove the field) when there are none.
+    Each node's `progressAt` is `now` unless the `previous` progress shows its pod with the same
+    bytes written and phase (no progress since): then it stays."""
     if not readings:
         return None
+    before = {n.get("pod"): n for n in (previous or {}).get("nodes") or ()}
     nodes = []
     for pod, reading in readings:
+        name = (pod.get("metadata") or {}).get("name", "")
         node: dict[str, Any] = {
-            "pod": (pod.get("metadata") or {}).get("name", ""),
-            "node": (pod.get("spec") or {}).get("nodeName", ""),
+            "pod": name, "node": (pod.get("spec") or {}).get("nodeName", ""),
             "bytesDone": reading.bytes_done, "bytesTotal": reading.bytes_total,
             "bytesPerSecond": int(reading.bytes_per_second), "stalled": reading.stalled,
             "phase": reading.phase,
         }
+        last = before.get(name) or {}
+        same = (last.get("bytesDone"), last.get("phase")) == (reading.bytes_done, reading.phase)
+        progress_at = last.get("progressAt") if same and last.get("progressAt") else now
+        if progress_at:
+            node["progressAt"] = progress_at
         eta = _eta(reading)
         if eta is not None:
             node["etaSeconds"] = eta

@@ -218,7 +218,8 @@ def _observe(kube: KubeClient, owner: Owner, pods: list[dict[str, Any]],
                                      job_pods),
         settings_configmaps=kube.list("ConfigMap", owner.namespace,
                                       {**mine, LABEL_ROLE: "settings"}),
-        prefill=previous.get("prefill") or {}, now=now,
+        prefill=previous.get("prefill") or {}, progress=previous.get("progress") or {},
+        now=now,
         optional=[(kind, name) for kind, name in optional_child_names(owner)
                   if owns(owner, kube.get(kind, owner.namespace, name))])
 

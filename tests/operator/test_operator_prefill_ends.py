@@ -13,10 +13,9 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any
 
-import kopf
 import pytest
 import pytest_asyncio
-from support.kube_standin import KubeStandIn
+from support.kube_standin import KubeStandIn, standin_and_operator
 from support.operator_harness import (
     DOD_PATH,
     NAMESPACE,
@@ -24,7 +23,6 @@ from support.operator_harness import (
     ShiftedClock,
     dod_status,
     eventually,
-    operator_beside,
     request,
 )
 
@@ -41,16 +39,10 @@ ENDS = ("PrefillSucceeded", "PrefillFailed", "PrefillSuperseded")
 
 
 @pytest_asyncio.fixture()
-async def clock() -> ShiftedClock:
-    return ShiftedClock()
-
-
-@pytest_asyncio.fixture()
 async def standin(cluster: ClusterEmulator, clock: ShiftedClock,
                   monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KubeStandIn]:
     monkeypatch.setenv(PREFILL_BACKOFF_ENV, str(BACKOFF_S))
-    fake = KubeStandIn(cluster, nodes=["gpu-0", "gpu-1"], store=dict(STORE))
-    async with operator_beside(fake.run(), memo=kopf.Memo(clock=clock)):
+    async with standin_and_operator(cluster, STORE, clock) as fake:
         yield fake
 
 

@@ -12,14 +12,13 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from support.kube_standin import KubeStandIn
+from support.kube_standin import KubeStandIn, standin_and_operator
 from support.operator_harness import (
     DOD_PATH,
     NAMESPACE,
     ClusterEmulator,
     dod_status,
     eventually,
-    operator_beside,
     request,
 )
 
@@ -39,8 +38,7 @@ QUOTA = ("exceeded quota: gpu-team, requested: requests.cpu=1, used: requests.cp
 async def standin(cluster: ClusterEmulator,
                   monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KubeStandIn]:
     monkeypatch.setenv(PREFILL_BACKOFF_ENV, "1")
-    fake = KubeStandIn(cluster, nodes=["gpu-0", "gpu-1"], store={V1: 1000, V2: 1200})
-    async with operator_beside(fake.run()):
+    async with standin_and_operator(cluster, {V1: 1000, V2: 1200}) as fake:
         yield fake
 
 

@@ -347,3 +347,20 @@ def test_a_change_during_a_prefill_supersedes_it_before_the_next_starts(
         ("PrefillStarted", decision.reports[1].message)]
     assert ("Job", OWNER.prefill_name(revision(NEW))) in decision.delete
     assert (decision.prefill["revision"], decision.prefill["attempt"]) == (revision(spec), 1)
+
+
+def test_a_job_out_of_time_names_the_nodes_whose_loader_had_not_finished() -> None:
+    """The Job controller removed the pods at its deadline: the record's last rows name them."""
+    job = {**build_prefill_job(OWNER, NEW, NODES), "status": {"conditions": [{
+        "type": "Failed", "status": "True", "reason": "DeadlineExceeded",
+        "message": "Job was active longer than specified deadline"}]}}
+    rows = [{"pod": "flux-prefill-0", "node": "gpu-0", "rank": 0, "loader": "Cached"},
+            {"pod": "flux-prefill-1", "node": "gpu-1", "rank": 1, "loader": "Running"}]
+    out_of_time = Observed(**{**vars(running_prefill(NODES, stuck_prefill_pod("gpu-1", {}))),
+                              "jobs": [job], "job_pods": [],
+                              "prefill": {"revision": revision(NEW), "attempt": 1,
+                                          "state": "Running", "nodes": rows}})
+    decision = decide(OWNER, NEW, out_of_time, BackoffConfig())
+    assert decision.prefill["message"] == (
+        "Job DeadlineExceeded: Job was active longer than specified deadline; not finished on "
+        "gpu-1 (pod flux-prefill-1, loader Running)")

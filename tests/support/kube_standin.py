@@ -28,9 +28,10 @@ Every byte "read from the store" is counted in `store_bytes`, every loader run i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +46,15 @@ from dlo_operator.naming import (
     LABEL_POD_INDEX,
     LABEL_ROLE,
 )
-from support.operator_harness import NAMESPACE, PODS_PATH, ClusterEmulator, request
+import kopf
+from support.operator_harness import (
+    NAMESPACE,
+    PODS_PATH,
+    ClusterEmulator,
+    ShiftedClock,
+    operator_beside,
+    request,
+)
 
 JOBS_PATH = f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs"
 EVENTS_PATH = f"/api/v1/namespaces/{NAMESPACE}/events"
@@ -257,7 +266,8 @@ class KubeStandIn:
             if env is None or source is None:
                 continue  # a missing ConfigMap: the kubelet cannot start the container
             self._started.add(uid)
-            await self._set_loader(pod, container, {"running": {}})
+            await self._set_loader(pod, container, {"running": {"startedAt": time.strftime(
+                "%Y-%m-%dT%H:%M:%SZ", time.gmtime())}})
             rank, world, key = _placement(env, name)
             if world == 1:
                 await self._finish([_Waiting(pod, 0, source, container, time.monotonic())], 1)
@@ -389,3 +399,15 @@ def _exit_code(pod: Mapping[str, Any], container: str) -> int | None:
         if terminated is not None:
             return int(terminated.get("exitCode", 1))
     return None
+
+
+@contextlib.asynccontextmanager
+async def standin_and_operator(cluster: ClusterEmulator, store: dict[str, int],
+                               clock: ShiftedClock | None = None,
+                               nodes: Sequence[str] = ("gpu-0", "gpu-1"),
+                               ) -> AsyncIterator[KubeStandIn]:
+    """A stand-in over `nodes` serving `store`, beside the operator (on `clock`, when given)."""
+    fake = KubeStandIn(cluster, nodes=list(nodes), store=dict(store))
+    async with operator_beside(fake.run(), memo=None if clock is None else kopf.Memo(
+            clock=clock)):
+        yield fake

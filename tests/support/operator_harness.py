@@ -253,6 +253,12 @@ async def operator_with(memo: kopf.Memo) -> AsyncIterator[None]:
         await asyncio.to_thread(thread.join)
 
 
+@pytest.fixture
+def clock() -> ShiftedClock:
+    """The operator's clock, which a test moves forward (`operator_beside(..., memo)`)."""
+    return ShiftedClock()
+
+
 @dataclasses.dataclass
 class ShiftedClock:
     """The operator's clock (`memo.clock`) in a test: the real time plus `offset`, which the
