@@ -60,7 +60,7 @@ SPECS: dict[str, dict[str, Any]] = {
     **{f"source-{case}": spec for case, spec in SCHEME_SPECS.items()},
 }
 OPTIONAL_CHILDREN = {"spec:inference-full": 1, "spec:pod-complete": 2,
-                     "example:flux-dp-allgather.yaml": 2}
+                     "example:flux-dp-allgather.yaml": 2, "example:flux-hub-gated.yaml": 1}
 """The inference Service (where ports are declared) and the PodDisruptionBudget (if enabled)."""
 
 
