@@ -1,10 +1,11 @@
 """AllGather ranks that drift apart, over two real gloo processes: when rank 0 starts one forward
 more than rank 1, which disables, both fail with an `OffloadError` naming every rank's forward,
-neither hangs nor aborts, and a DiT disabled without restore refuses its forwards by name.
+neither hangs nor aborts, and a DiT disabled without restore refuses its forwards by name; a
+forward the other ranks do not answer fails after `offload.group_wait_timeout_s`.
 
-Every group waits an hour (its own timeout and `offload.group_wait_timeout_s`), so a check that
-did not end a case would fail it by the test's timeout, never pass it (see
-`lockstep_dist_worker.py`)."""
+Every group waits an hour (its own timeout, and `offload.group_wait_timeout_s` but in the last
+case), so a check that did not end a case would fail it by the test's timeout, never pass it
+(see `lockstep_dist_worker.py`)."""
 
 from __future__ import annotations
 
@@ -75,3 +76,18 @@ def test_a_restoring_disable_after_a_drift_tears_down_and_says_it_did_not_restor
         "call_after_disable": RELEASED,
     }
     assert rank1 == DISABLED_AT_THE_DRIFT
+
+
+def test_a_forward_the_others_do_not_answer_fails_within_the_group_wait_timeout(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """Rank 1 waits elsewhere while rank 0 starts forward 3 with a one-second wait: rank 0 fails
+    naming its forward and the setting. Rank 1's disable then meets rank 0's post, which its
+    group still holds, so rank 1 learns of the drift too; rank 0 disables alone."""
+    assert [outcomes["unanswered"] for outcomes in ranks] == [
+        {"extra_forward": "rank 0 of the DLO group of FluxTransformer2DModel starts forward 3 "
+                          "and the other ranks did not answer within 1 s "
+                          "(offload.group_wait_timeout_s): Operation timed out!",
+         "disable": "ok"},
+        {"disable": DRIFT},
+    ]

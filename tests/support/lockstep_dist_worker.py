@@ -1,10 +1,11 @@
 """Body of each gloo process started by `test_backend_lockstep.py`: ranks of one DLO AllGather
 group that run different numbers of forwards.
 
-Each case makes its own group with a one-hour timeout and waits an hour at the forward check
-(`offload.group_wait_timeout_s`), so only the check's comparison can end a case before the test's
-own timeout: a rank that hung in a collective would fail the test, not pass it. Every outcome is
-the message of the `OffloadError` a call raised (or "ok"), written as JSON for the test to read.
+Each case makes its own group with a one-hour timeout and (but the last, which times out on
+purpose) waits an hour at the forward check (`offload.group_wait_timeout_s`), so only the check's
+comparison can end a case before the test's own timeout: a rank that hung in a collective would
+fail the test, not pass it. Every outcome is the message of the `OffloadError` a call raised (or
+"ok"), written as JSON for the test to read.
 """
 
 from __future__ import annotations
@@ -62,6 +63,29 @@ def _drift_case(world: int, rank: int, *, restore: bool) -> dict[str, Any]:
     return outcome
 
 
+def _unanswered_case(world: int, rank: int) -> dict[str, Any]:
+    """Rank 0 starts one forward more while rank 1 waits elsewhere (a barrier of the default
+    group) for longer than rank 0's `offload.group_wait_timeout_s` of one second: rank 0 fails
+    naming its forward; then both disable without restore."""
+    group = dist.new_group(list(range(world)), timeout=HOUR)
+    model = tiny_model("flux")
+    inputs = example_inputs("flux", model)
+    settings = Settings(offload=OffloadConfig(group_wait_timeout_s=1.0),
+                        parallel=ParallelConfig(dp=world))
+    backend = DistributedLayerwiseOffloadBackend(model, settings=settings, device="cpu",
+                                                 group=group).enable()
+    for _ in range(STEPS):
+        forward(model, inputs)
+    outcome: dict[str, Any] = {}
+    if rank == 0:
+        outcome["extra_forward"] = _outcome(lambda: forward(model, inputs))
+    dist.barrier()  # rank 1 is here until rank 0's extra forward has failed
+    outcome["disable"] = _outcome(lambda: backend.disable(restore=False))
+    dist.barrier()  # rank 0 keeps the group until rank 1's disable has returned
+    dist.destroy_process_group(group)
+    return outcome
+
+
 def _in_step_case(world: int) -> dict[str, Any]:
     """Every rank runs the same forwards and disables with restore: no error, and the model
     runs resident again."""
@@ -89,4 +113,5 @@ def _cases(world: int, group: dist.ProcessGroup) -> dict[str, Any]:
         "in-step": _in_step_case(world),
         "drift-close": _drift_case(world, rank, restore=False),
         "drift-restore": _drift_case(world, rank, restore=True),
+        "unanswered": _unanswered_case(world, rank),
     }
