@@ -3,6 +3,7 @@ GCS and Azure Blob emulators, each started once per session by the first test th
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import pytest
@@ -10,6 +11,9 @@ from dlo_bench.emulators import Emulator, start_azurite, start_fake_gcs
 from dlo_bench.s3server import DUMMY_CREDENTIALS, S3Server, start_moto, upload_tree
 from support.cloud_stores import CloudStore
 from support.loader_fleet import BUCKET, Checkpoint, write_checkpoint
+
+_CLOUD_PREFIXES = itertools.count()
+"""Each `cloud_source` its own prefix: a test may replace or damage its objects."""
 
 
 @pytest.fixture(scope="session")
@@ -70,3 +74,15 @@ def _cloud_store(scheme: str, request: pytest.FixtureRequest,
     for name, value in store.env().items():
         monkeypatch.setenv(name, value)
     return store
+
+
+@pytest.fixture(scope="session")
+def cloud_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    """The tiny checkpoint's files, as the `gs` and `az` tests write them to their store."""
+    return write_checkpoint(tmp_path_factory.mktemp("cloud-checkpoint"))
+
+
+@pytest.fixture
+def cloud_source(cloud: CloudStore, cloud_files: dict[str, bytes]) -> str:
+    """A fresh copy of the tiny checkpoint in the test's store, under a prefix of its own."""
+    return cloud.put(f"tiny-{next(_CLOUD_PREFIXES)}", cloud_files)

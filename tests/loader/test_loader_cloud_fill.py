@@ -6,7 +6,6 @@ published."""
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,21 +19,9 @@ from support.loader_fleet import (
     included,
     no_entry,
     wait_until,
-    write_checkpoint,
 )
 
 pytestmark = pytest.mark.slow
-_prefixes = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
-    return write_checkpoint(tmp_path_factory.mktemp("checkpoint"))
-
-
-@pytest.fixture
-def source(cloud: CloudStore, files: dict[str, bytes]) -> str:
-    return cloud.put(f"fill-{next(_prefixes)}", files)
 
 
 @contextlib.contextmanager
@@ -50,16 +37,16 @@ def fleet_of(cloud: CloudStore, source: str, tmp: Path, counting: list[FaultProx
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_fill_publishes_the_checkpoint_on_every_node(
-        world: int, cloud: CloudStore, source: str, files: dict[str, bytes],
+        world: int, cloud: CloudStore, cloud_source: str, cloud_files: dict[str, bytes],
         tmp_path: Path) -> None:
     with proxies(cloud, *[FaultPlan()] * world) as counting:
-        fleet = fleet_of(cloud, source, tmp_path, counting)
+        fleet = fleet_of(cloud, cloud_source, tmp_path, counting)
         outcomes = fleet.run()
-    total = sum(map(len, included(files).values()))
+    total = sum(map(len, included(cloud_files).values()))
     for outcome in outcomes:
         assert outcome.returncode == 0, outcome.stderr
         summary = outcome.summary
-        assert entry_files(fleet.root(outcome.rank)) == included(files)
+        assert entry_files(fleet.root(outcome.rank)) == included(cloud_files)
         assert summary["bytes_from_store"] == counting[outcome.rank].object_bytes > 0
         assert summary["bytes_from_peers"] == total - summary["bytes_from_store"]
         # GCS: every file's CRC32C combined from its chunks'; Azure: each blob's Content-MD5
@@ -70,21 +57,22 @@ def test_fill_publishes_the_checkpoint_on_every_node(
 
 
 def test_a_group_retries_every_transient_fault(
-        cloud: CloudStore, source: str, files: dict[str, bytes], tmp_path: Path) -> None:
+        cloud: CloudStore, cloud_source: str, cloud_files: dict[str, bytes],
+        tmp_path: Path) -> None:
     plans = [FaultPlan(kinds=FAULT_KINDS, every=2, limit=len(FAULT_KINDS))] * 2
     with proxies(cloud, *plans) as counting:
-        fleet = fleet_of(cloud, source, tmp_path, counting)
+        fleet = fleet_of(cloud, cloud_source, tmp_path, counting)
         outcomes = fleet.run()
     for outcome in outcomes:
         assert outcome.returncode == 0, outcome.stderr
-        assert entry_files(fleet.root(outcome.rank)) == included(files)
+        assert entry_files(fleet.root(outcome.rank)) == included(cloud_files)
     assert sum(sum(p.faults.values()) for p in counting) > 0
 
 
 def test_damaged_bytes_fail_the_store_check_and_publish_nothing(
-        cloud: CloudStore, source: str, tmp_path: Path) -> None:
+        cloud: CloudStore, cloud_source: str, tmp_path: Path) -> None:
     with proxies(cloud, FaultPlan(kinds=(CORRUPT,), limit=1)) as counting:
-        fleet = fleet_of(cloud, source, tmp_path, counting)
+        fleet = fleet_of(cloud, cloud_source, tmp_path, counting)
         [outcome] = fleet.run()
     assert outcome.returncode != 0
     assert outcome.summary["status"] == "error"
@@ -93,18 +81,19 @@ def test_damaged_bytes_fail_the_store_check_and_publish_nothing(
 
 
 def test_an_object_replaced_mid_fill_publishes_nothing(
-        cloud: CloudStore, source: str, files: dict[str, bytes], tmp_path: Path) -> None:
+        cloud: CloudStore, cloud_source: str, cloud_files: dict[str, bytes],
+        tmp_path: Path) -> None:
     shard = "transformer/model-00001-of-00002.safetensors"
     with proxies(cloud, FaultPlan()) as [proxy]:
         proxy.reads_open.clear()  # the fill has listed and waits for its first bytes
-        fleet = fleet_of(cloud, source, tmp_path, [proxy])
+        fleet = fleet_of(cloud, cloud_source, tmp_path, [proxy])
         process = fleet.start(0)
         wait_until(lambda: proxy.object_requests > 0)
-        prefix = source.rstrip("/").rsplit("/", 1)[1]
-        cloud.emulator.put(CONTAINER, {shard: files[shard][::-1]}, f"{prefix}/")
+        prefix = cloud_source.rstrip("/").rsplit("/", 1)[1]
+        cloud.emulator.put(CONTAINER, {shard: cloud_files[shard][::-1]}, f"{prefix}/")
         proxy.reads_open.set()
         outcome = finish(0, process)
     assert outcome.returncode != 0
-    assert outcome.summary["error"].startswith(f"{source}{shard}")
+    assert outcome.summary["error"].startswith(f"{cloud_source}{shard}")
     assert "changed since it was listed" in outcome.summary["error"]
     assert no_entry(fleet.root(0))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import datetime
 import hashlib
-import itertools
 import json
 import threading
 from collections.abc import Iterator
@@ -34,22 +33,10 @@ from dlo_contract.source_credentials import (
     GOOGLE_APPLICATION_CREDENTIALS_ENV,
 )
 from support.cloud_stores import CONTAINER, CloudStore
-from support.loader_fleet import included, write_checkpoint
+from support.loader_fleet import included
 
 INCLUDE = ("*.safetensors", "*.json")
 SHARD = "transformer/model-00001-of-00002.safetensors"
-_prefixes = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
-    return write_checkpoint(tmp_path_factory.mktemp("checkpoint"))
-
-
-@pytest.fixture
-def source(cloud: CloudStore, files: dict[str, bytes]) -> str:
-    """A fresh copy of the tiny checkpoint in the test's store (a prefix of its own)."""
-    return cloud.put(f"tiny-{next(_prefixes)}", files)
 
 
 def open_store(cloud: CloudStore, source: str, via: str | None = None,
@@ -72,14 +59,14 @@ def listed(store: Source, key: str) -> ObjectIdentity:
 
 
 def test_listing_names_each_objects_version_and_the_stores_checksum(
-        cloud: CloudStore, source: str, files: dict[str, bytes]) -> None:
-    store = open_store(cloud, source)
+        cloud: CloudStore, cloud_source: str, cloud_files: dict[str, bytes]) -> None:
+    store = open_store(cloud, cloud_source)
     objects = store.list(INCLUDE)
     assert [(o.key, o.size) for o in objects] == [(k, len(v)) for k, v in
-                                                   sorted(included(files).items())]
+                                                   sorted(included(cloud_files).items())]
     checksums = store.checksums(objects)
     for obj in objects:
-        data = files[obj.key]
+        data = cloud_files[obj.key]
         if cloud.scheme == "gs":  # the generation, and the CRC32C the chunks are hashed with
             assert obj.etag.isdigit()
             assert store.chunk_algorithms[obj.key] == "crc32c"
@@ -92,69 +79,70 @@ def test_listing_names_each_objects_version_and_the_stores_checksum(
 
 
 def test_a_range_lands_in_the_callers_buffer_with_its_crc(
-        cloud: CloudStore, source: str, files: dict[str, bytes]) -> None:
-    store = open_store(cloud, source)
+        cloud: CloudStore, cloud_source: str, cloud_files: dict[str, bytes]) -> None:
+    store = open_store(cloud, cloud_source)
     obj = listed(store, SHARD)
     buffer = bytearray(b"\xee" * 1002)
     view = memoryview(buffer)[1:1001]
     crc = store.read(obj, 4096, view, "crc64nvme")
-    assert bytes(buffer) == b"\xee" + files[SHARD][4096:5096] + b"\xee"
+    assert bytes(buffer) == b"\xee" + cloud_files[SHARD][4096:5096] + b"\xee"
     assert digest.of_running(crc, "crc64nvme") == digest.chunk_digest(view, "crc64nvme")
 
 
 def test_a_stream_delivers_every_piece_in_order(
-        cloud: CloudStore, source: str, files: dict[str, bytes]) -> None:
-    store = open_store(cloud, source)
+        cloud: CloudStore, cloud_source: str, cloud_files: dict[str, bytes]) -> None:
+    store = open_store(cloud, cloud_source)
     obj = listed(store, SHARD)
     got = bytearray()
     pieces = iter(lambda: memoryview(bytearray(100_000)), None)
     crc = store.stream(obj, 10, obj.size - 10, pieces,
                        lambda offset, view: got.extend(view), "crc32c")
-    assert bytes(got) == files[SHARD][10:]
-    assert crc == google_crc32c.value(files[SHARD][10:])
+    assert bytes(got) == cloud_files[SHARD][10:]
+    assert crc == google_crc32c.value(cloud_files[SHARD][10:])
 
 
 @pytest.mark.parametrize("kind", FAULT_KINDS)
 def test_transient_faults_are_asked_again(
-        kind: str, cloud: CloudStore, source: str, files: dict[str, bytes]) -> None:
+        kind: str, cloud: CloudStore, cloud_source: str,
+        cloud_files: dict[str, bytes]) -> None:
     with FaultProxy(cloud.emulator.server_url, FaultPlan(kinds=(kind,), limit=2)) as proxy:
-        store = open_store(cloud, source, proxy.url)
+        store = open_store(cloud, cloud_source, proxy.url)
         obj = listed(store, SHARD)
-        assert read_whole(store, obj)[0] == files[SHARD]
+        assert read_whole(store, obj)[0] == cloud_files[SHARD]
     assert proxy.faults[kind] == 2
 
 
 def test_a_stall_is_abandoned_and_asked_again(
-        cloud: CloudStore, source: str, files: dict[str, bytes]) -> None:
+        cloud: CloudStore, cloud_source: str, cloud_files: dict[str, bytes]) -> None:
     stalls: list[str] = []
     plan = FaultPlan(kinds=(STALL,), limit=1, stall_s=5.0)
     with FaultProxy(cloud.emulator.server_url, plan) as proxy:
-        store = open_store(cloud, source, proxy.url, stall_timeout_s=0.5,
+        store = open_store(cloud, cloud_source, proxy.url, stall_timeout_s=0.5,
                            on_stall=stalls.append)
         obj = listed(store, SHARD)
-        assert read_whole(store, obj)[0] == files[SHARD]
-    assert len(stalls) == 1 and f"{source}{SHARD}" in stalls[0]
+        assert read_whole(store, obj)[0] == cloud_files[SHARD]
+    assert len(stalls) == 1 and f"{cloud_source}{SHARD}" in stalls[0]
 
 
-def test_faults_that_persist_give_up_as_unavailable(cloud: CloudStore, source: str) -> None:
+def test_faults_that_persist_give_up_as_unavailable(cloud: CloudStore, cloud_source: str) -> None:
     with FaultProxy(cloud.emulator.server_url, FaultPlan(kinds=("slowdown",))) as proxy:
-        store = open_store(cloud, source, proxy.url, attempts=2)
+        store = open_store(cloud, cloud_source, proxy.url, attempts=2)
         obj = listed(store, SHARD)
         with pytest.raises(SourceUnavailable) as caught:
             read_whole(store, obj)
-    assert str(caught.value).startswith(f"{source}{SHARD} bytes 0-")
+    assert str(caught.value).startswith(f"{cloud_source}{SHARD} bytes 0-")
     assert "gave up after 2 attempt(s)" in str(caught.value)
 
 
 def test_damaged_bytes_differ_from_the_stores_checksum(
-        cloud: CloudStore, source: str, files: dict[str, bytes]) -> None:
+        cloud: CloudStore, cloud_source: str, cloud_files: dict[str, bytes]) -> None:
     """Nothing in the answer tells a flipped byte; the store's checksum of the object does."""
     with FaultProxy(cloud.emulator.server_url, FaultPlan(kinds=(CORRUPT,), limit=1)) as proxy:
-        store = open_store(cloud, source, proxy.url)
+        store = open_store(cloud, cloud_source, proxy.url)
         obj = listed(store, SHARD)
         data, ours = read_whole(store, obj)
     published = store.checksums([obj])[obj.key]
-    assert data != files[SHARD]
+    assert data != cloud_files[SHARD]
     mine = ours if cloud.scheme == "gs" else hashlib.md5(data).hexdigest()
     assert published.value != mine
 
@@ -171,7 +159,8 @@ def container_sas(cloud: CloudStore) -> str:
 
 @pytest.mark.parametrize("ignore_if_match", [False, True], ids=["precondition", "answer"])
 def test_an_object_replaced_after_listing_is_a_changed_source(
-        ignore_if_match: bool, cloud: CloudStore, source: str, files: dict[str, bytes],
+        ignore_if_match: bool, cloud: CloudStore, cloud_source: str,
+        cloud_files: dict[str, bytes],
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Found by the precondition (412) or, where a store ignores it, by the answer's version
     (Azure then reads with a SAS: the proxy drops `If-Match`, which a shared key signs)."""
@@ -180,13 +169,13 @@ def test_an_object_replaced_after_listing_is_a_changed_source(
         monkeypatch.setenv(AZURE_SAS_TOKEN_ENV, container_sas(cloud))
     plan = FaultPlan(ignore_if_match=ignore_if_match)
     with FaultProxy(cloud.emulator.server_url, plan) as proxy:
-        store = open_store(cloud, source, proxy.url)
+        store = open_store(cloud, cloud_source, proxy.url)
         obj = listed(store, SHARD)
-        prefix = source.rstrip("/").rsplit("/", 1)[1]
-        cloud.emulator.put(CONTAINER, {SHARD: files[SHARD][::-1]}, f"{prefix}/")
+        prefix = cloud_source.rstrip("/").rsplit("/", 1)[1]
+        cloud.emulator.put(CONTAINER, {SHARD: cloud_files[SHARD][::-1]}, f"{prefix}/")
         with pytest.raises(SourceChanged) as caught:
             read_whole(store, obj)
-    assert str(caught.value).startswith(f"{source}{SHARD}")
+    assert str(caught.value).startswith(f"{cloud_source}{SHARD}")
     assert "changed since it was listed" in str(caught.value)
 
 
@@ -206,9 +195,10 @@ def test_a_missing_container_is_not_found(cloud: CloudStore) -> None:
 
 
 def test_a_wrong_azure_key_is_denied_without_the_key(
-        az_store: CloudStore, files: dict[str, bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+        az_store: CloudStore, cloud_files: dict[str, bytes],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """(Azurite checks shared-key signatures; fake-gcs-server checks no credential.)"""
-    source = az_store.put("denied", files)
+    source = az_store.put("denied", cloud_files)
     wrong = base64.b64encode(b"not the account key" * 3).decode()
     monkeypatch.setenv(AZURE_ACCOUNT_KEY_ENV, wrong)
     with pytest.raises(SourceError) as caught:
@@ -220,8 +210,9 @@ def test_a_wrong_azure_key_is_denied_without_the_key(
 
 
 def test_an_azure_connection_string_names_the_endpoint_and_its_account(
-        az_store: CloudStore, files: dict[str, bytes], monkeypatch: pytest.MonkeyPatch) -> None:
-    source = az_store.put("connection-string", files)
+        az_store: CloudStore, cloud_files: dict[str, bytes],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    source = az_store.put("connection-string", cloud_files)
     monkeypatch.delenv(AZURE_ACCOUNT_KEY_ENV)
     monkeypatch.setenv(AZURE_CONNECTION_STRING_ENV,
                        azurite_connection_string(az_store.emulator.server_url))
