@@ -13,10 +13,12 @@ from support.crd_schema import (
     CRD_PATH,
     EXAMPLES,
     apply_defaults,
+    crd_refusals,
     load_crd,
     root_schema,
     unknown_fields,
 )
+from support.source_specs import SCHEME_SPECS
 
 from dlo_operator.spec import CR_LEAVES, parse_spec, settings_from_spec
 from dlo_contract.settings import Settings
@@ -123,3 +125,12 @@ def test_schema_bounds_reject_what_the_validator_rejects(cr_path: str, value: An
 
 def test_the_crd_render_and_the_operator_judge_by_is_the_installed_one() -> None:
     assert load_crd() == yaml.safe_load(CRD_PATH.read_text())
+
+
+@pytest.mark.parametrize("case", SCHEME_SPECS)
+def test_each_source_scheme_passes_the_crd_schema_and_its_cel_rules(case: str) -> None:
+    """What `kubectl apply` answers to a DOD of each scheme, with its credentials or share."""
+    document = {"apiVersion": "dlo.dev/v1alpha1", "kind": "DiffusionOffloadDeployment",
+                "metadata": {"name": "flux", "namespace": "ml"}, "spec": SCHEME_SPECS[case]}
+    jsonschema.Draft4Validator(SCHEMA).validate(document)
+    assert crd_refusals(document) == []
