@@ -13,9 +13,9 @@ import http.client
 import urllib3
 from botocore.response import StreamingBody
 
-from dlo_loader import digest
 from dlo_loader.errors import SourceChanged
 from dlo_loader.source_retry import ShortBody
+from dlo_loader.sources.seam import fill_hashed
 from dlo_contract.cache import ObjectIdentity
 from dlo_contract.settings import STREAM_PIECE_BYTES
 
@@ -82,18 +82,11 @@ class Body:
     def fill(self, into: memoryview, algorithm: str, crc: int = 0) -> tuple[int, int]:
         """Read until `into` is full or the body ends: the bytes read, and the running CRC `crc`
         of `algorithm` (of the bytes before them) extended by them."""
-        got = 0
         if self._response is not None:
             readinto, piece = self._response.readinto, _DIRECT_PIECE_BYTES
         else:  # botocore's own path (urllib3 allocates a buffer per call)
             readinto, piece = self._body.readinto, _PIECE_BYTES
-        while got < len(into):
-            count = readinto(into[got:got + piece])
-            if not count:
-                break
-            crc = digest.extend(crc, into[got:got + count], algorithm)
-            got += count
-        return got, crc
+        return fill_hashed(readinto, into, piece, algorithm, crc)
 
     def finish(self) -> bool:
         """After the bytes asked for: True when more followed (a broken response)."""

@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ContextManager, Protocol
 
+from dlo_loader import digest
 from dlo_loader.digest import StoreChecksum
-from dlo_loader.errors import SourceError
+from dlo_loader.errors import SourceChanged, SourceError
 from dlo_loader.source_retry import Retrier, ShortBody
 from dlo_contract.cache import ObjectIdentity
 from dlo_contract.field_names import Names, document_names
@@ -100,6 +101,28 @@ def nothing_matched(source: SourceAddress, include: Sequence[str], names: Names)
     return SourceError(
         f"no object under {source} matches {names('loader.include')}={list(include)}",
         hint=f"check {names('loader.source')} and {names('loader.include')}")
+
+
+def source_changed(where: str, how: str, *, hint: str | None = None) -> SourceChanged:
+    """The error of an object that is not the one listed (`how`: what differs)."""
+    return SourceChanged(
+        f"{where}: the file changed since it was listed ({how}); nothing was published",
+        hint=hint or "do not overwrite a checkpoint while it is being loaded; rerun the fill")
+
+
+def fill_hashed(readinto: Callable[[memoryview], int], into: memoryview, piece_bytes: int,
+                algorithm: str, crc: int = 0) -> tuple[int, int]:
+    """Read with `readinto` until `into` is full or it returns 0, at most `piece_bytes` at a
+    time, each piece hashed as it lands (see [Note: hashing while reading] in `digest`): the
+    bytes read, and the running CRC `crc` extended by them."""
+    got = 0
+    while got < len(into):
+        count = readinto(into[got:got + piece_bytes])
+        if not count:
+            break
+        crc = digest.extend(crc, into[got:got + count], algorithm)
+        got += count
+    return got, crc
 
 
 class Body(Protocol):

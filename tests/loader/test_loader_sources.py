@@ -1,0 +1,232 @@
+"""The source seam's file, https and hf readers against their real local servers (a directory,
+a threaded HTTP server with ranges and ETags, a Hub stand-in) with the loader's fault cases:
+5xx, resets, short bodies, stalls, a file replaced mid-fill, wrong credentials, an empty
+listing."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+from dlo_bench.faultproxy import FAULT_KINDS, STALL, FaultPlan
+from dlo_loader.digest import ALGORITHM, chunk_digest
+from dlo_loader.errors import SourceChanged, SourceError, SourceUnavailable
+from dlo_loader.sources import Source, SourceOptions, open_source, parse_source
+from dlo_contract.cache import ObjectIdentity
+from dlo_contract.source_credentials import HF_TOKEN_ENV, HTTPS_TOKEN_ENV
+from support.loader_fleet import Checkpoint
+from support.range_server import replace_file
+from support.scheme_servers import SCHEMES, TOKEN, Served, serving
+
+SHARD = "transformer/model-00001-of-00002.safetensors"
+SERVED = ("https", "hf")
+"""The schemes read over HTTP, where the network's faults apply."""
+TOKEN_ENV = {"https": HTTPS_TOKEN_ENV, "hf": HF_TOKEN_ENV}
+
+
+def open_served(served: Served, **options: object) -> Source:
+    settings = {"readers": 2, "attempts": 4, "endpoint_url": served.endpoint, **options}
+    return open_source(parse_source(served.source), SourceOptions(**settings))
+
+
+def shard_of(source: Source) -> ObjectIdentity:
+    return next(o for o in source.list(["*.safetensors"]) if o.key == SHARD)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_listing_and_ranged_reads_give_the_exact_bytes(
+        scheme: str, checkpoint: Checkpoint, tmp_path: Path) -> None:
+    with serving(scheme, checkpoint.files, tmp_path) as served:
+        source = open_served(served)
+        objects = source.list(["*.safetensors", "transformer/*.json"])
+        assert [(o.key, o.size) for o in objects] == [
+            (key, len(checkpoint.files[key])) for key in (
+                "transformer/config.json", SHARD,
+                "transformer/model-00002-of-00002.safetensors")]
+        obj = objects[1]
+        data = bytearray(300_000)
+        crc = source.read(obj, 1000, memoryview(data), ALGORITHM)
+        source.close()
+    assert data == checkpoint.files[SHARD][1000:301_000]
+    assert f"{crc:016x}" == chunk_digest(checkpoint.files[SHARD][1000:301_000], ALGORITHM)
+
+
+@pytest.mark.parametrize("scheme", SERVED)
+@pytest.mark.parametrize("kind", FAULT_KINDS)
+def test_each_fault_kind_is_retried_to_exact_bytes(
+        scheme: str, kind: str, checkpoint: Checkpoint, tmp_path: Path) -> None:
+    with serving(scheme, checkpoint.files, tmp_path,
+                 plan=FaultPlan(kinds=(kind,), limit=2)) as served:
+        source = open_served(served)
+        obj = shard_of(source)
+        data = bytearray(obj.size - 10)
+        crc = source.read(obj, 10, memoryview(data), ALGORITHM)
+    assert data == checkpoint.files[SHARD][10:]
+    assert f"{crc:016x}" == chunk_digest(checkpoint.files[SHARD][10:], ALGORITHM)
+    assert served.proxy.faults == {kind: 2} and served.proxy.object_requests == 3
+
+
+@pytest.mark.parametrize("scheme", SERVED)
+def test_persistent_5xx_gives_up_naming_the_range_and_the_last_error(
+        scheme: str, checkpoint: Checkpoint, tmp_path: Path) -> None:
+    with serving(scheme, checkpoint.files, tmp_path,
+                 plan=FaultPlan(kinds=("slowdown",))) as served:
+        source = open_served(served, attempts=3)
+        obj = shard_of(source)
+        with pytest.raises(SourceUnavailable) as caught:
+            source.read(obj, 0, memoryview(bytearray(100)), ALGORITHM)
+    assert str(caught.value) == (f"{served.source}{SHARD} bytes 0-99: gave up after 3 "
+                                 "attempt(s); last error: HTTP (503)")
+
+
+@pytest.mark.parametrize("scheme", SERVED)
+def test_a_stalled_body_is_asked_again_at_once_and_reported(
+        scheme: str, checkpoint: Checkpoint, tmp_path: Path) -> None:
+    stalls: list[str] = []
+    with serving(scheme, checkpoint.files, tmp_path,
+                 plan=FaultPlan(kinds=(STALL,), limit=1, stall_s=20.0)) as served:
+        source = open_served(served, stall_timeout_s=0.5, on_stall=stalls.append)
+        obj = shard_of(source)
+        data = bytearray(obj.size)
+        source.read(obj, 0, memoryview(data), ALGORITHM)
+    assert data == checkpoint.files[SHARD]
+    assert served.proxy.faults == {STALL: 1} and served.proxy.object_requests == 2
+    assert len(stalls) == 1 and stalls[0].startswith(f"{served.source}{SHARD} bytes 0-")
+
+
+@pytest.mark.parametrize("scheme", ("file", "https"))
+@pytest.mark.parametrize("if_match", ("kept", "ignored"))
+def test_a_file_replaced_after_listing_is_refused(
+        scheme: str, if_match: str, checkpoint: Checkpoint, tmp_path: Path) -> None:
+    """`If-Match` makes the server refuse (412); a server that ignores it is caught by the
+    answer's own ETag; a directory by the file's identity."""
+    if scheme == "file" and if_match == "ignored":
+        pytest.skip("a directory has no If-Match")
+    plan = FaultPlan(ignore_if_match=if_match == "ignored")
+    with serving(scheme, checkpoint.files, tmp_path, plan=plan) as served:
+        source = open_served(served)
+        obj = shard_of(source)
+        replace_file(served.directory / SHARD, bytes(obj.size))
+        with pytest.raises(SourceChanged) as caught:
+            source.read(obj, 0, memoryview(bytearray(100)), ALGORITHM)
+    assert str(caught.value).startswith(f"{served.source}{SHARD} bytes 0-99: the ") or \
+        str(caught.value).startswith(f"{served.source}{SHARD}: the file changed")
+    assert "changed since it was listed" in str(caught.value)
+
+
+def test_a_hub_branch_moved_mid_fill_changes_nothing_read(
+        checkpoint: Checkpoint, tmp_path: Path) -> None:
+    """Every read names the commit the listing found: a push to `main` after it is not read."""
+    with serving("hf", checkpoint.files, tmp_path) as served:
+        source = open_served(served)
+        obj = shard_of(source)
+        served.hub.push({SHARD: bytes(obj.size)})
+        data = bytearray(obj.size)
+        source.read(obj, 0, memoryview(data), ALGORITHM)
+    assert data == checkpoint.files[SHARD] and obj.version_id in served.hub.commits
+
+
+def test_a_hub_file_not_the_listed_one_is_refused(
+        checkpoint: Checkpoint, tmp_path: Path) -> None:
+    """The resolve answer names the file's sha256 (`X-Linked-Etag`): another is refused."""
+    with serving("hf", checkpoint.files, tmp_path) as served:
+        source = open_served(served)
+        obj = shard_of(source)
+        served.hub.rewrite(obj.version_id, SHARD, b"x" * obj.size)
+        with pytest.raises(SourceChanged) as caught:
+            source.read(obj, 0, memoryview(bytearray(100)), ALGORITHM)
+    assert str(caught.value).startswith(f"{served.source}{SHARD} at commit {obj.version_id}: "
+                                        "the file changed since it was listed (ETag ")
+
+
+@pytest.mark.parametrize("scheme", SERVED)
+@pytest.mark.parametrize("sent", ("none", "wrong"))
+def test_wrong_credentials_are_a_clear_error_without_the_secret(
+        scheme: str, sent: str, checkpoint: Checkpoint, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    wrong = "wr0ng-secret-never-logged"
+    if sent == "wrong":
+        monkeypatch.setenv(TOKEN_ENV[scheme], wrong)
+    caplog.set_level(logging.DEBUG)
+    with serving(scheme, checkpoint.files, tmp_path, token=TOKEN) as served:
+        with pytest.raises(SourceError) as caught:
+            open_served(served).list(["*"])
+    text = f"{caught.value} {caught.value.hint}"
+    assert ": access denied (" in str(caught.value)
+    assert served.source.split("//")[1].split("/")[0] in str(caught.value)
+    assert TOKEN_ENV[scheme] in caught.value.hint
+    assert wrong not in text and wrong not in caplog.text and TOKEN not in text
+
+
+@pytest.mark.parametrize("scheme", SERVED)
+def test_the_right_token_is_sent_to_the_source_and_not_past_its_host(
+        scheme: str, checkpoint: Checkpoint, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(TOKEN_ENV[scheme], TOKEN)
+    with serving(scheme, checkpoint.files, tmp_path, token=TOKEN) as served:
+        source = open_served(served)
+        obj = shard_of(source)
+        data = bytearray(obj.size)
+        source.read(obj, 0, memoryview(data), ALGORITHM)
+    assert data == checkpoint.files[SHARD]
+    if served.hub is not None:  # the LFS bytes came from the storage host, without the token
+        assert served.hub.stored.requests["GET"] == 1 and served.hub.leaked_authorization == 0
+
+
+def test_an_unreadable_share_is_a_clear_error(checkpoint: Checkpoint, tmp_path: Path) -> None:
+    with serving("file", checkpoint.files, tmp_path) as served:
+        (served.directory / "transformer").chmod(0)
+        try:
+            if (served.directory / "transformer" / "config.json").exists():
+                pytest.skip("this user reads anything (root)")
+            with pytest.raises(SourceError) as caught:
+                open_served(served).list(["*"])
+        finally:
+            (served.directory / "transformer").chmod(0o755)
+    assert str(caught.value) == f"listing {served.source}: access denied (PermissionDenied)"
+    assert "readable" in caught.value.hint
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_an_empty_listing_names_the_source_and_the_globs(
+        scheme: str, checkpoint: Checkpoint, tmp_path: Path) -> None:
+    with serving(scheme, checkpoint.files, tmp_path) as served:
+        with pytest.raises(SourceError) as caught:
+            open_served(served).list(["*.bin"])
+    assert str(caught.value) == (f"no object under {served.source} matches "
+                                 "loader.include=['*.bin']")
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_missing_source_is_not_found(scheme: str, tmp_path: Path) -> None:
+    with serving(scheme, {"x/a.json": b"{}"}, tmp_path) as served:
+        missing = served.source.replace("tiny", "gone").replace("share", "gone")
+        served = Served(scheme, missing, served.endpoint, served.proxy)
+        with pytest.raises(SourceError) as caught:
+            open_served(served).list(["*"])
+    assert "not found" in str(caught.value) and "loader.source" in caught.value.hint
+
+
+def test_https_without_etags_reads_by_the_listed_digest(
+        checkpoint: Checkpoint, tmp_path: Path) -> None:
+    with serving("https", checkpoint.files, tmp_path, etags=False) as served:
+        source = open_served(served)
+        obj = shard_of(source)
+        data = bytearray(obj.size)
+        source.read(obj, 0, memoryview(data), ALGORITHM)
+    assert obj.etag.startswith("crc64nvme:") and data == checkpoint.files[SHARD]
+    assert served.server.served.if_match == 0
+
+
+def test_reads_stop_retrying_when_the_fill_stops(checkpoint: Checkpoint, tmp_path: Path) -> None:
+    stop = threading.Event()
+    with serving("https", checkpoint.files, tmp_path,
+                 plan=FaultPlan(kinds=("internal",))) as served:
+        source = open_served(served, attempts=50, stop=stop)
+        obj = shard_of(source)
+        stop.set()
+        with pytest.raises(SourceUnavailable):
+            source.read(obj, 0, memoryview(bytearray(100)), ALGORITHM)
+    assert served.proxy.object_requests == 1

@@ -1,0 +1,194 @@
+"""A Hugging Face Hub stand-in on loopback for the `hf://` source tests: the Hub's documented
+API paths the loader and `huggingface_hub` use, and a separate storage host its LFS files
+redirect to.
+
+`HubServer` serves one repository's commits:
+- `GET /api/models/{org}/{repo}/revision/{revision}` (`?blobs=true` adds each sibling's size,
+  `blobId` and `lfs` {size, sha256, pointerSize}), the answer of `HfApi.model_info`, and
+  `GET /api/models/{org}/{repo}` (the same of `main`);
+- `GET|HEAD /{org}/{repo}/resolve/{revision}/{path}`: a file stored in git is answered at once
+  (ETag: its blob id); an LFS file redirects (302) to the storage host with a signed-looking
+  query, after `X-Repo-Commit`, `X-Linked-Etag` (its sha256) and `X-Linked-Size`, as the Hub
+  does;
+and, with `token`, answers 401 to a request without `Authorization: Bearer <token>`. The storage
+host (`cdn`) serves LFS blobs by sha256 with ranges and counts any request that carried an
+`Authorization` header (the loader must drop it on the way there). `push` makes a new commit and
+moves `main` to it; `rewrite` serves other bytes at a commit, `corrupt_blob` other bytes for a
+blob from storage. Test support only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import urllib.parse
+from http.server import BaseHTTPRequestHandler
+
+from support.range_server import QuietHandler, Served, ServerThread, send_error, send_file_bytes
+
+LFS_MIN_BYTES = 1024
+"""Files of this size or more are stored with LFS (the Hub's rule is by type and size)."""
+
+
+def blob_id(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+class HubServer:
+    """One repository `repo_id` whose `main` holds `files` (see the module docstring)."""
+
+    def __init__(self, repo_id: str, files: dict[str, bytes], *, token: str | None = None
+                 ) -> None:
+        self.repo_id, self.token = repo_id, token
+        self.commits: dict[str, dict[str, bytes]] = {}
+        self.branches: dict[str, str] = {}
+        self.blobs: dict[str, bytes] = {}
+        self.served, self.stored = Served(), Served()
+        self.leaked_authorization = 0
+        """Requests that reached the storage host with an `Authorization` header."""
+        self._lock = threading.Lock()
+        self._cdn = ServerThread(self._cdn_handler())
+        self.cdn_url = self._cdn.url
+        """Where LFS files redirect to (a test may put a proxy in front of `_cdn`)."""
+        self._api = ServerThread(self._api_handler())
+        self.push(files)
+
+    @property
+    def url(self) -> str:
+        return self._api.url
+
+    @property
+    def storage_url(self) -> str:
+        """The storage host itself (behind any proxy a test puts in `cdn_url`)."""
+        return self._cdn.url
+
+    def __enter__(self) -> HubServer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._api.close()
+        self._cdn.close()
+
+    def push(self, files: dict[str, bytes]) -> str:
+        """A new commit holding `files`; `main` moves to it. Returns its hash."""
+        with self._lock:
+            commit = hashlib.sha1(f"{len(self.commits)}:{sorted(files)}".encode()).hexdigest()
+            self.commits[commit] = dict(files)
+            self.branches["main"] = commit
+            for data in files.values():
+                self.blobs[hashlib.sha256(data).hexdigest()] = data
+            return commit
+
+    def rewrite(self, commit: str, name: str, data: bytes) -> None:
+        """Serve other bytes for `name` at `commit` (a mirror gone wrong: a commit's files never
+        change on the Hub)."""
+        with self._lock:
+            self.commits[commit] = {**self.commits[commit], name: data}
+            self.blobs[hashlib.sha256(data).hexdigest()] = data
+
+    def corrupt_blob(self, data: bytes) -> None:
+        """Storage serves the blob of `data` with one byte flipped (a broken mirror)."""
+        sha = hashlib.sha256(data).hexdigest()
+        broken = bytearray(data)
+        broken[len(broken) // 2] ^= 0xFF
+        self.blobs[sha] = bytes(broken)
+
+    def _commit(self, revision: str) -> str | None:
+        revision = urllib.parse.unquote(revision)
+        return revision if revision in self.commits else self.branches.get(revision)
+
+    def _info(self, commit: str, blobs: bool) -> dict:
+        siblings = []
+        for name, data in sorted(self.commits[commit].items()):
+            sibling: dict = {"rfilename": name}
+            if blobs:
+                sibling |= {"size": len(data), "blobId": blob_id(data)}
+                if len(data) >= LFS_MIN_BYTES:
+                    sibling["lfs"] = {"size": len(data), "pointerSize": 134,
+                                      "sha256": hashlib.sha256(data).hexdigest()}
+            siblings.append(sibling)
+        return {"_id": "0" * 24, "id": self.repo_id, "modelId": self.repo_id, "sha": commit,
+                "private": False, "disabled": False, "gated": False, "downloads": 0,
+                "likes": 0, "tags": [], "siblings": siblings,
+                "lastModified": "2026-01-01T00:00:00.000Z",
+                "createdAt": "2026-01-01T00:00:00.000Z"}
+
+    def _api_handler(self) -> type[BaseHTTPRequestHandler]:
+        hub = self
+
+        class Handler(QuietHandler):
+            def do_GET(self) -> None:  # noqa: N802 (stdlib naming)
+                if hub.token and self.headers.get("Authorization") != f"Bearer {hub.token}":
+                    hub.served.count(self.command)
+                    send_error(self, 401, "RepoNotFound")  # the Hub hides what it denies
+                    return
+                parts = urllib.parse.urlsplit(self.path)
+                api = f"/api/models/{hub.repo_id}/revision/"
+                resolve = f"/{hub.repo_id}/resolve/"
+                if parts.path.startswith(api) or parts.path == api.removesuffix("/revision/"):
+                    self._info(parts.path[len(api):] or "main", "blobs=true" in parts.query)
+                elif parts.path.startswith(resolve):
+                    revision, _, name = parts.path[len(resolve):].partition("/")
+                    self._resolve(revision, urllib.parse.unquote(name))
+                else:
+                    hub.served.count(self.command)
+                    send_error(self, 404, "RepoNotFound")
+
+            do_HEAD = do_GET
+
+            def _info(self, revision: str, blobs: bool) -> None:
+                commit = hub._commit(revision)
+                if commit is None:
+                    hub.served.count(self.command)
+                    send_error(self, 404, "RevisionNotFound")
+                    return
+                payload = json.dumps(hub._info(commit, blobs)).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+                hub.served.count(self.command)
+
+            def _resolve(self, revision: str, name: str) -> None:
+                commit = hub._commit(revision)
+                data = hub.commits.get(commit or "", {}).get(name)
+                if data is None:
+                    hub.served.count(self.command)
+                    send_error(self, 404, "EntryNotFound")
+                    return
+                headers = {"X-Repo-Commit": commit or ""}
+                if len(data) < LFS_MIN_BYTES:
+                    send_file_bytes(self, data, f'"{blob_id(data)}"', hub.served, headers)
+                    return
+                sha = hashlib.sha256(data).hexdigest()
+                self.send_response(302)
+                for key, value in {**headers, "X-Linked-Etag": f'"{sha}"',
+                                   "X-Linked-Size": str(len(data)), "ETag": f'"{blob_id(data)}"',
+                                   "Location": f"{hub.cdn_url}/blobs/{sha}?X-Signature=s3cr3t",
+                                   "Content-Length": "0"}.items():
+                    self.send_header(key, value)
+                self.end_headers()
+                hub.served.count(self.command)
+
+        return Handler
+
+    def _cdn_handler(self) -> type[BaseHTTPRequestHandler]:
+        hub = self
+
+        class Handler(QuietHandler):
+            def do_GET(self) -> None:  # noqa: N802 (stdlib naming)
+                if "Authorization" in self.headers:
+                    hub.leaked_authorization += 1
+                sha = urllib.parse.urlsplit(self.path).path.rpartition("/")[2]
+                data = hub.blobs.get(sha)
+                if data is None:
+                    hub.stored.count(self.command)
+                    send_error(self, 404, "NoSuchKey")
+                    return
+                send_file_bytes(self, data, f'"{sha}"', hub.stored)
+
+            do_HEAD = do_GET
+
+        return Handler
