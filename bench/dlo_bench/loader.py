@@ -111,7 +111,7 @@ def measure(args: argparse.Namespace, server: S3Server, work: Path) -> dict[str,
         ceiling_s.append(_ceiling(server, ranges, args.readers, meter))
         cpu["ceiling"].append(meter.cpu)
         host["ceiling"].append(meter.host)
-        disk_s.append(_disk(work / "disk", total, args.chunk_bytes, meter))
+        disk_s.append(measure_disk(work / "disk", total, args.chunk_bytes, meter))
         cpu["disk"].append(meter.cpu)
         host["disk"].append(meter.host)
         seconds, stage_seconds = _fill(args, server, work / f"cache-{repeat}", meter)
@@ -280,7 +280,7 @@ def _ceiling(server: S3Server, ranges: list[tuple[str, int, int]], readers: int,
     return meter.seconds
 
 
-def _disk(directory: Path, total: int, chunk_bytes: int, meter: _Meter) -> float:
+def measure_disk(directory: Path, total: int, chunk_bytes: int, meter: Any) -> float:
     """Seconds to write and fsync `total` bytes where the cache goes, chunk by chunk through the
     loader's own sink (direct writes where the filesystem allows): the node's other limit."""
     directory.mkdir(exist_ok=True)

@@ -29,7 +29,7 @@ def test_every_scheme_fills_the_same_bytes_correctly(report: dict) -> None:
     assert [row["scheme"] for row in report["schemes"]] == SCHEMES
     assert report["parameters"] == {"bytes": 2 << 20, "files": 2, "chunk_bytes": 262144,
                                     "readers": 4, "repeats": 2, "world_size": 1}
-    assert {"commit", "machine", "same_entry_id"} <= set(report)
+    assert {"commit", "machine", "same_entry_id", "disk_write_bytes_per_s"} <= set(report)
 
 
 def test_each_row_sets_its_fill_against_its_own_server_s_ceiling(report: dict) -> None:
@@ -53,3 +53,10 @@ def test_the_https_server_serves_a_copy_with_its_listing_and_leaves_the_source_a
         assert urls["url"].startswith("http://127.0.0.1:")
     assert sorted(p.name for p in source.iterdir()) == before
     assert (tmp_path / "www" / "dlo-listing.json").is_file()
+
+
+def test_each_row_is_also_set_against_the_disk(report: dict) -> None:
+    for row in report["schemes"]:
+        bound = min(row["ceiling_bytes_per_s"], report["disk_write_bytes_per_s"])
+        assert row["fill_to_bound_ratio"] == pytest.approx(row["fill_bytes_per_s"] / bound,
+                                                           rel=1e-3), row["scheme"]
