@@ -45,6 +45,9 @@ FILL_GROUP_ENV = "DLO_FILL_GROUP"
 """The fill-group document (JSON, from the `<dod>-fill-group` ConfigMap) a loader joins."""
 POD_NAME_ENV = "DLO_POD_NAME"
 """The loader's pod name (its key among the fill group's members)."""
+NODE_NAME_ENV = "DLO_NODE_NAME"
+"""The loader's node name (downward API `spec.nodeName`): how the other loaders of its fill group
+name it when it is lost."""
 REVISION_ENV = "DLO_REVISION"
 """The settings revision the pod was created for (a group of another revision is ignored)."""
 

@@ -40,6 +40,7 @@ from dlo_contract.field_names import Names
 from dlo_contract.settings import Settings
 
 if TYPE_CHECKING:  # transport imports torch: loaded only when a group is needed
+    from dlo_loader.peers import Member
     from dlo_loader.transport import Rendezvous
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,8 @@ class ClaimContext:
     prepare: Callable[[], None]
     """The loader's own checks and eviction, run as the publication's lock owner."""
     waits: Waits
+    member: Member | None = None
+    """This loader as its group names it (pod, node); None: by its rank alone."""
 
 
 def claim_alone(context: ClaimContext, held: contextlib.ExitStack, mode: str) -> Claim:
@@ -138,6 +141,7 @@ def claim_in_group(context: ClaimContext, held: contextlib.ExitStack, *, rank: i
             rendezvous = transport.join(
                 master_addr=master_addr, master_port=master_port, rank=rank,
                 world_size=world_size, node_key=key, timeout_s=loader.rendezvous_timeout_s,
+                peer_timeout_s=loader.peer_timeout_s, member=context.member,
                 listening=listening, names=context.names,
                 leaving=("claim", _record(Standing.LEFT, "its rendezvous timed out")))
     except RendezvousTimeout as exc:
@@ -147,7 +151,7 @@ def claim_in_group(context: ClaimContext, held: contextlib.ExitStack, *, rank: i
         return _fall_back(context, held, exc, None)
     finally:
         context.waits.add(WaitKind.GROUP, time.monotonic() - started)
-    held.callback(rendezvous.close)
+    held.push(rendezvous.leave)  # as the fill ends: the others learn whether it failed
     try:
         order = _node_order(rendezvous.node_keys(), context.root)
         position = order.index(rank)
@@ -213,8 +217,9 @@ def _claims(rendezvous: Rendezvous, ranks: list[int], deadline: float) -> list[d
     posted = [json.loads(text) for text in rendezvous.wait_posted("claim", ranks, deadline)]
     for rank, claim in zip(ranks, posted):
         if claim["standing"] == Standing.FAILED:
-            raise GroupError(f"loader rank {rank} failed: {claim['error']}",
-                             hint=f"see the log of rank {rank}; nothing was published")
+            member = rendezvous.member(rank)
+            raise GroupError(f"{member} failed: {claim['error']}",
+                             hint=f"{member.log_hint()}; nothing was published")
         if claim["standing"] == Standing.LEFT:
             raise RendezvousTimeout(
                 f"loader rank {rank} left the group at {rendezvous.where} before it formed: "

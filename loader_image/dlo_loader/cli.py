@@ -18,16 +18,16 @@ import gc
 import importlib
 import logging
 import os
-import signal
 import tempfile
 import threading
 import typing
 from pathlib import Path
 
 from dlo_loader.fill import TRANSFER_MODULES, FillRequest, fill
-from dlo_loader.group_source import resolve_placement
+from dlo_loader.group_source import resolve_placement, this_member
 from dlo_loader.metrics import Endpoint
 from dlo_loader.progress import RankPrefixFilter
+from dlo_loader.termination import EXIT_TERMINATED, Terminated, Termination, installed
 from dlo_contract.cache import EntryHandle, open_entry
 from dlo_contract.documents import FillStatus, FillSummary
 from dlo_contract.errors import DloError
@@ -101,15 +101,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`dlo cache fill`: its exit status. The rank prefix it puts on log lines goes again when
-    it returns (a process may call it more than once)."""
+    """`dlo cache fill`: its exit status (0, 1 for a failed fill, `EXIT_TERMINATED` for one
+    SIGTERM ended: see [Note: SIGTERM mid-fill] in `termination`). The rank prefix it puts on
+    log lines and its signal handlers go again when it returns (a process may call it more than
+    once)."""
     try:
-        return _fill_command(args)
+        with installed() as termination:  # first: no SIGTERM may find the default handler
+            return _fill_command(args, termination)
     finally:
         _remove_log_filters()
 
 
-def _fill_command(args: argparse.Namespace) -> int:
+def _fill_command(args: argparse.Namespace, termination: Termination) -> int:
     rank: int | None = None
     endpoint: Endpoint | None = None
     entry: EntryHandle | None = None
@@ -128,9 +131,10 @@ def _fill_command(args: argparse.Namespace) -> int:
         request = FillRequest(
             settings=settings, rank=rank, world_size=placement.world_size,
             master_addr=placement.master_addr, master_port=placement.master_port,
-            emit=_print_line,
+            emit=_print_line, member=this_member(rank),
         )
         result = fill(request)
+        termination.filled()  # SIGTERM now ends the stay (below), not the fill
         # [Note: the pod holds its entry] Opening the entry records its last use (eviction
         # goes least recently used first, and the server's own open may be on a read-only
         # mount that cannot record it) and holds `.use` shared: the pod's server maps the
@@ -138,18 +142,19 @@ def _fill_command(args: argparse.Namespace) -> int:
         # not evict it in between. The sidecar holds it for the pod's life.
         entry = open_entry(result.root, result.entry_id)
         _write_atomically(Path(args.entry_file), result.entry_document().to_json() + "\n")
-    except Exception as exc:  # every failure becomes the one-line summary and exit status 1
+    except (Exception, Terminated) as exc:  # every failure becomes the one-line summary
         if entry is not None:
             entry.close()
         if endpoint is not None:
             endpoint.close()
-        return _report_failure(args, rank, exc)
+        _report_failure(args, rank, exc)
+        return EXIT_TERMINATED if isinstance(exc, Terminated) else 1
     summary = result.summary()
     _finish(args, summary)
     if endpoint is not None:
         endpoint.publish_summary(summary.to_json())
     if args.keep_running:
-        _stay_up()
+        _stay_up(termination.stop)
     entry.close()
     if endpoint is not None:
         endpoint.close()
@@ -170,14 +175,12 @@ def _yield_cpu() -> None:
         log.warning("CPU priority not lowered: %s", exc.strerror)
 
 
-def _stay_up() -> None:
+def _stay_up(stop: threading.Event) -> None:
     """A native sidecar's life after its work: idle until the kubelet stops the pod (SIGTERM)
-    or a person presses Ctrl-C, then end with status 0. An exit before that would be restarted,
-    fill again (finding the entry) and count as a restart in `kubectl get pods`."""
-    stop = threading.Event()
+    or a person presses Ctrl-C (either sets `stop`, handled since the command began), then end
+    with status 0. An exit before that would be restarted, fill again (finding the entry) and
+    count as a restart in `kubectl get pods`."""
     gc.collect()  # what the fill left in reference cycles goes before the long idle
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
     log.info("entry published; staying up as the pod's sidecar, holding it in use, until "
              "SIGTERM")
     while not stop.wait(3600):
@@ -244,17 +247,17 @@ def _print_line(line: str) -> None:
     print(line, flush=True)
 
 
-def _report_failure(args: argparse.Namespace, rank: int | None, exc: Exception) -> int:
+def _report_failure(args: argparse.Namespace, rank: int | None,
+                    exc: Exception | Terminated) -> None:
     message = str(exc)
-    if isinstance(exc, DloError):
-        if exc.hint:
-            message += f" (hint: {exc.hint})"
+    if isinstance(exc, DloError | Terminated):
+        if getattr(exc, "hint", None):
+            message += f" (hint: {exc.hint})"  # type: ignore[union-attr]
         log.error("%s", message, exc_info=getattr(args, "debug", False))
     else:
         message = f"{type(exc).__name__}: {message}"
         log.exception("fill failed unexpectedly")
     _finish(args, FillSummary(status=FillStatus.ERROR, rank=rank, error=" ".join(message.split())))
-    return 1
 
 
 def _finish(args: argparse.Namespace, summary: FillSummary) -> None:

@@ -316,9 +316,10 @@ class Exchange:
                 return
 
     def _failed(self, rank: int) -> GroupError:
+        assert self.group is not None
+        member = self.group.member(rank)
         return GroupError(
-            f"loader rank {rank} of {self.plan.world_size} failed; this loader stops too and "
-            "publishes nothing", hint=f"see the log of rank {rank} for the cause, then rerun")
+            f"{member} failed; this loader stops too and publishes nothing", hint=f"{member.log_hint()} for the cause, then rerun")
 
     def _round_buffer(self) -> mmap.mmap:
         while (buffer := self._rounds.wait(POLL_S)) is None:

@@ -29,6 +29,7 @@ from typing import Any
 from dlo_loader import metrics
 from dlo_loader.claim import Claim, ClaimContext, Waits, claim_alone, claim_in_group
 from dlo_loader.errors import LoaderError
+from dlo_loader.peers import Member
 from dlo_loader.plan import Plan, build_plan
 from dlo_loader.progress import Progress, rank_prefix
 from dlo_loader.room import make_room_within
@@ -53,9 +54,6 @@ while this process lists the source (see `cli.preload_transfer_modules`)."""
 
 log = logging.getLogger(__name__)
 
-_COLLECTIVE_TIMEOUT_S = 60.0
-"""Longest wait inside one collective: ready ranks wait in a round at most `LATE_AFTER_S` for a
-slow one, then poll in status rounds, so only a hung peer hits it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +65,8 @@ class FillRequest:
     master_port: int = DEFAULT_RENDEZVOUS_PORT
     emit: Callable[[str], None] | None = None
     """Where progress lines go (the CLI prints them); None: no progress lines."""
+    member: Member | None = None
+    """This loader as its group names it (pod, node); None: by its rank alone."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,7 +185,7 @@ class _Fill:
             settings=self.request.settings, root=self.root, entry_id=eid, source=str(self.uri),
             total_bytes=total,
             deadline=self.deadline, names=self.names, progress=self.progress,
-            emit=self.request.emit or log.info, waits=self.waits,
+            emit=self.request.emit or log.info, waits=self.waits, member=self.request.member,
             # This deployment's own limits (`room`); the node's are the publication's room.
             prepare=lambda: make_room_within(self.root, eid, incoming_bytes=total,
                                              cache=self.cache, names=self.names))
@@ -212,9 +212,11 @@ class _Fill:
         exchange = (self.transfer.start(pub, plan, grouped=True)
                     if pub.existing is None else None)
         try:
+            # A silent peer is the heartbeat's to find (see [Note: heartbeat] in `peers`):
+            # gloo's own timeout is only the fill's deadline.
             group = claim.rendezvous.form(
                 backend=self.loader.backend,
-                collective_timeout_s=min(_COLLECTIVE_TIMEOUT_S, self.loader.timeout_s))
+                collective_timeout_s=max(self.deadline - time.monotonic(), 1.0))
         except BaseException:
             if exchange is not None:  # stop reading, and the progress lines before the summary
                 exchange.abandon()
@@ -225,10 +227,12 @@ class _Fill:
                 from dlo_loader.checks import agree
 
                 agree(group, plan.fingerprint)
-                return
-            self.transfer.run(pub, plan, group, identity, exchange)
-        finally:
-            group.close()
+            else:
+                self.transfer.run(pub, plan, group, identity, exchange)
+        except BaseException as exc:  # the others name this loader and why it left
+            group.close(exc)
+            raise
+        group.close()
 
     def _plan(self, files: list[ObjectIdentity], claim: Claim) -> Plan:
         grouped = claim.rendezvous is not None

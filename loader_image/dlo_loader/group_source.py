@@ -5,17 +5,20 @@ Precedence: `--rank/--world-size/--master-addr/--master-port`, then `RANK`/`WORL
 `MASTER_ADDR`/`MASTER_PORT` (a prefill Job sets these for its one fill), then the fill-group
 document in `DLO_FILL_GROUP` with this pod's name in `DLO_POD_NAME` (a workload pod: a member of
 the open group fills with it, anyone else fills alone), else one loader alone. Called by `cli`;
-must not start the rendezvous itself (that is `transport`, through `fill`).
+must not start the rendezvous itself (that is `transport`, through `fill`). Also names this
+loader to its group (`this_member`: its pod and node).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 from dataclasses import dataclass
 
 from dlo_contract.fill_group import FillGroup
-from dlo_contract.names import FILL_GROUP_ENV, POD_NAME_ENV, REVISION_ENV
+from dlo_loader.peers import Member
+from dlo_contract.names import FILL_GROUP_ENV, NODE_NAME_ENV, POD_NAME_ENV, REVISION_ENV
 from dlo_contract.names import (
     DEFAULT_RENDEZVOUS_PORT,
     MASTER_ADDR_ENV,
@@ -79,6 +82,14 @@ def _from_document(master_addr: str | None, port: int) -> Placement:
     rank, world = place
     return Placement(rank=rank, world_size=world, master_addr=master_addr or group.master_addr,
                      master_port=group.master_port, origin="fill-group")
+
+
+def this_member(rank: int) -> Member:
+    """This loader as its group names it when it is lost: its pod (`DLO_POD_NAME`, the key of
+    the fill-group document's members; else the host name, which is the pod's name in
+    Kubernetes) and its node (`DLO_NODE_NAME`, from the downward API; else unnamed)."""
+    return Member(rank=rank, pod=os.environ.get(POD_NAME_ENV) or socket.gethostname(),
+                  node=os.environ.get(NODE_NAME_ENV, ""))
 
 
 def _check(placement: Placement) -> None:

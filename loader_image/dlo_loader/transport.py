@@ -8,10 +8,13 @@ returns carries the members' small records through the store (node keys, claims:
 node order] in `claim`) and forms the process group.
 `Group` offers what the exchange needs: a status exchange (who failed, who is ready; polled only
 while a rank is late for a round), an all-gather of one chunk per rank (gloo's ring), and an
-all-gather of small objects (plan fingerprints, chunk digest lists). Collectives use a short
-timeout; a peer that dies closes its sockets, which fails the others' next collective at once.
-Backend `gloo` works on CPU buffers; `nccl` stages each chunk through the current CUDA device.
-Called by `fill` and `exchange`. Must not read the object store or write the cache.
+all-gather of small objects (plan fingerprints, chunk digest lists). Every member joins with its
+pod and node (`peers.Member`) and from then on runs each store call and collective through its
+`peers.PeerWatch`, so a member that dies or goes silent fails the others within
+`loader.peer_timeout_s`, naming it (see [Note: heartbeat] in `peers`); gloo's own timeout is only
+the fill's deadline. Backend `gloo` works on CPU buffers; `nccl` stages each chunk through the
+current CUDA device. Called by `fill` and `exchange`. Must not read the object store or write
+the cache.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dlo_loader.errors import GroupError, RendezvousTimeout
+from dlo_loader.peers import MEMBER_KEY, Member, PeerWatch
 from dlo_contract.field_names import Names, document_names
 
 log = logging.getLogger(__name__)
@@ -51,11 +55,13 @@ class RoundStatus:
 class Group:
     """An initialized process group of `world_size` loaders; `close()` tears it down."""
 
-    def __init__(self, *, rank: int, world_size: int, backend: str, store: Any) -> None:
+    def __init__(self, *, rank: int, world_size: int, backend: str, store: Any,
+                 watch: PeerWatch) -> None:
         self.rank = rank
         self.world_size = world_size
         self.backend = backend
         self._store = store  # rank 0 hosts the store: keep it alive as long as the group
+        self._watch = watch
         if backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
@@ -99,19 +105,34 @@ class Group:
         self._call("an all-gather", dist.all_gather_object, gathered, obj)
         return gathered
 
-    def close(self) -> None:
-        if dist.is_initialized():
+    def member(self, rank: int) -> Member:
+        """Rank `rank` as a person finds it (its pod and node)."""
+        return self._watch.member(rank)
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Tell the others this member ends (finished, or failed with `error`) and tear the
+        group down, unless a call was cut short (a loss, a signal): gloo's teardown would wait
+        for it, and the process ends without it."""
+        self._watch.leave(error)
+        if dist.is_initialized() and self._watch.idle:
             dist.destroy_process_group()
         self._store = None
 
     def _call(self, what: str, function: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            return function(*args, **kwargs)
+            return self._watch.call(function, *args, **kwargs)
         except (RuntimeError, dist.DistError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            # gloo says a peer's sockets closed, not whose: the heartbeat tells (see [Note:
+            # heartbeat] in `peers`); its raw text (paths, ports) goes to the log only.
+            log.info("%s failed: %s", what, _first_line(exc))
+            loss = self._watch.wait_lost()
+            if loss is not None:
+                raise loss.error() from exc
             raise GroupError(
-                f"lost contact with the loader group during {what}: {first}",
-                hint="another loader died or hung; see its log, then rerun every loader",
+                f"lost contact with the loader group during {what}, while every loader of it "
+                "still sends heartbeats",
+                hint="check the network between the group's nodes (the loaders' peer ports), "
+                     "then rerun every loader",
             ) from exc
 
 
@@ -143,40 +164,53 @@ class Rendezvous:
     post small records under a topic (`post`) and wait for one another's (`wait_posted`), then
     `form` the process group. Rank 0 hosts the store: it must outlive every member's use."""
 
-    def __init__(self, store: Any, *, rank: int, world_size: int, where: str) -> None:
+    def __init__(self, store: Any, *, rank: int, world_size: int, where: str,
+                 watch: PeerWatch) -> None:
         self.rank, self.world_size, self.where = rank, world_size, where
         self._store = store
+        self._watch = watch
+
+    def member(self, rank: int) -> Member:
+        """Rank `rank` as a person finds it (its pod and node)."""
+        return self._watch.member(rank)
 
     def node_keys(self) -> list[str]:
         """Every member's node key, posted as it joined (see `join`), by rank."""
-        return [value.decode() for value in self._store.multi_get(
-            [f"{_NODE_KEY}/{rank}" for rank in range(self.world_size)])]
+        return [value.decode() for value in self._watch.call(self._store.multi_get, [
+            f"{_NODE_KEY}/{rank}" for rank in range(self.world_size)])]
 
     def post(self, topic: str, value: str) -> None:
-        self._store.set(f"dlo/{topic}/{self.rank}", value)
+        self._watch.call(self._store.set, f"dlo/{topic}/{self.rank}", value)
 
     def wait_posted(self, topic: str, ranks: list[int], deadline: float) -> list[str]:
-        """What `ranks` posted under `topic`, waiting for them until `deadline` (monotonic)."""
+        """What `ranks` posted under `topic`, waiting for them until `deadline` (monotonic),
+        or until the watch finds a member lost."""
         keys = [f"dlo/{topic}/{rank}" for rank in ranks]
         try:
             remaining = max(deadline - time.monotonic(), 0.001)
-            self._store.wait(keys, datetime.timedelta(seconds=remaining))
-            return [value.decode() for value in self._store.multi_get(keys)]
+            self._watch.call(self._store.wait, keys, datetime.timedelta(seconds=remaining))
+            return [value.decode() for value in self._watch.call(self._store.multi_get, keys)]
         except (RuntimeError, dist.DistError) as exc:
+            log.info("waiting for the %s of rank(s) %s failed: %s", topic, ranks,
+                     _first_line(exc))
             raise GroupError(
-                f"loader rank(s) {', '.join(map(str, ranks))} of the group at {self.where} did "
-                f"not post their {topic} in time: {_first_line(exc)}",
+                f"{', '.join(str(self.member(rank)) for rank in ranks)} of the group at "
+                f"{self.where} did not post their {topic} in time",
                 hint="see the log of those loaders; a loader that died stops the group") from exc
 
     def form(self, *, backend: str, collective_timeout_s: float) -> Group:
         """The process group of every member (each one calls it)."""
         try:
-            dist.init_process_group(
-                backend, store=self._store, rank=self.rank, world_size=self.world_size,
-                timeout=datetime.timedelta(seconds=collective_timeout_s),
-            )
-            self._store.add(_FORMED_KEY, 1)
+            self._watch.call(
+                dist.init_process_group, backend, store=self._store, rank=self.rank,
+                world_size=self.world_size,
+                timeout=datetime.timedelta(seconds=collective_timeout_s))
+            self._watch.call(self._store.add, _FORMED_KEY, 1)
         except (RuntimeError, dist.DistError, OSError) as exc:
+            log.info("forming the group failed: %s", _first_line(exc))
+            loss = self._watch.wait_lost()
+            if loss is not None:
+                raise loss.error() from exc
             raise GroupError(
                 f"the loader group at {self.where} did not form: {_first_line(exc)}",
                 hint="another loader died or cannot be reached; see its log, then rerun every "
@@ -184,23 +218,30 @@ class Rendezvous:
         log.info("formed the loader group of %d at %s (%s)", self.world_size, self.where,
                  backend)
         return Group(rank=self.rank, world_size=self.world_size, backend=backend,
-                     store=self._store)
+                     store=self._store, watch=self._watch)
 
-    def close(self) -> None:
+    def leave(self, exc_type: type[BaseException] | None = None,
+              exc: BaseException | None = None, traceback: object = None) -> None:
+        """The fill ends, with `exc` or not (an `ExitStack` exit callback): unless a group
+        formed from it has left already, the others learn that this member left and why."""
+        self._watch.leave(exc)
         self._store = None
 
 
 def join(
     *, master_addr: str, master_port: int, rank: int, world_size: int, node_key: str,
-    timeout_s: float, listening: dist.TCPStore | None = None, names: Names = document_names,
+    timeout_s: float, peer_timeout_s: float, member: Member | None = None,
+    listening: dist.TCPStore | None = None, names: Names = document_names,
     leaving: tuple[str, str] | None = None,
 ) -> Rendezvous:
-    """Join the group's store with this loader's `node_key` and wait until all `world_size`
-    loaders have, or raise `RendezvousTimeout` when they do not in `timeout_s` seconds (or the
-    master cannot be reached); `listening`: rank 0's store from `listen`, else it is made here;
-    `names` spells the settings in the error; `leaving`: a (topic, value) this loader posts as
-    it gives up, for members that joined after it stopped waiting and now wait for its post.
-    Waits holding nothing (see [Note: node order] in `claim`)."""
+    """Join the group's store with this loader's `node_key` and `member` record (its pod and
+    node) and wait until all `world_size` loaders have, or raise `RendezvousTimeout` when they
+    do not in `timeout_s` seconds (or the master cannot be reached); then watch the members'
+    heartbeats (`peer_timeout_s`, see [Note: heartbeat] in `peers`). `listening`: rank 0's
+    store from `listen`, else it is made here; `names` spells the settings in the errors;
+    `leaving`: a (topic, value) this loader posts as it gives up, for members that joined after
+    it stopped waiting and now wait for its post. Waits holding nothing (see [Note: node
+    order] in `claim`)."""
     deadline = time.monotonic() + timeout_s
     where = f"{master_addr}:{master_port}"
     store = listening
@@ -208,11 +249,14 @@ def join(
         store = listening if listening is not None else _store(
             master_addr, master_port, world_size, is_master=rank == 0, timeout_s=timeout_s)
         store.set(f"{_NODE_KEY}/{rank}", node_key)  # before it counts as joined
+        store.set(f"{MEMBER_KEY}/{rank}", (member or Member(rank)).to_json())
         if store.add(_JOINED_KEY, 1) == world_size:
             store.set(_ALL_JOINED_KEY, "1")
         # Every rank waits here until all have joined, so a late loader is found out at once.
         remaining = max(deadline - time.monotonic(), 0.001)
         store.wait([_ALL_JOINED_KEY], datetime.timedelta(seconds=remaining))
+        members = [Member.from_json(r, value.decode()) for r, value in enumerate(
+            store.multi_get([f"{MEMBER_KEY}/{r}" for r in range(world_size)]))]
     except (RuntimeError, dist.DistError, OSError) as exc:
         if store is not None and leaving is not None:
             with contextlib.suppress(RuntimeError, dist.DistError, OSError):
@@ -224,7 +268,10 @@ def join(
                  f"size, or set {names('loader.on_rendezvous_timeout')}=independent",
         ) from exc
     log.info("joined the loader group of %d at %s", world_size, where)
-    return Rendezvous(store, rank=rank, world_size=world_size, where=where)
+    watch = PeerWatch(rank=rank, members=members, timeout_s=peer_timeout_s, names=names,
+                      connect=lambda: _store(master_addr, master_port, world_size,
+                                             is_master=False, timeout_s=peer_timeout_s))
+    return Rendezvous(store, rank=rank, world_size=world_size, where=where, watch=watch)
 
 
 def _first_line(exc: BaseException) -> str:

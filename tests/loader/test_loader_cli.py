@@ -50,6 +50,7 @@ def test_every_declared_override_is_a_flag_with_the_fields_type_and_choices() ->
                         "--rendezvous-timeout": "loader.rendezvous_timeout_s",
                         "--on-rendezvous-timeout": "loader.on_rendezvous_timeout",
                         "--stall-timeout": "loader.stall_timeout_s",
+                        "--peer-timeout": "loader.peer_timeout_s",
                         "--metrics-port": "loader.metrics_port", "--cache-root": "cache.root"}
     assert actions["mode"].choices == ("multi-reader", "single-reader", "independent")
     assert actions["on_rendezvous_timeout"].choices == ("independent", "fail")

@@ -8,6 +8,7 @@ import base64
 import datetime
 import hashlib
 import json
+import logging
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -269,3 +270,23 @@ def test_gcs_without_usable_credentials_says_so(
         open_source(parse_source(source), SourceOptions())
     assert str(caught.value).startswith(f"no GCS credentials for {source}: ")
     assert GOOGLE_APPLICATION_CREDENTIALS_ENV in caught.value.hint
+
+
+def test_reads_log_no_request_and_no_credential(
+        cloud: CloudStore, cloud_source: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The clients' own request logs stay quiet at the loader's level (INFO); a SAS, which
+    rides in every URL's query, reaches no record even when a read fails."""
+    secret = container_sas(cloud) if cloud.scheme == "az" else ""
+    if secret:
+        monkeypatch.delenv(AZURE_ACCOUNT_KEY_ENV)
+        monkeypatch.setenv(AZURE_SAS_TOKEN_ENV, secret)
+    caplog.set_level(logging.INFO)
+    with FaultProxy(cloud.emulator.server_url, FaultPlan(kinds=("reset",), limit=1)) as proxy:
+        store = open_store(cloud, cloud_source, proxy.url)
+        read_whole(store, listed(store, SHARD))
+    logged = [(r.name, r.getMessage()) for r in caplog.records]
+    quiet = ("azure", "google", "dlo_loader.sources")
+    assert not [name for name, _ in logged if name.startswith(quiet)]
+    assert any("retry 1/3" in message for _, message in logged)  # the reset, asked again
+    assert not secret or not [m for _, m in logged if secret in m or "sig=" in m]

@@ -146,8 +146,9 @@ def test_persistent_fault_fails_every_rank_and_publishes_nothing(
     assert f"exchange: {in_flight} round(s) in flight" in first.stderr
     assert first.summary == {
         "status": "error", "rank": 0,
-        "error": "loader rank 1 of 2 failed; this loader stops too and publishes nothing "
-                 "(hint: see the log of rank 1 for the cause, then rerun)",
+        "error": "loader rank 1 (pod loader-1, node node1) failed; this loader stops too and "
+                 "publishes nothing (hint: see the loader log of pod loader-1 for the cause, "
+                 "then rerun)",
     }
     assert second.summary["error"].startswith("s3://models/tiny/transformer/")
     assert "gave up after 3 attempt(s); last error: SlowDown (503)" in second.summary["error"]
@@ -257,32 +258,64 @@ def formed(port: int) -> int:
         return 0
 
 
+PEER_TIMEOUT_S = 3.0
+LOST = {
+    "died": "died: its connections to the group closed and it sent no heartbeat for 3 s "
+            "(loader.peer_timeout_s)",
+    "silent": "sent no heartbeat for 3 s (loader.peer_timeout_s): it was stopped, frozen or cut "
+              "off",
+    "store": "stopped answering: the group's store it hosts has not answered for 3 s "
+             "(loader.peer_timeout_s); it was stopped, frozen or cut off",
+}
+"""How a survivor says how the group lost a member (see [Note: heartbeat] in `peers`)."""
+
+
+def lost_error(rank: int, how: str) -> str:
+    """Every survivor's error for the loss of `rank`."""
+    return (f"loader rank {rank} (pod {Fleet.pod(rank)}, node {Fleet.node(rank)}) {how}; this "
+            f"loader stops too and publishes nothing (hint: see the loader log of pod "
+            f"{Fleet.pod(rank)} and the state of node {Fleet.node(rank)}, then rerun every "
+            "loader of the group)")
+
+
+def signalled_mid_fill(fleet: Fleet, slow: list[FaultProxy], victim: int,
+                       signum: signal.Signals) -> list[Outcome]:
+    """Start every rank, signal `victim` once the group is up and it reads, and return the
+    others' outcomes; the fill's deadline (and with it gloo's timeout) is far beyond the
+    process guard, so only the heartbeat can end the survivors' waits in time."""
+    fleet.settings |= {"timeout_s": 3600.0, "peer_timeout_s": PEER_TIMEOUT_S}
+    processes = {rank: fleet.start(rank) for rank in range(fleet.world)}
+    try:
+        # Ranks read before the group forms: signal the victim once the group is up and it reads.
+        wait_until(lambda: formed(fleet.master_port) == fleet.world
+                   and slow[victim].object_requests >= 1)
+        os.kill(processes[victim].pid, signum)
+        return [finish(rank, processes[rank]) for rank in processes if rank != victim]
+    finally:  # the loaders and their pipes end with the test, whatever it found
+        for process in processes.values():
+            if process.poll() is None:
+                process.kill()
+            process.communicate()
+
+
 @pytest.mark.parametrize("in_flight", [1, 2])
 def test_killed_rank_fails_the_others_and_a_rerun_succeeds(
     in_flight: int, s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
 ) -> None:
+    """gloo tells the survivors that a peer's connections closed, not whose: each names the
+    killed rank, its pod and node, from the heartbeat, and leaves gloo's text out."""
     memory = {1: 8, 2: 16}[in_flight] * CHUNK_BYTES
     # Rank 2's store answers every read after 5 s, so the fill cannot end before the kill.
     with proxies(s3, FaultPlan(), FaultPlan(), FaultPlan(delay_s=5.0)) as slow:
         fleet = Fleet(tmp_path, checkpoint.source, 3, [p.url for p in slow],
                       settings={"memory_limit_bytes": memory})
-        processes = {rank: fleet.start(rank) for rank in range(3)}
-        try:
-            # Ranks read before the group forms: kill rank 2 once the group is up and it reads.
-            wait_until(lambda: formed(fleet.master_port) == 3 and slow[2].object_requests >= 1)
-            os.kill(processes[2].pid, signal.SIGKILL)
-            outcomes = [finish(rank, processes[rank]) for rank in (0, 1)]
-        finally:  # the loaders and their pipes end with the test, whatever it found
-            for process in processes.values():
-                if process.poll() is None:
-                    process.kill()
-                process.communicate()
+        outcomes = signalled_mid_fill(fleet, slow, 2, signal.SIGKILL)
     for outcome in outcomes:
         assert outcome.returncode == 1
         assert f"exchange: {in_flight} round(s) in flight" in outcome.stderr
-        assert outcome.summary["status"] == "error"
-        assert outcome.summary["error"].startswith(("lost contact with the loader group",
-                                                    "loader rank 2 of 3 failed")), outcome.summary
+        assert outcome.summary == {"status": "error", "rank": outcome.rank,
+                                   "error": lost_error(2, LOST["died"])}
+        assert f"cli: [rank {outcome.rank}/3] {lost_error(2, LOST['died'])}" in outcome.stderr
     assert no_entry(fleet.root(0)) and no_entry(fleet.root(1))
     assert not any((fleet.root(2) / "v1" / "entries").iterdir())
     with proxies(s3, *[FaultPlan()] * 3) as counting:
@@ -291,6 +324,24 @@ def test_killed_rank_fails_the_others_and_a_rerun_succeeds(
             assert outcome.returncode == 0, outcome.stderr
             assert entry_files(rerun.root(outcome.rank)) == included(checkpoint.files)
     assert not any((rerun.root(2) / "v1" / "tmp").iterdir())  # the dead rank's tmp dir is gone
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["member", "store-host"])
+def test_a_stopped_rank_is_named_by_every_other_within_the_peer_timeout(
+    victim: int, s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """A stopped loader keeps its sockets open, so gloo would wait for it until its timeout
+    (here the fill's deadline, an hour): the others find it silent by its heartbeat (rank 0, by
+    the store it hosts) and stop, naming it."""
+    with proxies(s3, *[FaultPlan(delay_s=2.0)] * 3) as slow:
+        fleet = Fleet(tmp_path, checkpoint.source, 3, [p.url for p in slow])
+        outcomes = signalled_mid_fill(fleet, slow, victim, signal.SIGSTOP)
+    how = LOST["store"] if victim == 0 else LOST["silent"]
+    for outcome in outcomes:
+        assert outcome.returncode == 1, outcome.stderr
+        assert outcome.summary == {"status": "error", "rank": outcome.rank,
+                                   "error": lost_error(victim, how)}
+        assert no_entry(fleet.root(outcome.rank))
 
 
 def accepts(port: int) -> bool:

@@ -143,8 +143,19 @@ class Fleet:
 
     def start(self, rank: int, *extra: str) -> subprocess.Popen[str]:
         (self.tmp / f"node{rank}").mkdir(parents=True, exist_ok=True)
-        return subprocess.Popen(self.command(rank, *extra), env=checkout_env(), text=True,
+        env = checkout_env(DLO_POD_NAME=self.pod(rank), DLO_NODE_NAME=self.node(rank))
+        return subprocess.Popen(self.command(rank, *extra), env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    @staticmethod
+    def pod(rank: int) -> str:
+        """The pod name rank `rank` is told it runs in (its group names it by this)."""
+        return f"loader-{rank}"
+
+    @staticmethod
+    def node(rank: int) -> str:
+        """The node name rank `rank` is told it runs on."""
+        return f"node{rank}"
 
     def run(self, *extra: str, ranks: list[int] | None = None) -> list[Outcome]:
         chosen = ranks if ranks is not None else range(self.world)

@@ -19,6 +19,7 @@ log or raise anything that carries a credential (a key, a SAS, a URL with its qu
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -48,6 +49,10 @@ CREDENTIALS_HINT = (f"check the loader's Azure credentials ({AZURE_CONNECTION_ST
                     "and the container's access policy")
 CHECKSUM = "md5"
 """The store's checksum of a whole blob where it keeps one (Content-MD5)."""
+_CLIENT_LOG = logging.getLogger(f"{__name__}.client")
+"""Where the client logs every request and answer (headers, redacted, at INFO): quiet unless
+set lower, or each ranged GET would write a screenful to the loader's log."""
+_CLIENT_LOG.setLevel(logging.WARNING)
 
 
 def open_source(uri: SourceAddress, options: SourceOptions) -> AzureSource:
@@ -136,7 +141,7 @@ def _service(uri: SourceAddress, endpoint_url: str | None, transport: Any) -> An
     module docstring), no retries of its own (the reader's `Retrier` decides)."""
     from azure.storage.blob import BlobServiceClient
 
-    settings: dict[str, Any] = {"transport": transport, "retry_total": 0}
+    settings: dict[str, Any] = {"transport": transport, "retry_total": 0, "logger": _CLIENT_LOG}
     connection_string = os.environ.get(AZURE_CONNECTION_STRING_ENV)
     if connection_string:
         try:

@@ -1,0 +1,110 @@
+"""SIGTERM (the pod deleted) to a real `dlo cache fill` process: mid-fill it stops reading, removes
+its temporary files, drops its reservation, writes its summary and termination message and exits
+with `EXIT_TERMINATED`; once the entry is published, it only ends the sidecar's stay."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from dlo_bench.faultproxy import FaultPlan, FaultProxy
+from dlo_bench.s3server import S3Server
+from dlo_loader.termination import EXIT_TERMINATED, TERMINATED_MESSAGE
+from support.loader_fleet import Checkpoint, Fleet, finish, no_entry, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+@contextlib.contextmanager
+def ended(*processes: subprocess.Popen[str]) -> Iterator[None]:
+    """The loaders and their pipes end with the test, whatever it found."""
+    try:
+        yield
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+
+
+def tmp_files(root: Path) -> list[Path]:
+    return [path for path in (root / "v1" / "tmp").rglob("*") if path.is_file()]
+
+
+def reservations(root: Path) -> list[str]:
+    """The reservation files under the root, live or left by a dead owner (none is reclaimed
+    by looking; dot names are the room's lock and files being written)."""
+    return [name for name in os.listdir(root / "v1" / "reservations")
+            if not name.startswith(".")]
+
+
+def test_sigterm_mid_fill_cleans_up_and_reports(
+        s3: S3Server, checkpoint: Checkpoint, tmp_path: Path) -> None:
+    # Every read waits 5 s: the fill is still reading when the signal comes.
+    with FaultProxy(s3.endpoint_url, FaultPlan(delay_s=5.0)) as slow:
+        fleet = Fleet(tmp_path, checkpoint.source, 1, [slow.url])
+        process = fleet.start(0)
+        with ended(process):
+            wait_until(lambda: slow.object_requests >= 1 or process.poll() is not None)
+            root = fleet.root(0)
+            assert tmp_files(root) and reservations(root), "the fill had not begun writing"
+            process.send_signal(signal.SIGTERM)
+            outcome = finish(0, process)
+    assert outcome.returncode == EXIT_TERMINATED == 143, outcome.stderr
+    assert outcome.summary == {"status": "error", "rank": 0, "error": TERMINATED_MESSAGE}
+    termination_message = tmp_path / "node0" / "termination-log"
+    assert json.loads(termination_message.read_text()) == outcome.summary
+    assert no_entry(root) and tmp_files(root) == [] and reservations(root) == []
+    assert not (tmp_path / "node0" / "entry.json").exists()
+    assert "Traceback" not in outcome.stderr
+
+
+def test_sigterm_to_a_group_member_mid_fill_names_it_to_the_others(
+        s3: S3Server, checkpoint: Checkpoint, tmp_path: Path) -> None:
+    """The terminated member posts why it left (see [Note: heartbeat] in `peers`): the others
+    stop at once, naming it and the reason."""
+    with FaultProxy(s3.endpoint_url, FaultPlan()) as fast, \
+            FaultProxy(s3.endpoint_url, FaultPlan(delay_s=5.0)) as slow:
+        fleet = Fleet(tmp_path, checkpoint.source, 2, [fast.url, slow.url],
+                      settings={"timeout_s": 3600.0})
+        processes = {rank: fleet.start(rank) for rank in range(2)}
+        with ended(*processes.values()):
+            wait_until(lambda: slow.object_requests >= 1 and tmp_files(fleet.root(1)) != [])
+            processes[1].send_signal(signal.SIGTERM)
+            terminated, other = finish(1, processes[1]), finish(0, processes[0])
+    assert terminated.returncode == EXIT_TERMINATED, terminated.stderr
+    assert terminated.summary == {"status": "error", "rank": 1, "error": TERMINATED_MESSAGE}
+    assert other.returncode == 1, other.stderr
+    assert other.summary["error"] == (
+        f"loader rank 1 (pod {Fleet.pod(1)}, node {Fleet.node(1)}) left the group: "
+        f"{TERMINATED_MESSAGE}; this loader stops too and publishes nothing (hint: see the "
+        f"loader log of pod {Fleet.pod(1)} and the state of node {Fleet.node(1)}, then rerun "
+        "every loader of the group)")
+    for rank in range(2):
+        assert no_entry(fleet.root(rank)) and reservations(fleet.root(rank)) == []
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_sigterm_right_after_the_entry_ends_a_sidecar_with_status_0(
+        s3: S3Server, checkpoint: Checkpoint, tmp_path: Path) -> None:
+    """The handler is the process's from its start: a SIGTERM the moment the entry document
+    appears (before the summary, the endpoint's summary and the garbage collection that come
+    before the sidecar idles) ends the stay, not the process."""
+    fleet = Fleet(tmp_path, checkpoint.source, 1, [s3.endpoint_url],
+                  settings={"metrics_port": 0})
+    entry_file = tmp_path / "node0" / "entry.json"
+    process = fleet.start(0, "--keep-running")
+    with ended(process):
+        wait_until(lambda: entry_file.exists() or process.poll() is not None)
+        process.send_signal(signal.SIGTERM)
+        outcome = finish(0, process)
+    assert outcome.returncode == 0, outcome.stderr
+    assert outcome.summary["status"] == "ok"
+    assert json.loads(entry_file.read_text())["entry_id"] == outcome.summary["entry_id"]
+
