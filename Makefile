@@ -10,7 +10,7 @@ SHELL := /bin/bash
 LAST_LINE_TO = | tee /dev/stderr | tail -n 1 | python3 -m json.tool >
 
 GPU_VENV := .venv-gpu
-.PHONY: demo test test-fast generate check-generated bench-loader bench-runtime bench-cluster bench-scale bench-coldstart gpu-check lock clean
+.PHONY: demo test test-fast generate check-generated bench-loader bench-runtime bench-serve bench-cluster bench-scale bench-coldstart gpu-check lock clean
 
 $(STAMP): requirements.lock pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -68,6 +68,11 @@ bench-runtime: $(STAMP)
 	set -o pipefail; $(VENV)/bin/dlo bench runtime --json $(LAST_LINE_TO) bench/results/runtime.json
 	set -o pipefail; $(VENV)/bin/dlo bench runtime --host-memory --json $(LAST_LINE_TO) bench/results/host_memory.json
 	set -o pipefail; $(VENV)/bin/dlo bench runtime --compiled --layers 4 --head-dim 32 --json $(LAST_LINE_TO) bench/results/runtime_compiled.json
+
+# dlo serve offloaded (AllGather, 2 ranks) against the same server resident and the resident
+# pipeline called directly, on the CPU.
+bench-serve: $(STAMP)
+	set -o pipefail; $(VENV)/bin/dlo bench serve --json $(LAST_LINE_TO) bench/results/serve.json
 
 bench-loader: $(STAMP) $(MINISTACK_VENV)/.installed
 	set -o pipefail; $(VENV)/bin/dlo bench loader --json --ministack $(MINISTACK_VENV)/bin/ministack $(LAST_LINE_TO) bench/results/loader.json

@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from dlo_bench.demo_processes import Children, DemoError
+from dlo_bench.demo_processes import Child, Children, DemoError
 from dlo_bench.s3server import free_port
 
 PROMPT = "a lighthouse at dusk"
@@ -31,18 +31,14 @@ _POLL_S = 0.2
 def serve_one_image(children: Children, *, ranks: int, env: dict[str, str], steps: int,
                     seed: int, image: Path, timeout_s: float) -> dict[str, Any]:
     """Start the server, get one image, save it, stop the server; the step's figures."""
-    port = free_port()
     started = time.monotonic()
-    server = children.start("server", [
-        sys.executable, "-m", "dlo_cli.main", "serve", "--host", "127.0.0.1", "--port",
-        str(port), "--ranks", str(ranks), "--threads", "1"], env=env)
-    url = f"http://127.0.0.1:{port}"
-    _wait_ready(server, url, timeout_s)
+    server, url = start_server(children, "server", ranks=ranks, env=env)
+    wait_ready(server, url, timeout_s)
     ready_s = time.monotonic() - started
     request = {"prompt": PROMPT, "size": f"{SIZE}x{SIZE}", "num_inference_steps": steps,
                "seed": seed, "response_format": "b64_json"}
     asked = time.monotonic()
-    body = _post(f"{url}/v1/images/generations", request, timeout_s)
+    body = post_json(f"{url}/v1/images/generations", request, timeout_s)
     png = base64.b64decode(body["data"][0]["b64_json"])
     latency_s = time.monotonic() - asked
     image.parent.mkdir(parents=True, exist_ok=True)
@@ -60,7 +56,18 @@ def serve_one_image(children: Children, *, ranks: int, env: dict[str, str], step
             "steps": steps, "ready_s": round(ready_s, 1), "latency_s": round(latency_s, 2)}
 
 
-def _wait_ready(server: Any, url: str, timeout_s: float) -> None:
+def start_server(children: Children, name: str, *, ranks: int, env: dict[str, str]
+                 ) -> tuple[Child, str]:
+    """`dlo serve` on a free loopback port, one CPU thread per rank; the child and its URL."""
+    port = free_port()
+    server = children.start(name, [
+        sys.executable, "-m", "dlo_cli.main", "serve", "--host", "127.0.0.1", "--port",
+        str(port), "--ranks", str(ranks), "--threads", "1"], env=env)
+    return server, f"http://127.0.0.1:{port}"
+
+
+def wait_ready(server: Any, url: str, timeout_s: float) -> None:
+    """Poll the readiness probe of the server `server` (a `Child`) until it passes."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -78,7 +85,8 @@ def _wait_ready(server: Any, url: str, timeout_s: float) -> None:
         time.sleep(_POLL_S)
 
 
-def _post(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+def post_json(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """POST `body` as JSON; the decoded answer, or `DemoError` with the server's error."""
     request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})
     try:

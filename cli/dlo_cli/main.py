@@ -39,6 +39,7 @@ COMMANDS: tuple[Command, ...] = (
     Command(("serve",), "dlo_server.cli", "serve images over HTTP from an offloaded DiT (the reference server)"),
     Command(("render",), "dlo_operator.render", "print the manifests the operator would create"),
     Command(("bench", "runtime"), "dlo_bench.runtime", "hook overhead, step times, host memory"),
+    Command(("bench", "serve"), "dlo_bench.serve_bench", "dlo serve's requests/s and p50/p99 latency against a resident pipeline"),
     Command(("bench", "gpu-check"), "dlo_bench.gpu_check", "tests/gpu and the CUDA step-time benchmark (skips without CUDA)"),
     Command(("bench", "loader"), "dlo_bench.loader", "single-node fill against a parallel-GET ceiling"),
     Command(("bench", "cluster"), "dlo_bench.cluster", "simulated multi-node fill with shaped links"),
