@@ -69,9 +69,9 @@ def label_key_problem(key: str) -> str | None:
     """Why `key` is no label or annotation key (`[prefix/]name`), or None."""
     prefix, _, name = key.rpartition("/")
     if prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
-        return f"its prefix {prefix!r} is not a DNS subdomain ({DNS_SUBDOMAIN_RULES})"
+        return f"the prefix before '/', {prefix!r}, must be a DNS subdomain ({DNS_SUBDOMAIN_RULES})"
     if not _LABEL_NAME.match(name):
-        return f"its name {name!r} is not {LABEL_RULES}"
+        return f"the name {name!r} must be {LABEL_RULES}"
     return None
 
 
@@ -85,7 +85,7 @@ def _labels(spec: DeploymentSpec) -> Iterator[str]:
                        f"{why}; rename it")
             elif path != "pod_annotations" and value and not _LABEL_NAME.match(value):
                 yield (f"[labels-valid] {field_name(path)}[{key!r}]={value!r} is not a label "
-                       f"value: empty, or {LABEL_RULES}; change it")
+                       f"value: it must be empty, or {LABEL_RULES}; change it")
 
 
 def _dns_names(spec: DeploymentSpec) -> Iterator[str]:
