@@ -10,7 +10,7 @@ SHELL := /bin/bash
 LAST_LINE_TO = | tee /dev/stderr | tail -n 1 | python3 -m json.tool >
 
 GPU_VENV := .venv-gpu
-.PHONY: demo test test-fast generate check-generated bench-loader bench-runtime bench-serve bench-cluster bench-scale bench-coldstart gpu-check lock clean
+.PHONY: demo test test-fast generate check-generated bench-loader bench-loader-schemes bench-runtime bench-serve bench-cluster bench-scale bench-coldstart gpu-check lock clean
 
 $(STAMP): requirements.lock pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -76,6 +76,11 @@ bench-serve: $(STAMP)
 
 bench-loader: $(STAMP) $(MINISTACK_VENV)/.installed
 	set -o pipefail; $(VENV)/bin/dlo bench loader --json --ministack $(MINISTACK_VENV)/bin/ministack $(LAST_LINE_TO) bench/results/loader.json
+
+# One checkpoint through every source scheme's local server in one run (ministack, a directory,
+# fake-gcs-server, Azurite, the https and hf test servers): fill against each server's ceiling.
+bench-loader-schemes: $(STAMP) $(MINISTACK_VENV)/.installed $(AZURITE)
+	set -o pipefail; $(VENV)/bin/dlo bench loader --json --schemes s3,file,gs,az,https,hf --size-mib 512 --repeats 3 --ministack $(MINISTACK_VENV)/bin/ministack $(LAST_LINE_TO) bench/results/loader_schemes.json
 
 # Namespaces and shaped links (root, iproute2): N = 2..8 at peer/store 10x and 40x; then the scale
 # model, fed with what this run and bench-loader measured.
