@@ -128,6 +128,26 @@ def test_a_hub_branch_moved_mid_fill_changes_nothing_read(
     assert data == checkpoint.files[SHARD] and obj.version_id in served.hub.commits
 
 
+def test_hub_reads_go_to_where_the_resolve_url_redirected_until_it_expires(
+        checkpoint: Checkpoint, tmp_path: Path) -> None:
+    """One resolve per file, not per read: its storage URL serves the next reads, and a refused
+    one (its signature expired) is resolved again."""
+    with serving("hf", checkpoint.files, tmp_path) as served:
+        source = open_served(served)
+        obj = shard_of(source)
+        requests_before = served.hub.served.requests["GET"]
+        data = bytearray(obj.size)
+        quarter = obj.size // 4
+        for start in range(0, obj.size, quarter):
+            view = memoryview(data)[start:start + quarter]
+            source.read(obj, start, view, ALGORITHM)
+            if start == quarter:
+                served.hub.expire_signatures()
+    assert data == checkpoint.files[SHARD]
+    assert served.hub.served.requests["GET"] - requests_before == 2  # the first, and after expiry
+    assert served.hub.stored.requests["GET"] == len(range(0, obj.size, quarter)) + 1  # one 403
+
+
 def test_a_hub_file_not_the_listed_one_is_refused(
         checkpoint: Checkpoint, tmp_path: Path) -> None:
     """The resolve answer names the file's sha256 (`X-Linked-Etag`): another is refused."""

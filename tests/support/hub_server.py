@@ -12,7 +12,8 @@ redirect to.
   does;
 and, with `token`, answers 401 to a request without `Authorization: Bearer <token>`. The storage
 host (`cdn`) serves LFS blobs by sha256 with ranges and counts any request that carried an
-`Authorization` header (the loader must drop it on the way there). `push` makes a new commit and
+`Authorization` header (the loader must drop it on the way there) and refuses a URL whose
+signature expired (`expire_signatures`). `push` makes a new commit and
 moves `main` to it; `rewrite` serves other bytes at a commit, `corrupt_blob` other bytes for a
 blob from storage. Test support only.
 """
@@ -45,6 +46,8 @@ class HubServer:
         self.branches: dict[str, str] = {}
         self.blobs: dict[str, bytes] = {}
         self.served, self.stored = Served(), Served()
+        self.signature = 0
+        """The generation of the storage URLs' signatures; older ones are refused (403)."""
         self.leaked_authorization = 0
         """Requests that reached the storage host with an `Authorization` header."""
         self._lock = threading.Lock()
@@ -79,6 +82,10 @@ class HubServer:
             for data in files.values():
                 self.blobs[hashlib.sha256(data).hexdigest()] = data
             return commit
+
+    def expire_signatures(self) -> None:
+        """Storage refuses every storage URL handed out so far (their signatures expired)."""
+        self.signature += 1
 
     def rewrite(self, commit: str, name: str, data: bytes) -> None:
         """Serve other bytes for `name` at `commit` (a mirror gone wrong: a commit's files never
@@ -166,7 +173,8 @@ class HubServer:
                 self.send_response(302)
                 for key, value in {**headers, "X-Linked-Etag": f'"{sha}"',
                                    "X-Linked-Size": str(len(data)), "ETag": f'"{blob_id(data)}"',
-                                   "Location": f"{hub.cdn_url}/blobs/{sha}?X-Signature=s3cr3t",
+                                   "Location": f"{hub.cdn_url}/blobs/{sha}?X-Signature="
+                                               f"s3cr3t-{hub.signature}",
                                    "Content-Length": "0"}.items():
                     self.send_header(key, value)
                 self.end_headers()
@@ -181,7 +189,12 @@ class HubServer:
             def do_GET(self) -> None:  # noqa: N802 (stdlib naming)
                 if "Authorization" in self.headers:
                     hub.leaked_authorization += 1
-                sha = urllib.parse.urlsplit(self.path).path.rpartition("/")[2]
+                parts = urllib.parse.urlsplit(self.path)
+                if parts.query != f"X-Signature=s3cr3t-{hub.signature}":
+                    hub.stored.count(self.command)
+                    send_error(self, 403, "AccessDenied")
+                    return
+                sha = parts.path.rpartition("/")[2]
                 data = hub.blobs.get(sha)
                 if data is None:
                     hub.stored.count(self.command)

@@ -6,10 +6,12 @@ Owns `HubSource`. The listing is one call of the Hub's API, `GET /api/models/{re
 commit the revision names now (`sha`; every read is of that commit, so a branch moved mid-fill
 changes nothing) and each file's size, git blob id and, for a file stored with LFS, its
 sha256. A file's version identity is its LFS sha256 (else its blob id), with the commit as its
-`version_id`. Each read is `GET {endpoint}/{repo}/resolve/{commit}/{path}` with a `Range`,
+`version_id`. A read is `GET {endpoint}/{repo}/resolve/{commit}/{path}` with a `Range`,
 following the redirect to the Hub's storage (the token stays with the Hub's host); the first
 answer's `X-Linked-Etag` (else `ETag`) and `X-Linked-Size` must be the listed ones, and the
-bytes' total size the listed size (else `SourceChanged`). The store checksums are the LFS
+bytes' total size the listed size (else `SourceChanged`). The storage URL it redirected to (a
+signed one) serves the file's next reads directly, one round trip instead of two, until the
+storage refuses it (its signature expired) and the resolve URL is asked again. The store checksums are the LFS
 sha256 and the git blob id of every file, each checked against the written file. The endpoint
 is `loader.endpoint_url`, else `HF_ENDPOINT`, else the public Hub; a token in `HF_TOKEN` goes
 with every request to it. Called through `dlo_loader.sources`.
@@ -25,7 +27,8 @@ from typing import Any
 
 from dlo_loader.digest import StoreChecksum
 from dlo_loader.errors import SourceError
-from dlo_loader.sources.http_reads import HttpBody, HttpClient, size_of
+from dlo_loader.source_retry import StoreStatus
+from dlo_loader.sources.http_reads import Answer, HttpBody, HttpClient, size_of
 from dlo_loader.sources.seam import (
     ListedChecksums,
     RangedReads,
@@ -67,6 +70,9 @@ class HubSource(RangedReads, ListedChecksums):
         self._listed, self._algorithms = {}, {}
         self.commit: str | None = None
         """The commit the last `list` found the revision at."""
+        self._locations: dict[str, str] = {}
+        """By key: where its resolve URL redirected (checked then), read from directly until
+        the storage refuses it (an expired signature)."""
 
     def close(self) -> None:
         self._client.close()
@@ -111,25 +117,44 @@ class HubSource(RangedReads, ListedChecksums):
 
     @contextlib.contextmanager
     def _body(self, obj: ObjectIdentity, start: int, length: int) -> Iterator[HttpBody]:
+        with contextlib.ExitStack() as stack:
+            answer, body = self._opened(stack, obj, start, length)
+            total = size_of(answer)
+            if total is not None and total != obj.size:
+                raise self._changed(obj, f"size {total}, listed {obj.size}")
+            yield body
+
+    def _opened(self, stack: contextlib.ExitStack, obj: ObjectIdentity, start: int,
+                length: int) -> tuple[Answer, HttpBody]:
+        """A ranged answer for `obj`: from where its resolve URL last redirected (the Hub's
+        storage, a signed URL), else from the resolve URL, whose first answer must name the
+        listed file (see the module docstring)."""
+        location = self._locations.get(obj.key)
+        if location is not None:
+            try:
+                return stack.enter_context(self._client.ranged(location, start, length))
+            except StoreStatus as exc:
+                if exc.status >= 500 or exc.status == 429:
+                    raise
+                self._locations.pop(obj.key, None)  # a signature expired: resolve again
         path = urllib.parse.quote(self.uri.prefix + obj.key)
         url = f"{self._endpoint}/{self.uri.container}/resolve/{obj.version_id}/{path}"
-        with self._client.ranged(url, start, length) as (answer, body):
-            said = _etag(answer.first.get("X-Linked-Etag") or answer.first.get("ETag"))
-            linked_size = answer.first.get("X-Linked-Size")
-            total = size_of(answer)
-            changed = None
-            if said and said != obj.etag:
-                changed = f"ETag {said}, listed {obj.etag}"
-            elif linked_size is not None and int(linked_size) != obj.size:
-                changed = f"X-Linked-Size {linked_size}, listed {obj.size}"
-            elif total is not None and total != obj.size:
-                changed = f"size {total}, listed {obj.size}"
-            if changed:
-                raise source_changed(
-                    f"{self.uri}{obj.key} at commit {obj.version_id}", changed,
-                    hint="the Hub (or a mirror) served another file for the commit; rerun the "
-                         "fill, or check the endpoint")
-            yield body
+        answer, body = stack.enter_context(self._client.ranged(url, start, length))
+        said = _etag(answer.first.get("X-Linked-Etag") or answer.first.get("ETag"))
+        linked_size = answer.first.get("X-Linked-Size")
+        if said and said != obj.etag:
+            raise self._changed(obj, f"ETag {said}, listed {obj.etag}")
+        if linked_size is not None and int(linked_size) != obj.size:
+            raise self._changed(obj, f"X-Linked-Size {linked_size}, listed {obj.size}")
+        if answer.location != url:
+            self._locations[obj.key] = answer.location
+        return answer, body
+
+    def _changed(self, obj: ObjectIdentity, how: str) -> Exception:
+        return source_changed(
+            f"{self.uri}{obj.key} at commit {obj.version_id}", how,
+            hint="the Hub (or a mirror) served another file for the commit; rerun the fill, "
+                 "or check the endpoint")
 
 
 def open_source(uri: SourceAddress, options: SourceOptions) -> HubSource:

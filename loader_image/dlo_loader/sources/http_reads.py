@@ -43,6 +43,9 @@ class Answer:
     first: Mapping[str, str]
     url: str
     """Where the bytes came from, without its query (a signed URL's signature)."""
+    location: str = ""
+    """Where the bytes came from, whole (a signed URL with its signature, to ask again there):
+    never shown."""
 
 
 def without_query(url: str) -> str:
@@ -89,7 +92,7 @@ class HttpClient:
             if response.status >= 400:
                 _drop(response)
                 raise StoreStatus(response.status, response.headers.get("X-Error-Code", ""))
-            return Answer(response, first, without_query(url))
+            return Answer(response, first, without_query(url), url)
         raise StoreStatus(310, "TooManyRedirects")
 
     def json(self, url: str, headers: Mapping[str, str] | None = None) -> Any:
