@@ -79,7 +79,8 @@ def _labels(spec: DeploymentSpec) -> Iterator[str]:
     for path, labels in (("pod_labels", spec.pod_labels), ("node_selector", spec.node_selector),
                          ("pod_annotations", spec.pod_annotations)):
         for key, value in labels.items():
-            why = label_key_problem(key)
+            # The API server checks annotation keys lowercased, label keys as written.
+            why = label_key_problem(key.lower() if path == "pod_annotations" else key)
             if why:
                 yield (f"[labels-valid] {field_name(path)} key {key!r} is not a qualified name: "
                        f"{why}; rename it")

@@ -66,7 +66,7 @@ def test_a_spec_using_every_core_field_well_passes() -> None:
                                           "values": ["cache"]}]}}}]}},
         "podLabels": {"example.com/team": "ml", "empty": ""},
         "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
-        "podAnnotations": {"example.com/note": "any text at all"},
+        "podAnnotations": {"example.com/note": "any text at all", "Example.com/Note": "x"},
         "serviceAccountName": "model-reader", "priorityClassName": "inference.high",
         "imagePullSecrets": [{"name": "regcred"}]}
     assert core_problems(parse_spec(spec)) == []
