@@ -8,7 +8,9 @@ and with diffusers' own block-level group offloading (one block per group, with 
 same model and inputs. Every variant's output is compared with the resident one before any
 figure is reported. With `--compiled` it adds the same comparisons under `torch.compile`
 (`dlo_bench.runtime_compiled`). The rank-local steps over mapped checkpoint entries of three
-layouts are `dlo_bench.runtime_mapped`'s (`--no-mapped` skips them). With `--host-memory ARGS...`
+layouts are `dlo_bench.runtime_mapped`'s (`--no-mapped` skips them); what the AllGather ranks'
+per-forward lockstep check costs against a step, over two gloo ranks, is
+`dlo_bench.runtime_lockstep`'s (`--no-allgather` skips it). With `--host-memory ARGS...`
 it runs `dlo_bench.host_memory` instead. Must not be imported by the runtime.
 """
 
@@ -44,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="latent side of the CUDA step-time comparison")
     parser.add_argument("--no-mapped", action="store_true",
                         help="skip the rank-local steps over mapped checkpoint entries")
+    parser.add_argument("--no-allgather", action="store_true",
+                        help="skip the two-rank AllGather steps (the lockstep check's cost)")
     parser.add_argument("--compiled", action="store_true",
                         help="also time every variant under torch.compile (minutes on a CPU)")
     parser.add_argument("--compile-mode", choices=("regional", "whole"), default="regional",
@@ -74,6 +78,10 @@ def run(args: argparse.Namespace) -> int:
         from dlo_bench import runtime_mapped
 
         figures |= runtime_mapped.cpu_mapped(args)
+    if not args.no_allgather:
+        from dlo_bench import runtime_lockstep
+
+        figures |= runtime_lockstep.cpu_lockstep(args)
     if args.compiled:
         from dlo_bench import runtime_compiled
 

@@ -133,7 +133,7 @@ class GroupLockstep:
         table = torch.empty(2 * dist.get_world_size(self.group), dtype=torch.int64,
                             device=self._device)
         try:
-            work = dist.all_gather_into_tensor(table, mine, group=self.group, async_op=True)
+            work = dist.all_gather_single(table, mine, group=self.group, async_op=True)
             # Bounded here, not by the group's own timeout (see [Note: lockstep]).
             work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
             rows = table.view(-1, 2).tolist()

@@ -13,13 +13,13 @@ from dlo_bench import runtime as bench
 from dlo_runtime.transfer import ShardStore
 
 SMALL = ["--layers", "2", "--head-dim", "16", "--side", "4", "--batch", "1", "--warmup", "0",
-         "--steps", "1"]
+         "--steps", "1", "--no-allgather"]
 
 
-def _args() -> argparse.Namespace:
+def _args(*extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    return parser.parse_args(SMALL)
+    return parser.parse_args([*SMALL, *extra])
 
 
 def test_an_exact_backend_passes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -45,6 +45,19 @@ def test_a_backend_that_corrupts_a_block_fails_the_benchmark(
     assert captured.err == (
         "bench runtime: outputs differ from the resident model: cpu_dlo_equal\n"
     )
+
+
+@pytest.mark.slow
+def test_the_allgather_check_is_timed_against_a_step_over_two_ranks() -> None:
+    """Two gloo ranks: outputs checked exact first, then the lockstep check's figures."""
+    from dlo_bench.runtime_lockstep import cpu_lockstep
+
+    figures = cpu_lockstep(_args("--rounds", "1"))
+    assert figures["cpu_allgather_equal"] is True
+    assert sorted(figures) == [
+        "cpu_allgather_check_share_of_step", "cpu_allgather_check_us_per_forward",
+        "cpu_allgather_equal", "cpu_allgather_step_ratio_check_on_off", "cpu_allgather_step_us",
+    ]
 
 
 def test_host_memory_fails_when_one_process_computes_another_output() -> None:
