@@ -39,7 +39,7 @@ AWS_SESSION_TOKEN_ENV = "AWS_SESSION_TOKEN"
 # --- Google Cloud Storage (google-auth's own name) ---------------------------------------------
 GOOGLE_APPLICATION_CREDENTIALS_ENV = "GOOGLE_APPLICATION_CREDENTIALS"
 """Path of a service-account key file (JSON); the operator points it at `GCS_KEY_FILE`."""
-SOURCE_CREDENTIALS_MOUNT = "/var/run/dlo/source-credentials"
+SOURCE_CREDENTIALS_MOUNT = "/var/run/secrets/dlo/source"
 """Where the operator mounts the Secret's key file, read-only, in the loader."""
 GCS_KEY_FILE = f"{SOURCE_CREDENTIALS_MOUNT}/key.json"
 

@@ -23,6 +23,7 @@ from dlo_operator.crd_verdict import crd_refusals
 from dlo_operator.errors import SpecError
 from dlo_operator.host_paths import user_volume_problems
 from dlo_operator.installation import InstallationConfig
+from dlo_operator.loader_image import annotation_problems
 from dlo_operator.naming import KIND
 from dlo_operator.platform_limits import (
     cache_limit_problems,
@@ -56,6 +57,7 @@ def admit(document: Mapping[str, Any],
     problems += loader_image_problems(spec, installation)
     problems += cache_limit_problems(spec.settings, installation)
     problems += pod_problems(spec)
+    problems += annotation_problems(judged)
     if problems:
         raise SpecError("; ".join(problems))
     loader = spec.loader.model_copy(update={"run_as_user": installation.node_cache_uid,

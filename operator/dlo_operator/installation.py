@@ -11,12 +11,25 @@ reads them into the record that `admission.admit` checks every DOD against. Pure
 from __future__ import annotations
 
 import argparse
+import enum
 from dataclasses import dataclass
 
 from dlo_contract.deployment import DEFAULT_LOADER_UID
 from dlo_operator.host_paths import DEFAULT_ALLOWED_HOST_PATHS, normalized
 from dlo_operator.node_cache import DEFAULT_NODE_CACHE_ROOT
 from dlo_operator.spec import DEFAULT_LOADER_IMAGE
+
+
+
+class LoaderImageUpdate(str, enum.Enum):
+    """When the pods of a DOD that names no loader image take a new default loader image."""
+
+    ON_SPEC_CHANGE = "OnSpecChange"
+    """With the next change of the DOD's pod template (the pods restart then anyway): pods keep
+    the loader image their StatefulSet holds, so an operator upgrade restarts no pod."""
+    ROLLING = "Rolling"
+    """At once: the StatefulSet rolls its pods onto the new image."""
+
 
 DEFAULT_LOADER_GID = DEFAULT_LOADER_UID
 MAX_ID = 2**31 - 1
@@ -32,6 +45,10 @@ class InstallationConfig:
     mount (`cache_directories`): chart value `allowedHostPaths`, flag `--allowed-host-path`."""
     loader_image: str = DEFAULT_LOADER_IMAGE
     """Loader image of a DOD that names none: chart value `loaderImage`, flag `--loader-image`."""
+    loader_image_update: LoaderImageUpdate = LoaderImageUpdate.ON_SPEC_CHANGE
+    """When running pods take a new `loader_image` (`loader_image.kept_image`): chart value
+    `loaderImageUpdate`, flag `--loader-image-update`; a DOD's annotation
+    `dlo.dev/loader-image-update` overrides it."""
     allowed_loader_images: tuple[str, ...] = ()
     """Further images `spec.loader.image` may name, compared as whole references (the loader
     writes the node cache, so this is code the platform trusts): chart value
@@ -79,6 +96,12 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loader-image", default=DEFAULT_LOADER_IMAGE, metavar="IMAGE",
                         help="loader image of DODs that name none in spec.loader.image "
                         f"(default {DEFAULT_LOADER_IMAGE})")
+    parser.add_argument("--loader-image-update", type=LoaderImageUpdate,
+                        default=LoaderImageUpdate.ON_SPEC_CHANGE,
+                        choices=list(LoaderImageUpdate), metavar="POLICY",
+                        help="when running pods of DODs that name no loader image take a new "
+                        "--loader-image: OnSpecChange (with the next change of their pod "
+                        "template; the default) or Rolling (at once)")
     parser.add_argument("--allowed-loader-image", action="append", default=[], metavar="IMAGE",
                         dest="allowed_loader_images",
                         help="another image spec.loader.image may name, as a whole reference "
@@ -113,6 +136,7 @@ def from_args(args: argparse.Namespace) -> InstallationConfig:
     return InstallationConfig(
         allowed_host_paths=tuple(args.allowed_host_paths) or DEFAULT_ALLOWED_HOST_PATHS,
         loader_image=args.loader_image,
+        loader_image_update=args.loader_image_update,
         allowed_loader_images=tuple(args.allowed_loader_images),
         allowed_user_host_paths=tuple(args.allowed_user_host_paths),
         node_cache_max_bytes=args.node_cache_max_bytes,

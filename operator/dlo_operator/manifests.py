@@ -3,12 +3,14 @@
 The settings ConfigMap, the fill-group document and the Service come before the StatefulSet so
 that its pods never start without their settings, their group or their DNS names. On create the
 group holds every pod: the first fill is one cooperative group. The inference Service and the
-PodDisruptionBudget, where the spec asks for them, follow. Pure; called by `rollout`,
+PodDisruptionBudget, where the spec asks for them, follow. `drifted` compares a manifest with
+its live object as the reconciler applies it. Pure; called by `rollout`,
 `prefill_stage`, `reconcile` (the names of the optional children it looks for) and `dlo render`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from dlo_contract.fill_group import FillGroup
@@ -62,3 +64,15 @@ def build_children(owner: Owner, spec: DeploymentSpec) -> list[dict[str, Any]]:
         build_statefulset(owner, spec),
         *optional_children(owner, spec),
     ]
+
+
+def drifted(desired: Any, live: Any) -> bool:
+    """True when a field `desired` sets differs in `live`. Fields only `live` has (defaults,
+    other controllers' fields, status) are not drift."""
+    if isinstance(desired, Mapping):
+        return not isinstance(live, Mapping) or any(
+            drifted(value, live.get(key)) for key, value in desired.items())
+    if isinstance(desired, list):
+        return not isinstance(live, list) or len(desired) != len(live) or any(
+            drifted(d, v) for d, v in zip(desired, live))
+    return desired != live

@@ -40,6 +40,8 @@ ANNOTATION_ENTRY_KEY = f"{GROUP}/entry-key"
 ANNOTATION_FILL_SUMMARY = f"{GROUP}/fill-summary"
 """On a workload pod: its sidecar loader's one-line fill summary, which the operator copies from
 the loader's endpoint once it published (a sidecar stays up: no termination message)."""
+ANNOTATION_LOADER_IMAGE_UPDATE = f"{GROUP}/loader-image-update"
+"""On a DOD: overrides the chart's `loaderImageUpdate` for it (`loader_image`)."""
 LABEL_ROLE = f"{GROUP}/role"
 """On children other than the workload: `settings`, `fill-group` or `prefill`."""
 LABEL_REVISION = f"{GROUP}/revision"

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dlo_contract.fill_group import FILL_GROUP_KEY, FillGroup
-from dlo_operator import metrics, pod_refusals
+from dlo_operator import loader_image, metrics, pod_refusals
 from dlo_operator.admission import admit
 from dlo_operator.conditions import (
     FALSE,
@@ -41,7 +41,7 @@ from dlo_operator.decision import Decision, Observed, Stage
 from dlo_operator.errors import KubeError, KubeTransientError, NameConflict, SpecError
 from dlo_operator.installation import InstallationConfig
 from dlo_operator.kube import KubeClient, backoff_delay
-from dlo_operator.manifests import optional_child_names
+from dlo_operator.manifests import drifted, optional_child_names
 from dlo_operator.naming import (
     LABEL_DEPLOYMENT,
     LABEL_ROLE,
@@ -129,13 +129,18 @@ def reconcile(kube: KubeClient, dod: Mapping[str, Any], config: ReconcileConfig,
         metrics.record_reconcile("invalid", owner, status, previous)
         return None
     seen = _observe(kube, owner, pods, workload, previous, now)
-    decision = decide(owner, spec, seen, config.backoff)
+    image = loader_image.choose(owner, spec, dod, seen.statefulset, config.installation)
+    decision = decide(owner, image.spec, seen, config.backoff)
+    decision.message += loader_image.kept_clause(image, spec.loader.image)
+    if (report := loader_image.restart_report(image, decision.apply, seen.statefulset)):
+        decision.reports.append(report)
     problem = _apply(kube, owner, dod, decision, retries, generation)
     for report in decision.reports:
         post_event(dod, report)
     status = status_from_pods(workload, replicas=spec.replicas, previous=previous,
                               now=_stamp(now), generation=generation,
                               problems=[problem] if problem else [], revision=decision.revision,
+                              loader_image=image.spec.loader.image,
                               refused=[t for name, t in seen.refused.items()
                                        if name == owner.statefulset_name])
     status.update(_rollout_status(owner, decision, status, previous, _stamp(now), generation))
@@ -251,18 +256,6 @@ def _converge(kube: KubeClient, owner: Owner, decision: Decision) -> None:
             continue  # another's object of the name: never the operator's to delete
         log.info("%s/%s: deleting %s %s", owner.namespace, owner.name, kind, name)
         kube.delete(kind, owner.namespace, name)
-
-
-def drifted(desired: Any, live: Any) -> bool:
-    """True when a field `desired` sets differs in `live`. Fields only `live` has (defaults,
-    other controllers' fields, status) are not drift."""
-    if isinstance(desired, Mapping):
-        return not isinstance(live, Mapping) or any(
-            drifted(value, live.get(key)) for key, value in desired.items())
-    if isinstance(desired, list):
-        return not isinstance(live, list) or len(desired) != len(live) or any(
-            drifted(d, v) for d, v in zip(desired, live))
-    return desired != live
 
 
 def _rollout_status(owner: Owner, decision: Decision, status: Mapping[str, Any],

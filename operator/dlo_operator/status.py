@@ -31,6 +31,7 @@ from typing import Any
 
 from dlo_contract.documents import DocumentError, FillSummary
 from dlo_operator.conditions import FALSE, TRUE, Condition, merge_conditions
+from dlo_operator.loader_image import live_image
 from dlo_operator.naming import (
     ANNOTATION_FILL_SUMMARY,
     ANNOTATION_REVISION,
@@ -133,25 +134,32 @@ def status_from_pods(
     problems: Sequence[Condition] = (),
     revision: str | None = None,
     refused: Sequence[Trouble] = (),
+    loader_image: str | None = None,
 ) -> dict[str, Any]:
     """The status fields this operator owns. `problems` are failed conditions found outside the
     pods (`Valid` for a refused spec, `Applied` for a refused or retried apply); they decide the
     phase before the pods do. `revision` is the spec's: a pod whose revision annotation differs
-    is outdated (None, for a refused spec, counts every pod as current). `refused`: pods the
-    API server refused to create (`pod_refusals`), troubles that no pod shows."""
+    is outdated (None, for a refused spec, counts every pod as current), and so is one whose
+    loader image is not `loader_image` (`loader_image`: the pods roll onto a new one).
+    `refused`: pods the API server refused to create (`pod_refusals`), troubles that no pod
+    shows."""
     live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
     nodes = sorted((node_entry(p) for p in live), key=lambda n: (n["rank"], n["pod"]))
     ready = sum(1 for n in nodes if n["ready"])
     cached = sum(1 for n in nodes if n["loader"] == LoaderState.CACHED.value)
-    updated = sum(1 for p in live if revision is None or _revision(p) == revision)
+    current = [p for p in live if revision is None or _revision(p) == revision]
+    updated = sum(1 for p in current
+                  if loader_image is None or live_image(p) in (None, loader_image))
     loader_errors = {n["pod"]: n["message"] for n in nodes
                      if n["loader"] == LoaderState.FAILED.value and n.get("message")}
     troubles = [*refused, *pod_troubles(live, loader_errors)]
     if problems or troubles or updated == len(live):
         phase, reason, message = _phase(nodes, ready, cached, replicas, troubles, problems)
     else:  # pods of an older revision are left: a rollout runs while they serve
+        target = (f"revision {revision}" if len(current) < len(live)
+                  else f"loader image {loader_image}")
         phase, reason, message = UPDATING, ROLLING_UPDATE, (
-            f"rolling update to revision {revision}: {updated}/{replicas} pods updated, "
+            f"rolling update to {target}: {updated}/{replicas} pods updated, "
             f"{ready}/{replicas} replicas ready")
     conditions = _conditions(phase, reason, message, ready, cached, replicas, troubles, problems)
     return {

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from dlo_operator import cli as operator_cli
-from dlo_operator.installation import InstallationConfig, from_args
+from dlo_operator.installation import InstallationConfig, LoaderImageUpdate, from_args
 
 ROOT = Path(__file__).parents[2]
 CHART = ROOT / "charts" / "dlo-operator"
@@ -29,6 +29,7 @@ NON_DEFAULT = {
     "livenessPort": 9090,
     "allowedHostPaths": ["/mnt/nvme/dlo", "/var/lib/dlo"],
     "loaderImage": {"repository": "registry.example.com/dlo-loader", "tag": "1.2.3"},
+    "loaderImageUpdate": "Rolling",
     "allowedLoaderImages": ["registry.example.com/dlo-loader@sha256:" + "ab" * 32,
                             "registry.example.com/dlo-loader:1.2.4"],
     "allowedUserHostPaths": ["/mnt/datasets", "/srv/dlo-user"],
@@ -97,6 +98,7 @@ def test_defaults_watch_every_namespace_with_a_cluster_role() -> None:
     assert container["args"] == ["operator", "run", "--all-namespaces",
                                  "--liveness=http://0.0.0.0:8080/healthz", "--metrics-port=8081",
                                  "--loader-image=dlo-loader:0.1.0",
+                                 "--loader-image-update=OnSpecChange",
                                  "--allowed-host-path=/var/lib/dlo",
                                  "--node-cache-max-bytes=0", "--node-cache-min-free-bytes=0",
                                  "--node-cache-root=/var/lib/dlo", "--node-cache-uid=65532",
@@ -132,6 +134,7 @@ def test_watching_namespaces_uses_namespaced_roles_only() -> None:
     assert args == ["--debug", "operator", "run", "--namespace=inference", "--namespace=batch",
                     "--liveness=http://0.0.0.0:9090/healthz", "--metrics-port=9191",
                     "--loader-image=registry.example.com/dlo-loader:1.2.3",
+                    "--loader-image-update=Rolling",
                     "--allowed-host-path=/mnt/nvme/dlo", "--allowed-host-path=/var/lib/dlo",
                     "--allowed-loader-image=registry.example.com/dlo-loader@sha256:" + "ab" * 32,
                     "--allowed-loader-image=registry.example.com/dlo-loader:1.2.4",
@@ -157,6 +160,7 @@ def test_operator_command_line_in_the_deployment_is_accepted_by_dlo() -> None:
             InstallationConfig(
                 allowed_host_paths=("/mnt/nvme/dlo", "/var/lib/dlo"),
                 loader_image="registry.example.com/dlo-loader:1.2.3",
+                loader_image_update=LoaderImageUpdate.ROLLING,
                 allowed_loader_images=tuple(values["allowedLoaderImages"]),
                 allowed_user_host_paths=("/mnt/datasets", "/srv/dlo-user"),
                 node_cache_max_bytes=2_000_000_000_000,

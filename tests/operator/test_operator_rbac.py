@@ -46,6 +46,10 @@ def chart_rules() -> dict[tuple[str, str], set[str]]:
 AFTER_A_SIDECAR_PUBLISHED = {("", "pods"): {"patch"}}
 """The operator keeps a published sidecar loader's fill summary on its pod; tests/operator/
 test_operator_metrics.py drives that with a real loader endpoint."""
+AFTER_A_REFUSED_POD = {("", "events"): {"list"}}
+"""Used while a StatefulSet or prefill Job is short of pods (its controller's FailedCreate), which
+this test may or may not catch between the StatefulSet's creation and its pod's;
+tests/operator/test_operator_refused_pods.py drives it."""
 AFTER_A_CACHE_CLAIM = {("", "persistentvolumes"): {"create", "get", "delete"},
                        ("", "persistentvolumeclaims"): {"get"}, ("", "nodes"): {"get"}}
 """Used only by the node-cache provisioner once a pod's claim is scheduled and once a volume's
@@ -83,7 +87,7 @@ async def test_the_chart_grants_exactly_the_verbs_the_operator_uses(
     used = used_rules(cluster)
     expected = dict(used)
     for extra in (NOT_OBSERVABLE, AFTER_A_MODEL_CHANGE, AFTER_A_SIDECAR_PUBLISHED,
-                  AFTER_A_CACHE_CLAIM):
+                  AFTER_A_CACHE_CLAIM, AFTER_A_REFUSED_POD):
         for rule, verbs in extra.items():
             expected[rule] = expected.get(rule, set()) | verbs
     assert expected == chart_rules()

@@ -55,7 +55,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
            "AWS_SECRET_ACCESS_KEY": _ref("AWS_SECRET_ACCESS_KEY"),
            "AWS_SESSION_TOKEN": _ref("AWS_SESSION_TOKEN", True)},
     "file-pvc": {}, "file-nfs": {},
-    "gs": {"GOOGLE_APPLICATION_CREDENTIALS": "/var/run/dlo/source-credentials/key.json"},
+    "gs": {"GOOGLE_APPLICATION_CREDENTIALS": "/var/run/secrets/dlo/source/key.json"},
     "az": {"AZURE_STORAGE_CONNECTION_STRING": _ref("AZURE_STORAGE_CONNECTION_STRING", True),
            "AZURE_STORAGE_KEY": _ref("AZURE_STORAGE_KEY", True)},
     "az-https": {},
@@ -89,7 +89,7 @@ def test_a_gcs_key_file_is_a_read_only_secret_volume_of_the_loader_only() -> Non
         mounted = [(c["name"], m) for c in [*pod.get("initContainers", ()), *pod["containers"]]
                    for m in c["volumeMounts"] if m["name"] == "source-credentials"]
         assert mounted == [("loader", {"name": "source-credentials", "readOnly": True,
-                                       "mountPath": "/var/run/dlo/source-credentials"})]
+                                       "mountPath": "/var/run/secrets/dlo/source"})]
 
 
 @pytest.mark.parametrize(("case", "volume", "path"), [("file-pvc", "weights", "/models"),

@@ -4,8 +4,9 @@ and of the loader protocol.
 
 It polls the emulator and writes through its API (so watches fire), like the real controllers:
 - StatefulSet: creates the pods `<sts>-<i>` its template asks for (one per node), deletes those
-  beyond `replicas`, rolls outdated pods one at a time from the highest ordinal once every pod
-  is Ready, and deletes the pods of a deleted StatefulSet (the garbage collector).
+  beyond `replicas`, rolls outdated pods (another template: any change of it, by its hash, the
+  `controller-revision-hash` label) one at a time from the highest ordinal once every pod is
+  Ready, and deletes the pods of a deleted StatefulSet (the garbage collector).
 - Job (Indexed): creates one pod per index, places them on the nodes its required node affinity
   names (one per node), sets `Complete` or `Failed` once every pod finished; deletes the pods of
   a deleted Job.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -36,17 +38,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kmock
+import kopf
 
 from dlo_contract.fill_group import FillGroup
 from dlo_contract.names import FILL_GROUP_ENV, POD_NAME_ENV, REVISION_ENV
 from dlo_operator.naming import (
-    ANNOTATION_REVISION,
     LABEL_DEPLOYMENT,
     LABEL_JOB_INDEX,
     LABEL_POD_INDEX,
     LABEL_ROLE,
 )
-import kopf
 from support.operator_harness import (
     NAMESPACE,
     PODS_PATH,
@@ -57,6 +58,7 @@ from support.operator_harness import (
 )
 
 JOBS_PATH = f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs"
+CONTROLLER_REVISION = "controller-revision-hash"
 EVENTS_PATH = f"/api/v1/namespaces/{NAMESPACE}/events"
 
 
@@ -142,7 +144,7 @@ class KubeStandIn:
         name = sts["metadata"]["name"]
         replicas = int(sts["spec"].get("replicas", 1))
         template = sts["spec"]["template"]
-        revision = template["metadata"].get("annotations", {}).get(ANNOTATION_REVISION)
+        revision = f"{name}-{_template_hash(template)}"
         mine = {p["metadata"]["name"]: p for p in self.pods() if _workload_of(p) == name}
         for pod_name, pod in mine.items():
             if _ordinal(pod_name) >= replicas:
@@ -150,12 +152,13 @@ class KubeStandIn:
         for index in range(replicas):
             if f"{name}-{index}" not in mine:
                 if not await self._refused(sts, f"{name}-{index}"):
-                    await self._create_pod(f"{name}-{index}", template,
-                                           {LABEL_POD_INDEX: str(index)}, {},
-                                           self._free_node(mine.values()))
+                    await self._create_pod(f"{name}-{index}", template, {
+                        LABEL_POD_INDEX: str(index), CONTROLLER_REVISION: revision}, {},
+                        self._free_node(mine.values()))
                 return  # the next step sees it
         current = [mine[f"{name}-{i}"] for i in range(replicas)]
-        outdated = [p for p in current if _annotation(p, ANNOTATION_REVISION) != revision]
+        outdated = [p for p in current if p["metadata"]["labels"].get(CONTROLLER_REVISION)
+                    != revision]
         if outdated and all(_ready(p) for p in current):
             await self._delete_pod(max(outdated, key=lambda p: _ordinal(
                 p["metadata"]["name"]))["metadata"]["name"])
@@ -384,8 +387,10 @@ def _ordinal(name: str) -> int:
     return int(name.rpartition("-")[2])
 
 
-def _annotation(obj: Mapping[str, Any], key: str) -> str | None:
-    return (obj["metadata"].get("annotations") or {}).get(key)
+def _template_hash(template: Mapping[str, Any]) -> str:
+    """The pod template's hash, as the real controller's `controller-revision-hash`: any change
+    of the template (not only of the DOD's revision) rolls the pods."""
+    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
 
 
 def _ready(pod: Mapping[str, Any]) -> bool:
