@@ -5,7 +5,13 @@ listing."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -16,9 +22,9 @@ from dlo_loader.errors import SourceChanged, SourceError, SourceUnavailable
 from dlo_loader.sources import Source, SourceOptions, open_source, parse_source
 from dlo_contract.cache import ObjectIdentity
 from dlo_contract.source_credentials import HF_TOKEN_ENV, HTTPS_TOKEN_ENV
-from support.loader_fleet import Checkpoint
+from support.loader_fleet import PROCESS_TIMEOUT_S, Checkpoint, checkout_env
 from support.range_server import replace_file
-from support.scheme_servers import SCHEMES, TOKEN, Served, serving
+from support.scheme_servers import HUB_REPO, SCHEMES, TOKEN, Served, serving
 
 SHARD = "transformer/model-00001-of-00002.safetensors"
 SERVED = ("https", "hf")
@@ -128,6 +134,22 @@ def test_a_hub_branch_moved_mid_fill_changes_nothing_read(
     assert data == checkpoint.files[SHARD] and obj.version_id in served.hub.commits
 
 
+def test_a_hub_folder_at_a_pinned_revision_reads_that_commit(
+        checkpoint: Checkpoint, tmp_path: Path) -> None:
+    with serving("hf", checkpoint.files, tmp_path) as served:
+        first = served.hub.branches["main"]
+        served.hub.push({name: data[::-1] for name, data in checkpoint.files.items()})
+        pinned = Served("hf", f"hf://{HUB_REPO}@{first}/transformer/", served.endpoint, None)
+        source = open_served(pinned)
+        objects = source.list(["*.safetensors"])
+        key = SHARD.removeprefix("transformer/")
+        obj = next(o for o in objects if o.key == key)
+        data = bytearray(obj.size)
+        source.read(obj, 0, memoryview(data), ALGORITHM)
+    assert [o.key for o in objects] == [key, "model-00002-of-00002.safetensors"]
+    assert {o.version_id for o in objects} == {first} and data == checkpoint.files[SHARD]
+
+
 def test_hub_reads_go_to_where_the_resolve_url_redirected_until_it_expires(
         checkpoint: Checkpoint, tmp_path: Path) -> None:
     """One resolve per file, not per read: its storage URL serves the next reads, and a refused
@@ -195,18 +217,29 @@ def test_the_right_token_is_sent_to_the_source_and_not_past_its_host(
         assert served.hub.stored.requests["GET"] == 1 and served.hub.leaked_authorization == 0
 
 
-def test_an_unreadable_share_is_a_clear_error(checkpoint: Checkpoint, tmp_path: Path) -> None:
-    with serving("file", checkpoint.files, tmp_path) as served:
-        (served.directory / "transformer").chmod(0)
-        try:
-            if (served.directory / "transformer" / "config.json").exists():
-                pytest.skip("this user reads anything (root)")
-            with pytest.raises(SourceError) as caught:
-                open_served(served).list(["*"])
-        finally:
-            (served.directory / "transformer").chmod(0o755)
-    assert str(caught.value) == f"listing {served.source}: access denied (PermissionDenied)"
-    assert "readable" in caught.value.hint
+def test_an_unreadable_share_is_a_clear_error(checkpoint: Checkpoint) -> None:
+    """`dlo cache fill` as a user who may not read the share (the loader's own uid, 65534 here,
+    as root reads anything): the summary names the source and what to change."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run the loader as another user")
+    place = Path(tempfile.mkdtemp(prefix="dlo-share-"))
+    try:
+        place.chmod(0o777)
+        with serving("file", checkpoint.files, place) as served:
+            (served.directory / "transformer").chmod(0o700)
+            done = subprocess.run(
+                ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+                 "-m", "dlo_cli.main", "cache", "fill", "--source", served.source,
+                 "--cache-root", str(place / "cache"), "--metrics-port", "0",
+                 "--entry-file", str(place / "entry.json"), "--summary-file", ""],
+                env=checkout_env(PYTHONDONTWRITEBYTECODE="1"), capture_output=True, text=True,
+                timeout=PROCESS_TIMEOUT_S, cwd=place)
+    finally:
+        shutil.rmtree(place)
+    assert done.returncode == 1, done.stderr
+    error = json.loads(done.stdout.strip().splitlines()[-1])["error"]
+    assert error.startswith(f"listing {served.source}: access denied (PermissionDenied) (hint: ")
+    assert "readable" in error
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

@@ -82,7 +82,7 @@ def send_error(handler: BaseHTTPRequestHandler, status: int, code: str = "") -> 
         handler.wfile.write(payload)
 
 
-def send_file_bytes(handler: BaseHTTPRequestHandler, data: bytes, etag: str | None,
+def send_file_bytes(handler: BaseHTTPRequestHandler, data: bytes | FileBytes, etag: str | None,
                     served: Served, headers: dict[str, str] | None = None) -> None:
     """Answer `handler`'s GET or HEAD with `data` (one `Range`, or whole); `etag` (quoted,
     or None for a server without ETags) is sent and compared with `If-Match` (412)."""
@@ -92,7 +92,7 @@ def send_file_bytes(handler: BaseHTTPRequestHandler, data: bytes, etag: str | No
         send_error(handler, 412, "PreconditionFailed")
         return
     wanted = handler.headers.get("Range")
-    status, body, extra = 200, data, {}
+    status, body, extra = 200, data[0:len(data)], {}
     if wanted:
         match = _RANGE.match(wanted)
         first = int(match.group(1)) if match else len(data)
@@ -115,6 +115,22 @@ def send_file_bytes(handler: BaseHTTPRequestHandler, data: bytes, etag: str | No
         handler.wfile.write(body)
     served.count(handler.command, len(body) if handler.command == "GET" and wanted else 0,
                  if_match=asked_match is not None)
+
+
+class FileBytes:
+    """A file's bytes as `send_file_bytes` takes them, reading only the slice it asks for (a
+    ranged GET of a large file does not read the whole file)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self._size = path, path.stat().st_size
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, span: slice) -> bytes:
+        start, stop, _ = span.indices(self._size)
+        with open(self.path, "rb") as handle:
+            return os.pread(handle.fileno(), max(stop - start, 0), start)
 
 
 def file_etag(path: Path) -> str:
@@ -153,9 +169,8 @@ class DirectoryServer:
                     owner.served.count(self.command)
                     send_error(self, 404, "NotFound")
                     return
-                data = path.read_bytes()
-                send_file_bytes(self, data, file_etag(path) if owner.etags else None,
-                                owner.served)
+                send_file_bytes(self, FileBytes(path),
+                                file_etag(path) if owner.etags else None, owner.served)
 
             do_HEAD = do_GET
 
