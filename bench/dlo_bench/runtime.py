@@ -133,11 +133,12 @@ def _timed_steps(step: Callable[[], Any], args: argparse.Namespace, sync: Callab
     return statistics.median(times)
 
 
-def _cpu_hooks(args: argparse.Namespace) -> dict[str, Any]:
+def model_step(args: argparse.Namespace) -> tuple[Any, Callable[[], Any]]:
+    """The benchmark's model (`--kind`, `--layers`, `--head-dim`) and one step of it on its
+    inputs (`--batch`, `--side`), under inference mode."""
     import torch
 
     from dlo_bench.models import example_inputs, tiny_model
-    from dlo_runtime.backend import DistributedLayerwiseOffloadBackend
 
     model = tiny_model(args.kind, num_layers=args.layers, head_dim=args.head_dim)
     inputs = example_inputs(args.kind, model, batch=args.batch, side=args.side)
@@ -146,6 +147,15 @@ def _cpu_hooks(args: argparse.Namespace) -> dict[str, Any]:
         with torch.inference_mode():
             return model(**inputs)[0]
 
+    return model, step
+
+
+def _cpu_hooks(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from dlo_runtime.backend import DistributedLayerwiseOffloadBackend
+
+    model, step = model_step(args)
     expected = step()
     resident_s = _timed_steps(step, args, lambda: None)
     with DistributedLayerwiseOffloadBackend(model, settings=_settings(), device="cpu") as backend:

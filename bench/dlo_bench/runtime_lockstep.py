@@ -16,6 +16,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,18 +55,13 @@ def _rank(rank: int, params: dict[str, Any], port: int, out: str) -> None:
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
+    import torch.distributed as dist
 
-    from dlo_bench.models import example_inputs, tiny_model
+    from dlo_bench.runtime import model_step
     from dlo_contract.settings import ParallelConfig, Settings
     from dlo_runtime.backend import DistributedLayerwiseOffloadBackend
 
-    model = tiny_model(args.kind, num_layers=args.layers, head_dim=args.head_dim)
-    inputs = example_inputs(args.kind, model, batch=args.batch, side=args.side)
-
-    def step() -> torch.Tensor:
-        with torch.inference_mode():
-            return model(**inputs)[0]
-
+    model, step = model_step(args)
     expected = step()
     settings = Settings(parallel=ParallelConfig(dp=WORLD))
     with DistributedLayerwiseOffloadBackend(model, settings=settings, device="cpu") as backend:
@@ -83,9 +79,12 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(args.rounds):
             for variant, check in (("on", checked), ("off", counted_only)):
                 lockstep.start_forward = check  # type: ignore[method-assign]
-                rounds[variant].append(_median_step(step, args.steps))
+                rounds[variant].append(_median_seconds(step, args.steps))
         lockstep.start_forward = checked  # type: ignore[method-assign]
-        check_s = _median_check(lockstep.start_forward, CHECKS)
+        # The check's own cost between ranks in step, without the wait for a slower rank that
+        # the first block's gather would absorb anyway; every rank makes the same calls.
+        dist.barrier()
+        check_s = _median_seconds(checked, CHECKS)
     on_s, off_s = min(rounds["on"]), min(rounds["off"])
     return {
         "cpu_allgather_equal": equal,
@@ -96,25 +95,10 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _median_check(check: Any, times: int) -> float:
-    """Seconds of one check between ranks already in step (after a barrier, back to back): its
-    own cost, without the wait for a slower rank that the first block's gather would absorb
-    anyway. Every rank makes the same calls, so the counts stay equal."""
-    import torch.distributed as dist
-
-    dist.barrier()
+def _median_seconds(call: Callable[[], Any], times: int) -> float:
     spent = []
     for _ in range(times):
         start = time.perf_counter()
-        check()
+        call()
         spent.append(time.perf_counter() - start)
     return statistics.median(spent)
-
-
-def _median_step(step: Any, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
