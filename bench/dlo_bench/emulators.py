@@ -13,6 +13,7 @@ to reach it (`loader_env`: the emulator variable or connection string the loader
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,9 @@ AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = ("Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/"
                "KBHBeksoGMGw==")
 """Azurite's well-known development account and its published key (not a secret)."""
+_QUIET_AZURE_LOG = logging.getLogger(f"{__name__}.azure")
+"""The Azure client's per-request log (headers, at INFO) while filling Azurite: quiet."""
+_QUIET_AZURE_LOG.setLevel(logging.WARNING)
 GCS_EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 """google-cloud-storage's own variable: its client then talks to that URL, unauthenticated."""
 
@@ -84,7 +88,8 @@ def _azure_put(server: str, container: str, files: dict[str, bytes], prefix: str
     from azure.core.exceptions import ResourceExistsError
     from azure.storage.blob import BlobServiceClient
 
-    service = BlobServiceClient.from_connection_string(azurite_connection_string(server))
+    service = BlobServiceClient.from_connection_string(azurite_connection_string(server),
+                                                       logger=_QUIET_AZURE_LOG)
     client = service.get_container_client(container)
     try:
         client.create_container()

@@ -210,7 +210,7 @@ def test_a_wrong_azure_key_is_denied_without_the_key(
     assert wrong not in text and AZURITE_KEY not in text
 
 
-def test_an_azure_connection_string_names_the_endpoint_and_its_account(
+def test_an_azure_connection_string_names_the_account_and_an_endpoint(
         az_store: CloudStore, cloud_files: dict[str, bytes],
         monkeypatch: pytest.MonkeyPatch) -> None:
     source = az_store.put("connection-string", cloud_files)
@@ -219,6 +219,12 @@ def test_an_azure_connection_string_names_the_endpoint_and_its_account(
                        azurite_connection_string(az_store.emulator.server_url))
     store = open_source(parse_source(source), SourceOptions(readers=2))
     assert [o.key for o in store.list(["*.json"])] == ["transformer/config.json"]
+    with FaultProxy(az_store.emulator.server_url) as proxy:  # the endpoint setting wins
+        monkeypatch.setenv(AZURE_CONNECTION_STRING_ENV,
+                           azurite_connection_string("http://127.0.0.1:9"))
+        store = open_store(az_store, source, proxy.url)
+        read_whole(store, listed(store, SHARD))
+    assert proxy.object_bytes == len(cloud_files[SHARD])
     other = source.replace("az://devstoreaccount1/", "az://otheraccount/")
     with pytest.raises(SourceError) as caught:
         open_source(parse_source(other), SourceOptions(readers=2))

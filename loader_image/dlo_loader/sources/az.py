@@ -5,15 +5,16 @@ client's own pipeline (which signs them).
 Owns the `az` reader: credentials from the environment the operator writes from the source's
 Secret (`AZURE_STORAGE_CONNECTION_STRING`, whose `BlobEndpoint` may name an emulator; else
 `AZURE_STORAGE_KEY` for the URI's account, or `AZURE_STORAGE_SAS_TOKEN`; without any, anonymous
-reads of a public container), the endpoint (`https://<account>.blob.core.windows.net`, or
-`loader.endpoint_url`), the listing (name, size, ETag, Content-MD5 of every blob under the
-prefix), and each range read straight into the caller's buffer (see [Note: client downloads]
-in `sessions`). A blob's version identity is its ETag: every read names it (`If-Match`, a 412
-where the blob was replaced) and compares the ETag it is answered with, so a replaced blob is
-`SourceChanged`, never a mixed file. Azure keeps no CRC of a whole blob; its Content-MD5 (set
-for blobs written in one request, or by the uploader) is compared with the file as written,
-before publication (`digest.FILE_HASHES`); blobs without one are counted as unchecked. Must not
-log or raise anything that carries a credential (a key, a SAS, a URL with its query).
+reads of a public container), the endpoint (`loader.endpoint_url` where set, else the connection
+string's, else `https://<account>.blob.core.windows.net`), the listing (name, size, ETag,
+Content-MD5 of every blob under the prefix), and each range read straight into the caller's
+buffer (see [Note: client downloads] in `sessions`). A blob's version identity is its ETag:
+every read names it (`If-Match`, a 412 where the blob was replaced) and compares the ETag it is
+answered with, so a replaced blob is `SourceChanged`, never a mixed file. Azure keeps no CRC of
+a whole blob; its Content-MD5 (set for blobs written in one request, or by the uploader) is
+compared with the file as written, before publication (`digest.FILE_HASHES`); blobs without one
+are counted as unchecked. Must not log or raise anything that carries a credential (a key, a
+SAS, a URL with its query).
 """
 
 from __future__ import annotations
@@ -154,7 +155,9 @@ def _service(uri: SourceAddress, endpoint_url: str | None, transport: Any) -> An
             raise SourceError(
                 f"{AZURE_CONNECTION_STRING_ENV} is for account {service.account_name!r}, the "
                 f"source {uri} is in account {uri.account!r}", hint=CREDENTIALS_HINT)
-        return service
+        if not endpoint_url:
+            return service
+        return BlobServiceClient(endpoint_url, credential=service.credential, **settings)
     account_url = endpoint_url or f"https://{uri.account}{AZURE_BLOB_HOST}"
     key, sas = os.environ.get(AZURE_ACCOUNT_KEY_ENV), os.environ.get(AZURE_SAS_TOKEN_ENV)
     credential: Any = ({"account_name": uri.account, "account_key": key} if key else
