@@ -127,9 +127,9 @@ class Transfer:
             layout_holds=lambda key, part_bytes: self.store.layout_holds(by_key[key],
                                                                          part_bytes),
             hash_file=lambda key, algorithm: digests_of.file_hash(directory / key, algorithm))
-        log.info("store checksums: %d object(s) match the store's CRC (of the whole object or of "
-                 "its parts), %d without one", self.store_check.checked,
-                 self.store_check.unavailable)
+        log.info("store checksums: %d object(s) match the store's own (a CRC of the whole object "
+                 "or of its parts, or a hash of the file), %d without one",
+                 self.store_check.checked, self.store_check.unavailable)
         return checked
 
     def _streamer(self, plan: Plan) -> Streamer:
