@@ -9,7 +9,8 @@ tests (`tests/support`: `range_server.DirectoryServer` with a listing file, `hub
 run in a child process of their own so that they share no interpreter lock with the fill. The
 ceiling is what this process pulls from the same server with the same number of concurrent ranged
 GETs of the same chunk size, discarding the bytes (urllib3; S3's through botocore, as
-`loader.measure` does); the fill is `dlo cache fill`'s code path (one rank). Correctness first
+`loader.measure` does; hf's at the storage URL each file's resolve URL redirects to, as the hf
+reader reads after its first range); the fill is `dlo cache fill`'s code path (one rank). Correctness first
 (the published files equal the source), one warm-up, then ceiling and fill runs interleaved. A
 Python server (https, hf) caps both at what it sends: its ratio says how much of that the fill
 gets, not what the scheme reaches against a real server. Must not be imported by the planes.
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import os
 import shutil
 import statistics
@@ -65,9 +65,6 @@ class Stand:
 
 
 def run_schemes(args: argparse.Namespace, schemes: list[str], work: Path) -> dict[str, Any]:
-    # The Azure SDK logs every request's headers at INFO; a fill of 16 MiB ranges then writes
-    # a log line per read, which is not what is measured here.
-    logging.getLogger("azure").setLevel(logging.WARNING)
     source = work / "source"
     digests = write_checkpoint(source, args.size_mib * MIB, args.files)
     sizes = {name: (source / name).stat().st_size for name in digests}
@@ -233,9 +230,23 @@ def _stand(scheme: str, args: argparse.Namespace, source: Path) -> Iterator[Stan
                 get = _http_get(args.readers, lambda name: f"{urls['url']}/{name}")
                 yield Stand(scheme, "range_server (Python)", f"{urls['url']}/", get)
             else:
-                get = _http_get(args.readers,
-                                lambda name: f"{urls['url']}/{HUB_REPO}/resolve/main/{name}")
+                stored = _redirects(urls["url"], {
+                    name: f"{HUB_REPO}/resolve/main/{name}" for name in files})
+                get = _http_get(args.readers, stored.__getitem__)
                 yield Stand(scheme, "hub_server (Python)", f"hf://{HUB_REPO}/", get, urls["url"])
+
+
+def _redirects(server: str, paths: dict[str, str]) -> dict[str, str]:
+    """By file, where its resolve URL redirects (the Hub's storage): the ceiling's GETs go
+    there, as the hf reader's do after its first read of a file."""
+    import urllib3
+
+    pool = urllib3.PoolManager()
+    located = {}
+    for name, path in paths.items():
+        answer = pool.request("HEAD", f"{server}/{path}", redirect=False)
+        located[name] = urllib.parse.urljoin(f"{server}/{path}", answer.headers["Location"])
+    return located
 
 
 def _azurite_sas() -> str:
