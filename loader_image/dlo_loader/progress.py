@@ -2,8 +2,10 @@
 
 Owns the loader's counters (bytes from the object store, from peers, to peers, written) and the
 line a person watching `kubectl logs` reads: `[rank r/w] 1.2 GiB of 4.0 GiB (30%), 410.5 MiB/s,
-ETA 7 s` (`stalled (...)` instead of the ETA while a read gets no bytes). A daemon thread emits the line through a callable the CLI provides (stdout), so a
-stalled fill keeps reporting; `repeating` does the same for a wait (the rendezvous). Also owns
+ETA 7 s` (`stalled (...)` instead of the ETA while a read gets no bytes past the stall timeout,
+`no bytes written for N s` while nothing is written for `QUIET_S`, and an ETA past `ETA_MAX_S`
+shown as over it: a trickle of bytes must not promise a date months away). A daemon thread
+emits the line through a callable the CLI provides (stdout), so a stalled fill keeps reporting; `repeating` does the same for a wait (the rendezvous). Also owns
 the `[rank r/w]` prefix for the loader's log records. Called by `fill`, `exchange` and `cli`.
 Must not decide anything about the fill.
 """
@@ -19,10 +21,25 @@ from collections.abc import Callable, Iterator
 from dlo_contract.units import human_bytes
 
 DEFAULT_INTERVAL_S = 5.0
+QUIET_S = 15.0
+"""Seconds without a byte written after which the line shows how long instead of an ETA."""
+ETA_MAX_S = 24 * 3600.0
+"""Longest ETA the line shows as a figure; a longer one says `ETA over 24 h`."""
 STAGES = ("get", "digest", "write", "exchange")
 """Where a fill's time goes: ranged GETs (summed over reader threads), chunk digests, local
 writes (summed over the threads that write) and the peer exchange (the main thread's
 collectives)."""
+
+
+def _duration(seconds: float) -> str:
+    """An ETA as a person reads it: seconds, minutes or hours, bounded by `ETA_MAX_S`."""
+    if seconds > ETA_MAX_S:
+        return f"over {ETA_MAX_S / 3600:.0f} h"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def rank_prefix(rank: int, world_size: int) -> str:
@@ -53,6 +70,8 @@ class Progress:
         self.stalls = 0
         """Times the fill became stalled (the metrics endpoint counts them)."""
         self.phase = "listing"
+        self._written_at = self.started
+        """When bytes were last written (the start until the first)."""
         """Where the fill is, for the metrics endpoint: one of `dlo_loader.metrics.PHASES`."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -61,6 +80,8 @@ class Progress:
     def add(self, *, written: int = 0, from_store: int = 0, from_peers: int = 0,
             to_peers: int = 0) -> None:
         with self._lock:
+            if written:
+                self._written_at = self.clock()
             self.bytes_written += written
             self.bytes_from_store += from_store
             self.bytes_from_peers += from_peers
@@ -83,14 +104,16 @@ class Progress:
     def line(self) -> str:
         """The progress line for now."""
         with self._lock:
-            done, stalled = self.bytes_written, self.stalled
-        elapsed = max(self.clock() - self.started, 1e-9)
-        rate = done / elapsed
+            done, stalled, written_at = self.bytes_written, self.stalled, self._written_at
+        now = self.clock()
+        rate = done / max(now - self.started, 1e-9)
         share = 100.0 * done / self.total_bytes if self.total_bytes else 100.0
         if stalled is not None:
             tail = f"stalled ({stalled})"
+        elif now - written_at >= QUIET_S and done < self.total_bytes:
+            tail = f"no bytes written for {now - written_at:.0f} s, ETA unknown"
         elif rate > 0:
-            tail = f"ETA {(self.total_bytes - done) / rate:.0f} s"
+            tail = f"ETA {_duration((self.total_bytes - done) / rate)}"
         else:
             tail = "ETA unknown"
         return (f"{self.prefix} {human_bytes(done)} of {human_bytes(self.total_bytes)} "

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 import botocore.exceptions as bexc
 import urllib3.exceptions
@@ -85,7 +86,10 @@ class RetryKind(enum.Enum):
     STORE = "store"
     """The store answered throttling or a server error: asked again after a backoff."""
     CONNECTION = "connection"
-    """The connection failed or broke: asked again after a backoff."""
+    """The connection broke: asked again after a backoff."""
+    UNREACHABLE = "unreachable"
+    """No connection could be made (refused, no route, no name, connect timeout): asked again
+    after a backoff, and given up on as a store that cannot be reached, not a failing one."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,8 @@ class Retry:
 
     kind: RetryKind
     text: str
+    endpoint: str = ""
+    """Where a connection could not be made (`scheme://host:port`), when the error says."""
 
     @property
     def at_once(self) -> bool:
@@ -158,7 +164,9 @@ class Retrier:
             return Retry(RetryKind.STALLED, f"stalled: {exc}")
         if isinstance(exc, _RETRYABLE):
             raise_if_local(exc, what, self.names)
-            return Retry(RetryKind.CONNECTION, f"{type(exc).__name__}: {exc}")
+            unreachable = _unreachable(exc)
+            kind = RetryKind.CONNECTION if unreachable is None else RetryKind.UNREACHABLE
+            return Retry(kind, f"{type(exc).__name__}: {exc}", unreachable or "")
         if isinstance(exc, OSError):
             raise_if_local(exc, what, self.names)
         raise exc
@@ -185,8 +193,39 @@ class Retrier:
         if retry.kind is RetryKind.STALLED:
             return ("the object store (or the network to it) stops sending mid-object; check "
                     "its health and the path to it, then rerun (more retries only wait longer)")
+        if retry.kind is RetryKind.UNREACHABLE:
+            return (f"the object store{f' at {retry.endpoint}' if retry.endpoint else ''} "
+                    "cannot be reached (no connection could be made); check "
+                    f"{self.names('loader.endpoint_url')}, that the store is up, and the "
+                    "loader's network path (and DNS) to it")
         return ("the object store is throttling or failing; raise "
                 f"{self.names('loader.max_retries')} or retry later")
+
+
+_CONNECT_ERRORS = (bexc.EndpointConnectionError, bexc.ConnectTimeoutError,
+                   urllib3.exceptions.ConnectTimeoutError, ConnectionRefusedError)
+"""Failures to make a connection at all (urllib3's `NewConnectionError`, a refused or
+unresolved connection, is one of its connect errors)."""
+
+
+def _unreachable(exc: BaseException) -> str | None:
+    """None when `exc` is not a failure to connect; else the endpoint (`scheme://host:port`)
+    it names, or "" when it names none."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, _CONNECT_ERRORS):
+            url = (getattr(current, "kwargs", None) or {}).get("endpoint_url", "")
+            conn = getattr(current, "conn", None)
+            if not url and conn is not None and getattr(conn, "host", None):
+                url = f"{getattr(conn, 'scheme', 'http')}://{conn.host}:{conn.port}"
+            parts = urlsplit(str(url))
+            return f"{parts.scheme}://{parts.netloc}" if parts.netloc else ""
+        reason = getattr(current, "reason", None)  # urllib3's MaxRetryError keeps it there
+        current = (reason if isinstance(reason, BaseException)
+                   else current.__cause__ or current.__context__)
+    return None
 
 
 def raise_if_local(exc: BaseException, what: str, names: Names) -> None:

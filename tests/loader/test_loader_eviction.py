@@ -118,8 +118,8 @@ def test_fill_evicts_the_unused_entry_and_keeps_the_one_in_use(
             f"reserved by fills in progress (cache.max_bytes={too_small})") in failed["error"]
     assert failed["error"].endswith(
         f"after evicting 1 unused entries; in use: {held} ({HELD_BYTES} bytes); fills in "
-        "progress: none (hint: stop the pods that map the entries in use, raise cache.max_bytes, "
-        "or enlarge the volume)")
+        "progress: none (hint: stop the pods that map the entries in use or raise "
+        "cache.max_bytes)")
     assert [info.entry_id for info in list_entries(root)] == [held]
     assert Workers.result(holder) == {"held": True}
 

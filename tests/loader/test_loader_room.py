@@ -86,8 +86,7 @@ def test_two_fills_of_different_models_keep_the_byte_limit_together(
         assert second.returncode == 1
         assert second.summary["error"].endswith(
             f"in use: {reserved.entry_id} ({first_size} bytes); fills in progress: none (hint: "
-            "stop the pods that map the entries in use, raise cache.max_bytes, or enlarge the "
-            "volume)")
+            "stop the pods that map the entries in use or raise cache.max_bytes)")
         assert list(entries) == [reserved.entry_id]
     else:
         assert second.returncode == 0, second.stderr

@@ -124,13 +124,16 @@ class Fleet:
     mode: str = "multi-reader"
     settings: dict[str, Any] = field(default_factory=dict)
     master_port: int = field(default_factory=free_port)
+    origin: str | None = None
+    """The settings document's origin (the operator's CR), as the operator writes it."""
 
     def root(self, rank: int) -> Path:
         return self.tmp / f"node{rank}" / "cache"
 
     def command(self, rank: int, *extra: str) -> list[str]:
         config = self.tmp / "settings.json"
-        config.write_text(json.dumps({"loader": LOADER_SETTINGS | self.settings}))
+        document = {"loader": LOADER_SETTINGS | self.settings}
+        config.write_text(json.dumps(document | ({"origin": self.origin} if self.origin else {})))
         return [
             sys.executable, "-m", "dlo_cli.main", "cache", "fill", "--config", str(config),
             "--source", self.source, "--endpoint-url", self.endpoints[rank], "--mode", self.mode,

@@ -201,7 +201,6 @@ def _error(cache: CacheRoot, entry_id: str, incoming: int, limits: RoomLimits,
             f"for its files + {limits.min_free_bytes} free-space floor), {shortfall.free} "
             f"bytes free in {cache.path}{pending}", needed_bytes=needed,
             free_bytes=shortfall.free, hint=space_hint(cache))
-    then = "; or retry once the fills in progress are done" if others else ""
     return CacheSpaceError(
         f"no room for cache entry {entry_id} ({incoming} bytes) in {cache.path}: "
         f"{shortfall.entries_bytes} bytes in entries and {reserved} bytes reserved by fills "
@@ -210,8 +209,24 @@ def _error(cache: CacheRoot, entry_id: str, incoming: int, limits: RoomLimits,
         f"{len(removed)} unused entries{after}; in use: {_listed(shortfall.in_use)}; fills in "
         f"progress: {_listed(others)}",
         needed_bytes=incoming + max(limits.min_free_bytes, 0), free_bytes=shortfall.free,
-        hint=f"stop the pods that map the entries in use, raise {names('cache.max_bytes')}, "
-             f"or enlarge the volume{then}")
+        hint=_room_hint(shortfall, incoming, reserved, limits, names))
+
+
+def _room_hint(shortfall: Shortfall, incoming: int, reserved: int, limits: RoomLimits,
+               names: Names) -> str:
+    """The fixes for what keeps the entry out, and only those: no pods to stop when no entry
+    is in use, no byte limit to raise when there is none or it is not what binds."""
+    fixes = ["stop the pods that map the entries in use"] if shortfall.in_use else []
+    if limits.max_bytes > 0 and shortfall.entries_bytes + reserved + incoming > limits.max_bytes:
+        fixes.append(f"raise {names('cache.max_bytes')}")
+    if shortfall.free - incoming < max(limits.min_free_bytes, 0) or not fixes:
+        floor = (f" or lower {names('cache.min_free_bytes')}" if limits.min_free_bytes > 0
+                 else "")
+        evicted = " with every unused entry evicted" if limits.evict else ""
+        fixes.append(f"enlarge the volume (it has {shortfall.free} bytes free{evicted}; the "
+                     f"entry needs {incoming}){floor}")
+    hint = ", ".join(fixes[:-1]) + (" or " if len(fixes) > 1 else "") + fixes[-1]
+    return hint + ("; or retry once the fills in progress are done" if shortfall.others else "")
 
 
 def _listed(items: tuple[EntryInfo, ...] | tuple[FillInProgress, ...]) -> str:

@@ -43,9 +43,9 @@ def test_a_publication_in_progress_counts_against_the_byte_limit(root: CacheRoot
         f"and {SIZE} bytes reserved by fills in progress (cache.max_bytes={SIZE * 3 // 2}), "
         f"{info.value.free_bytes} bytes free (cache.min_free_bytes=0) after evicting 0 unused "
         f"entries; in use: none; fills in progress: {fill.describe()}")
-    assert info.value.hint == ("stop the pods that map the entries in use, raise "
-                               "cache.max_bytes, or enlarge the volume; or retry once the fills "
-                               "in progress are done")
+    # Nothing is in use: no pods to stop (the hint said to stop them, with "in use: none").
+    assert info.value.hint == ("raise cache.max_bytes; or retry once the fills in progress are "
+                               "done")
     assert in_progress(root) == [] and os.listdir(root.tmp) == []
 
 
@@ -83,8 +83,8 @@ def test_entries_in_use_fail_a_publication_at_once_naming_them(root: CacheRoot) 
     assert str(info.value).endswith(
         f"after evicting 0 unused entries; in use: {held} ({SIZE} bytes); fills in progress: "
         "none")  # at once: waiting would not help
-    assert info.value.hint == ("stop the pods that map the entries in use, raise "
-                               "cache.max_bytes, or enlarge the volume")
+    assert info.value.hint == ("stop the pods that map the entries in use or raise "
+                               "cache.max_bytes")
 
 
 def test_a_killed_publishers_reservation_is_reclaimed(
