@@ -1,5 +1,5 @@
 """`dlo cache fill --source gs://... / az://...` as real processes against the emulators, each rank
-behind its own counting, fault-injecting proxy: alone and as a group of two, the store's
+behind its own counting, fault-injecting proxy: alone and in groups of two and three, the store's
 checksum compared end to end, faults retried, damaged bytes and a replaced object never
 published."""
 
@@ -35,7 +35,7 @@ def fleet_of(cloud: CloudStore, source: str, tmp: Path, counting: list[FaultProx
     return Fleet(tmp, source, len(counting), [cloud.endpoint(p.url) for p in counting])
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_fill_publishes_the_checkpoint_on_every_node(
         world: int, cloud: CloudStore, cloud_source: str, cloud_files: dict[str, bytes],
         tmp_path: Path) -> None:
