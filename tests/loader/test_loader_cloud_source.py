@@ -9,6 +9,7 @@ import datetime
 import hashlib
 import json
 import logging
+import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -296,3 +297,14 @@ def test_reads_log_no_request_and_no_credential(
     assert not [name for name, _ in logged if name.startswith(quiet)]
     assert any("retry 1/3" in message for _, message in logged)  # the reset, asked again
     assert not secret or not [m for _, m in logged if secret in m or "sig=" in m]
+
+
+def test_a_store_that_cannot_be_reached_is_named_by_its_endpoint(
+        cloud: CloudStore, cloud_source: str) -> None:
+    with socket.socket() as closed:  # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        with pytest.raises(SourceUnavailable) as caught:
+            open_store(cloud, cloud_source, endpoint, attempts=2).list(INCLUDE)
+    assert str(caught.value).startswith(f"listing {cloud_source}: gave up after 2 attempt(s)")
+    assert f"at {endpoint} cannot be reached" in caught.value.hint

@@ -35,7 +35,7 @@ from dlo_loader.sources.sessions import (
     ListedBlobs,
     pool,
     ranged_body,
-    transport_errors,
+    transport_error,
 )
 from dlo_contract.cache import ObjectIdentity
 from dlo_contract.source_credentials import (
@@ -122,19 +122,19 @@ class AzureSource(ListedBlobs):
 @contextlib.contextmanager
 def _azure_errors(stall_timeout_s: float) -> Iterator[None]:
     """The Azure client's errors as the seam's: an error answer is `StoreStatus`, a transport
-    failure what `sessions.transport_errors` makes of the `requests` error under it."""
+    failure what `sessions.transport_error` makes of the `requests` error under it."""
+    import requests
     from azure.core.exceptions import HttpResponseError, ServiceRequestError, ServiceResponseError
 
     try:
-        with transport_errors(stall_timeout_s):
-            try:
-                yield
-            except (ServiceRequestError, ServiceResponseError) as exc:
-                if exc.inner_exception is not None:
-                    raise exc.inner_exception from None
-                raise ConnectionError(type(exc).__name__) from None
+        yield
     except HttpResponseError as exc:
         raise StoreStatus(int(exc.status_code or 0), str(exc.error_code or "")) from None
+    except (ServiceRequestError, ServiceResponseError) as exc:
+        inner = exc.inner_exception
+        if isinstance(inner, requests.exceptions.RequestException):
+            raise transport_error(inner, stall_timeout_s) from inner
+        raise ConnectionError(type(exc).__name__) from exc
 
 
 def _service(uri: SourceAddress, endpoint_url: str | None, transport: Any) -> Any:

@@ -76,14 +76,22 @@ def pool(session: requests.Session, connections: int) -> None:
 
 @contextlib.contextmanager
 def transport_errors(stall_timeout_s: float) -> Iterator[None]:
-    """`requests`' failures as the seam's: no answer for the stall timeout is `Stalled`, a
-    broken or refused connection a `ConnectionError` (its text names no header)."""
+    """`requests`' failures as the seam's (`transport_error`)."""
     try:
         yield
-    except requests.exceptions.Timeout as exc:
-        raise Stalled(f"no answer for {stall_timeout_s:g} s") from exc
     except requests.exceptions.RequestException as exc:
-        raise ConnectionError(f"{type(exc).__name__} ({_cause(exc)})") from exc
+        raise transport_error(exc, stall_timeout_s) from exc
+
+
+def transport_error(exc: requests.exceptions.RequestException,
+                    stall_timeout_s: float) -> Exception:
+    """A `requests` failure as the seam's: no answer for the stall timeout is `Stalled`, a
+    connection not made or broken a `ConnectionError` (its text names no URL); raise it from
+    `exc`, which keeps the chain the `Retrier` reads (an unreachable endpoint, a local error)."""
+    if isinstance(exc, requests.exceptions.Timeout) and not isinstance(
+            exc, requests.exceptions.ConnectTimeout):
+        return Stalled(f"no answer for {stall_timeout_s:g} s")
+    return ConnectionError(f"{type(exc).__name__} ({_cause(exc)})")
 
 
 def _cause(exc: BaseException) -> str:
