@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from dlo_server.sampler import Job
@@ -76,12 +76,19 @@ class WaveQueue:
                 return None
             if not self._pending:
                 return []
+            # A request whose client went away cancelled its futures: its jobs are dropped
+            # here, and the ones taken can no longer be cancelled (they are running).
+            self._pending = [item for item in self._pending
+                             if not item.future.cancelled()]
+            if not self._pending:
+                return None if not self._closed else []
             lead = self._pending[0]
             wave = [item for item in self._pending
                     if not self.same_steps or item.job.steps == lead.job.steps][:self.ranks]
             taken = {id(item) for item in wave}
             self._pending = [item for item in self._pending if id(item) not in taken]
-            return wave
+        wave = [item for item in wave if item.future.set_running_or_notify_cancel()]
+        return wave or None  # all cancelled since: as if nothing had come
 
     def close(self) -> None:
         """Take no new jobs; the ones queued still run."""
@@ -96,5 +103,7 @@ class WaveQueue:
             pending, self._pending = self._pending, []
             self._changed.notify_all()
         for item in pending:
-            if not item.future.done():
+            try:
                 item.future.set_exception(error)
+            except InvalidStateError:  # cancelled: its client went away
+                pass

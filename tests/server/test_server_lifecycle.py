@@ -51,6 +51,18 @@ def test_probes_say_filling_until_the_loader_publishes(tmp_path: Path,
     png_of(server.generate({"prompt": "x", "size": "8x8", "num_inference_steps": 2}))
 
 
+def test_sigterm_while_the_loader_fills_exits_0(tmp_path: Path,
+                                               servers: list[RunningServer]) -> None:
+    files = pod_files(tmp_path, ranks=2, publish=False)
+    server = start_server(files, tmp_path / "server.log", **{ENTRY_WAIT_ENV: "300"})
+    servers.append(server)
+    wait_for(lambda: _state(server) == "filling")
+    ranks = psutil.Process(server.process.pid).children()
+    assert server.stop() == 0, server.log_tail()
+    assert not any(rank.is_running() and rank.status() != psutil.STATUS_ZOMBIE
+                   for rank in ranks)
+
+
 def _state(server: RunningServer) -> str | None:
     try:
         return server.get("/health/live").json()["state"]
@@ -87,6 +99,6 @@ def test_a_rank_that_dies_breaks_every_probe(tmp_path: Path,
     rank1.kill()
     wait_for(lambda: _state(server) == "broken")
     assert probes(server) == {probe: (500, "broken") for probe in ("startup", "ready", "live")}
-    wait_for(lambda: "rank 1 exited with status" in server.log_tail())
+    wait_for(lambda: "rank 1 exited with status" in server.log.read_text(errors="replace"))
     assert server.generate({"prompt": "x", "size": "8x8"}).status_code == 503
     assert server.stop() == 1

@@ -84,3 +84,14 @@ def test_a_closed_queue_drains_then_ends_and_fail_all_fails_the_rest() -> None:
     queue.fail_all(RuntimeError("rank 1 exited"))
     assert queue.take_wave(0) == []
     assert not first.done() and isinstance(second.exception(), RuntimeError)
+
+
+def test_jobs_of_a_request_whose_client_went_away_are_dropped() -> None:
+    queue = WaveQueue(capacity=4, ranks=2)
+    gone, kept = queue.submit([job(2, 0), job(2, 1)])
+    assert gone.cancel()
+    [taken] = queue.take_wave(0)
+    assert taken.job.seed == 1 and taken.future is kept
+    assert not kept.cancel()  # taken into a wave: running, the engine will resolve it
+    queue.submit([job(3, 2)])[0].cancel()
+    assert queue.take_wave(0) is None
