@@ -271,6 +271,17 @@ def test_https_without_etags_reads_by_the_listed_digest(
     assert served.server.served.if_match == 0
 
 
+def test_a_stale_listing_file_is_named(checkpoint: Checkpoint, tmp_path: Path) -> None:
+    with serving("https", checkpoint.files, tmp_path) as served:
+        (served.directory / SHARD).write_bytes(checkpoint.files[SHARD] + b"more")
+        with pytest.raises(SourceError) as caught:
+            open_served(served).list(["*.safetensors"])
+    size = len(checkpoint.files[SHARD])
+    assert str(caught.value) == (f"{served.source}{SHARD}: the server has {size + 4} bytes, "
+                                 f"the listing says {size}")
+    assert caught.value.hint == "write dlo-listing.json again"
+
+
 def test_reads_stop_retrying_when_the_fill_stops(checkpoint: Checkpoint, tmp_path: Path) -> None:
     stop = threading.Event()
     with serving("https", checkpoint.files, tmp_path,
