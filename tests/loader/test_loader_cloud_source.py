@@ -308,3 +308,12 @@ def test_a_store_that_cannot_be_reached_is_named_by_its_endpoint(
             open_store(cloud, cloud_source, endpoint, attempts=2).list(INCLUDE)
     assert str(caught.value).startswith(f"listing {cloud_source}: gave up after 2 attempt(s)")
     assert f"at {endpoint} cannot be reached" in caught.value.hint
+
+
+def test_an_azure_blob_url_is_the_same_source_as_its_az_uri(
+        az_store: CloudStore, cloud_files: dict[str, bytes]) -> None:
+    source = az_store.put("blob-url", cloud_files)
+    uri = parse_source(f"https://{AZURITE_ACCOUNT}.blob.core.windows.net/{CONTAINER}/blob-url/")
+    assert str(uri) == source  # one spelling in messages and in the entry's identity
+    store = open_source(uri, SourceOptions(endpoint_url=az_store.endpoint()))
+    assert read_whole(store, listed(store, SHARD))[0] == cloud_files[SHARD]
