@@ -41,6 +41,22 @@ def shard_of(source: Source) -> ObjectIdentity:
     return next(o for o in source.list(["*.safetensors"]) if o.key == SHARD)
 
 
+def test_a_scheme_without_a_reader_in_the_image_is_named(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each scheme's reader is the module `dlo_loader.sources.<scheme>`, imported on use."""
+    import dlo_loader.sources as sources
+
+    def missing(name: str) -> None:
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    monkeypatch.setattr(sources.importlib, "import_module", missing)
+    uri = parse_source("gs://models/flux/")
+    with pytest.raises(SourceError) as caught:
+        open_source(uri, SourceOptions(names=lambda path: f"spec.{path}"))
+    assert str(caught.value) == ("spec.loader.source='gs://models/flux/': this loader does not "
+                                 "read gs:// sources")
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_listing_and_ranged_reads_give_the_exact_bytes(
         scheme: str, checkpoint: Checkpoint, tmp_path: Path) -> None:
