@@ -1,16 +1,19 @@
 """`dlo cache fill --source gs://... / az://...` as real processes against the emulators, each rank
 behind its own counting, fault-injecting proxy: alone and in groups of two and three, the store's
 checksum compared end to end, faults retried, damaged bytes and a replaced object never
-published."""
+published, wrong credentials a clear error without the secret."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from dlo_bench.emulators import AZURITE_KEY
 from dlo_bench.faultproxy import CORRUPT, FAULT_KINDS, FaultPlan, FaultProxy
+from dlo_contract.source_credentials import AZURE_ACCOUNT_KEY_ENV
 from support.cloud_stores import CONTAINER, CloudStore
 from support.loader_fleet import (
     Fleet,
@@ -97,3 +100,18 @@ def test_an_object_replaced_mid_fill_publishes_nothing(
     assert outcome.summary["error"].startswith(f"{cloud_source}{shard}")
     assert "changed since it was listed" in outcome.summary["error"]
     assert no_entry(fleet.root(0))
+
+
+def test_wrong_credentials_fail_the_fill_naming_the_source_not_the_secret(
+        az_store: CloudStore, cloud_files: dict[str, bytes], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    source = az_store.put("wrong-key", cloud_files)
+    wrong = base64.b64encode(b"a key of another account" * 2).decode()
+    monkeypatch.setenv(AZURE_ACCOUNT_KEY_ENV, wrong)
+    with proxies(az_store, FaultPlan()) as counting:
+        [outcome] = fleet_of(az_store, source, tmp_path, counting).run()
+    assert outcome.returncode != 0
+    assert outcome.summary["error"].startswith(f"listing {source}: access denied")
+    assert AZURE_ACCOUNT_KEY_ENV in outcome.summary["error"]  # the hint: where keys come from
+    assert wrong not in outcome.stdout + outcome.stderr
+    assert AZURITE_KEY not in outcome.stdout + outcome.stderr
