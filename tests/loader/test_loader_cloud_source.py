@@ -317,3 +317,21 @@ def test_an_azure_blob_url_is_the_same_source_as_its_az_uri(
     assert str(uri) == source  # one spelling in messages and in the entry's identity
     store = open_source(uri, SourceOptions(endpoint_url=az_store.endpoint()))
     assert read_whole(store, listed(store, SHARD))[0] == cloud_files[SHARD]
+
+
+def test_a_blob_written_in_blocks_has_no_checksum_and_counts_as_unchecked(
+        az_store: CloudStore, cloud_files: dict[str, bytes]) -> None:
+    """Azure computes Content-MD5 only for a blob written in one request."""
+    from azure.storage.blob import BlobServiceClient
+
+    source = az_store.put("blocks", cloud_files)
+    service = BlobServiceClient.from_connection_string(
+        azurite_connection_string(az_store.emulator.server_url), max_single_put_size=64 << 10,
+        max_block_size=64 << 10)
+    service.get_container_client(CONTAINER).upload_blob(
+        f"blocks/{SHARD}", cloud_files[SHARD], overwrite=True)
+    store = open_store(az_store, source)
+    objects = store.list(INCLUDE)
+    checksums = store.checksums(objects)
+    assert checksums[SHARD] == digest.StoreChecksum(None)
+    assert all(checksums[o.key].algorithm == "md5" for o in objects if o.key != SHARD)

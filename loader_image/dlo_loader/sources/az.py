@@ -91,9 +91,9 @@ class AzureSource(ListedBlobs):
         """Its ETag as its identity, its Content-MD5 (where it has one) as the store's
         checksum; its URL kept for the reads."""
         self._urls[key] = self._container.get_blob_client(blob.name).url
-        md5 = blob.content_settings.content_md5
-        if md5:
-            self._listed[key] = StoreChecksum(CHECKSUM, bytes(md5).hex())
+        md5 = blob.content_settings.content_md5  # none: the blob counts as unchecked
+        self._listed[key] = StoreChecksum(CHECKSUM, bytes(md5).hex()) if md5 else StoreChecksum(
+            None)
         return ObjectIdentity(key, int(blob.size), str(blob.etag).strip('"'))
 
     def _blobs(self) -> list[Any]:
