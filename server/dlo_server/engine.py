@@ -13,9 +13,11 @@ closed and empty, then every rank closes its handle; the caller destroys the pro
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +31,8 @@ from dlo_server.waves import Pending, WaveQueue
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 5.0
+SAMPLER_PARTS = ("transformer", "vae", "scheduler")
+"""Folders of the entry the server loads (diffusers layout)."""
 _TICK = "tick"
 _STOP = "stop"
 
@@ -67,6 +71,7 @@ def start_model(status: Status, device: torch.device) -> Model:
         raise pod.PodError(f"no entry file at {pod.entry_file_path()}",
                            hint="run the loader (`dlo cache fill`) first")
     status.set(State.LOADING, f"building the model of entry {entry.entry_id}")
+    check_model_folder(entry.path)
     dit = pod.build_dit(FluxTransformer2DModel)
     handle = pod.enable(dit, device=device)
     try:
@@ -78,6 +83,23 @@ def start_model(status: Status, device: torch.device) -> Model:
     log.info("serving entry %s on %s, %s mode, host backing %s", entry.entry_id, handle.device,
              "allgather" if allgather else "rank-local", handle.backing().value)
     return Model(sampler, handle, allgather)
+
+
+def check_model_folder(path: Path) -> None:
+    """The entry must hold what the sampler runs: a Flux transformer, a VAE and a scheduler."""
+    from dlo_runtime.pod import PodError
+
+    missing = [part for part in SAMPLER_PARTS if not (path / part / "config.json").is_file()
+               and not (path / part / "scheduler_config.json").is_file()]
+    if missing:
+        raise PodError(f"the entry has no {', '.join(f'{part}/' for part in missing)}: dlo serve "
+                       "needs the transformer, the VAE and the scheduler",
+                       hint="include them in the model's files (model.include: "
+                            + ", ".join(f'"{part}/*"' for part in SAMPLER_PARTS) + ")")
+    kind = json.loads((path / "transformer" / "config.json").read_text()).get("_class_name")
+    if kind != "FluxTransformer2DModel":
+        raise PodError(f"the entry's transformer is {kind}; dlo serve runs "
+                       "FluxTransformer2DModel only")
 
 
 def lead(model: Model, queue: WaveQueue, group: Any, metrics: ServerMetrics) -> None:

@@ -1,9 +1,16 @@
-"""The request body checks and the wave rule, without a server."""
+"""The request body checks, the wave rule and the model folder check, without a server."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 
+from dlo_bench.models import tiny_model
+from dlo_bench.serve_model import save_pipeline_layout
+from dlo_runtime.pod import PodError
+from dlo_server.engine import check_model_folder
 from dlo_server.requests import Limits, RequestError, parse_request
 from dlo_server.sampler import Job
 from dlo_server.waves import QueueClosed, QueueFull, WaveQueue
@@ -95,3 +102,12 @@ def test_jobs_of_a_request_whose_client_went_away_are_dropped() -> None:
     assert not kept.cancel()  # taken into a wave: running, the engine will resolve it
     queue.submit([job(3, 2)])[0].cancel()
     assert queue.take_wave(0) is None
+
+
+def test_an_entry_without_the_vae_is_refused_naming_the_folders(tmp_path: Path) -> None:
+    save_pipeline_layout(tiny_model("flux", num_layers=2), tmp_path)
+    check_model_folder(tmp_path)
+    shutil.rmtree(tmp_path / "vae")
+    with pytest.raises(PodError, match=r"the entry has no vae/") as caught:
+        check_model_folder(tmp_path)
+    assert '"vae/*"' in caught.value.hint
