@@ -18,7 +18,8 @@ whatever they are about to do, and every rank gets the same table:
   gathers on the host);
 - any difference: each rank raises the same `OffloadError` naming every rank's phase and count;
 - no answer within `offload.group_wait_timeout_s`, or a rank left the group: this rank raises
-  `OffloadError` naming the forward it waited at.
+  `OffloadError` naming the forward it waited at, and which of the two (the transport's own text
+  stays in the chained cause).
 After either the lockstep is `DRIFTED`: no collective goes over the group any more from this
 backend (a later forward raises the same error, `disable` tears down this rank's side only), so
 the ranks end with an error each instead of a hang or an abort. On a group that gathers on the
@@ -31,6 +32,7 @@ from __future__ import annotations
 import datetime
 import enum
 import logging
+import time
 from typing import Any
 
 import torch
@@ -132,13 +134,15 @@ class GroupLockstep:
         mine = torch.tensor([int(phase), self.forwards], dtype=torch.int64, device=self._device)
         table = torch.empty(2 * dist.get_world_size(self.group), dtype=torch.int64,
                             device=self._device)
+        started = time.monotonic()
         try:
             work = dist.all_gather_single(table, mine, group=self.group, async_op=True)
             # Bounded here, not by the group's own timeout (see [Note: lockstep]).
             work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
             rows = table.view(-1, 2).tolist()
         except (RuntimeError, dist.DistError) as exc:
-            self._drifted(self._unanswered(phase, exc))
+            timed_out = time.monotonic() - started >= self.timeout_s
+            self._drifted(self._unanswered(phase, timed_out))
             raise self._drift from exc  # type: ignore[misc]
         if any(row != rows[0] for row in rows):
             self._drifted(self._disagreement(rows))
@@ -159,13 +163,16 @@ class GroupLockstep:
             "forwards: disable DLO on every rank",
         )
 
-    def _unanswered(self, phase: Phase, exc: BaseException) -> OffloadError:
+    def _unanswered(self, phase: Phase, timed_out: bool) -> OffloadError:
+        """The collective failed: no answer in time, or the transport lost a rank (the
+        transport's own text, with its ports and source paths, stays in the chained cause)."""
         timeout = self.names("offload.group_wait_timeout_s")
-        cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        what = (f"the other ranks did not answer within {self.timeout_s:g} s ({timeout})"
+                if timed_out else "the check's collective failed (a rank stopped or left the "
+                "group, or the group's own timeout ran out)")
         return OffloadError(
-            f"rank {self.rank} of the DLO group of {self.model} "
-            f"{_doing(phase, self.forwards)} and the other ranks did not answer within "
-            f"{self.timeout_s:g} s ({timeout}): {cause}",
+            f"rank {self.rank} of the DLO group of {self.model} {_doing(phase, self.forwards)} "
+            f"but {what}",
             hint="every rank of the group must run the same forwards and disable together; see "
             f"the other ranks' logs (a rank that stopped stops the group), or raise {timeout} "
             "when a rank is only slower",
@@ -180,7 +187,8 @@ def _doing(phase: Phase, count: int) -> str:
 
 def _exchange_device(group: dist.ProcessGroup) -> torch.device:
     """The host when the group gathers host tensors (gloo, or a `cpu:gloo,cuda:nccl` group);
-    else the current CUDA device (an NCCL-only group gathers device tensors only)."""
-    if "gloo" in str(dist.get_backend(group)):
+    else the current accelerator (an NCCL-only group gathers device tensors only)."""
+    accelerator = torch.accelerator.current_accelerator()
+    if "gloo" in str(dist.get_backend(group)) or accelerator is None:
         return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())

@@ -86,8 +86,24 @@ def test_a_forward_the_others_do_not_answer_fails_within_the_group_wait_timeout(
     group still holds, so rank 1 learns of the drift too; rank 0 disables alone."""
     assert [outcomes["unanswered"] for outcomes in ranks] == [
         {"extra_forward": "rank 0 of the DLO group of FluxTransformer2DModel starts forward 3 "
-                          "and the other ranks did not answer within 1 s "
-                          "(offload.group_wait_timeout_s): Operation timed out!",
+                          "but the other ranks did not answer within 1 s "
+                          "(offload.group_wait_timeout_s)",
          "disable": "ok"},
         {"disable": DRIFT},
     ]
+
+
+def test_a_rank_that_left_the_group_fails_the_next_forward_by_name(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """Rank 1 closes its end of the group (as a process that died would) while rank 0 starts
+    forward 3, which would wait an hour: it fails at once naming its forward (not with gloo's
+    text), then disables alone."""
+    rank0, rank1 = (outcomes["left"] for outcomes in ranks)
+    assert rank0 == {
+        "extra_forward": "rank 0 of the DLO group of FluxTransformer2DModel starts forward 3 but "
+                         "the check's collective failed (a rank stopped or left the group, or "
+                         "the group's own timeout ran out)",
+        "disable": "ok",
+    }
+    assert rank1 == {}

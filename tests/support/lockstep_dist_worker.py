@@ -86,6 +86,24 @@ def _unanswered_case(world: int, rank: int) -> dict[str, Any]:
     return outcome
 
 
+def _left_case(world: int, rank: int) -> dict[str, Any]:
+    """Rank 1 leaves the group (destroys it, as a process that died would close it) after the
+    forwards every rank ran; rank 0 then starts one more."""
+    group = dist.new_group(list(range(world)), timeout=HOUR)
+    model = tiny_model("flux")
+    inputs = example_inputs("flux", model)
+    backend = DistributedLayerwiseOffloadBackend(model, settings=_settings(world), device="cpu",
+                                                 group=group).enable()
+    for _ in range(STEPS):
+        forward(model, inputs)
+    outcome: dict[str, Any] = {}
+    if rank == 0:
+        outcome["extra_forward"] = _outcome(lambda: forward(model, inputs))
+        outcome["disable"] = _outcome(lambda: backend.disable(restore=False))
+    dist.destroy_process_group(group)
+    return outcome
+
+
 def _in_step_case(world: int) -> dict[str, Any]:
     """Every rank runs the same forwards and disables with restore: no error, and the model
     runs resident again."""
@@ -114,4 +132,5 @@ def _cases(world: int, group: dist.ProcessGroup) -> dict[str, Any]:
         "drift-close": _drift_case(world, rank, restore=False),
         "drift-restore": _drift_case(world, rank, restore=True),
         "unanswered": _unanswered_case(world, rank),
+        "left": _left_case(world, rank),
     }
