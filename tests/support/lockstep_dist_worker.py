@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,9 +30,38 @@ STEPS = 2
 """Forwards every rank runs before the ranks part."""
 
 
-def _settings(world: int) -> Settings:
-    return Settings(offload=OffloadConfig(group_wait_timeout_s=HOUR.total_seconds()),
-                    parallel=ParallelConfig(dp=world))
+@dataclass
+class _Case:
+    """One case's own group, and a Flux DiT offloaded over it that ran `STEPS` forwards."""
+
+    group: dist.ProcessGroup
+    model: torch.nn.Module
+    inputs: dict[str, Any]
+    backend: DistributedLayerwiseOffloadBackend
+    equal: list[bool]
+    """Whether each of the `STEPS` forwards equals the resident model's output."""
+
+    @classmethod
+    def start(cls, world: int, *, wait_s: float = HOUR.total_seconds()) -> _Case:
+        group = dist.new_group(list(range(world)), timeout=HOUR)
+        model = tiny_model("flux")
+        inputs = example_inputs("flux", model)
+        settings = Settings(offload=OffloadConfig(group_wait_timeout_s=wait_s),
+                            parallel=ParallelConfig(dp=world))
+        backend = DistributedLayerwiseOffloadBackend(model, settings=settings, device="cpu",
+                                                     group=group).enable()
+        equal = [torch.equal(forward(model, inputs), forward(tiny_model("flux"), inputs))
+                 for _ in range(STEPS)]
+        return cls(group, model, inputs, backend, equal)
+
+    def forward(self) -> str:
+        return _outcome(lambda: forward(self.model, self.inputs))
+
+    def disable(self, *, restore: bool) -> str:
+        return _outcome(lambda: self.backend.disable(restore=restore))
+
+    def end(self) -> None:
+        dist.destroy_process_group(self.group)
 
 
 def _outcome(call: Callable[[], Any]) -> str:
@@ -45,21 +75,15 @@ def _outcome(call: Callable[[], Any]) -> str:
 def _drift_case(world: int, rank: int, *, restore: bool) -> dict[str, Any]:
     """Every rank runs `STEPS` forwards; rank 0 then starts one more while the others disable
     (with `restore`); then rank 0 disables too, and every rank calls its DiT once more."""
-    group = dist.new_group(list(range(world)), timeout=HOUR)
-    model = tiny_model("flux")
-    inputs = example_inputs("flux", model)
-    backend = DistributedLayerwiseOffloadBackend(model, settings=_settings(world), device="cpu",
-                                                 group=group).enable()
-    equal = [torch.equal(forward(model, inputs), forward(tiny_model("flux"), inputs))
-             for _ in range(STEPS)]
-    outcome: dict[str, Any] = {"equal": equal}
+    case = _Case.start(world)
+    outcome: dict[str, Any] = {"equal": case.equal}
     if rank == 0:
-        outcome["extra_forward"] = _outcome(lambda: forward(model, inputs))
-        outcome["forward_again"] = _outcome(lambda: forward(model, inputs))
-    outcome["disable"] = _outcome(lambda: backend.disable(restore=restore))
-    outcome["disable_again"] = _outcome(lambda: backend.disable(restore=restore))
-    outcome["call_after_disable"] = _outcome(lambda: forward(model, inputs))
-    dist.destroy_process_group(group)
+        outcome["extra_forward"] = case.forward()
+        outcome["forward_again"] = case.forward()
+    outcome["disable"] = case.disable(restore=restore)
+    outcome["disable_again"] = case.disable(restore=restore)
+    outcome["call_after_disable"] = case.forward()
+    case.end()
     return outcome
 
 
@@ -67,57 +91,38 @@ def _unanswered_case(world: int, rank: int) -> dict[str, Any]:
     """Rank 0 starts one forward more while rank 1 waits elsewhere (a barrier of the default
     group) for longer than rank 0's `offload.group_wait_timeout_s` of one second: rank 0 fails
     naming its forward; then both disable without restore."""
-    group = dist.new_group(list(range(world)), timeout=HOUR)
-    model = tiny_model("flux")
-    inputs = example_inputs("flux", model)
-    settings = Settings(offload=OffloadConfig(group_wait_timeout_s=1.0),
-                        parallel=ParallelConfig(dp=world))
-    backend = DistributedLayerwiseOffloadBackend(model, settings=settings, device="cpu",
-                                                 group=group).enable()
-    for _ in range(STEPS):
-        forward(model, inputs)
+    case = _Case.start(world, wait_s=1.0)
     outcome: dict[str, Any] = {}
     if rank == 0:
-        outcome["extra_forward"] = _outcome(lambda: forward(model, inputs))
+        outcome["extra_forward"] = case.forward()
     dist.barrier()  # rank 1 is here until rank 0's extra forward has failed
-    outcome["disable"] = _outcome(lambda: backend.disable(restore=False))
+    outcome["disable"] = case.disable(restore=False)
     dist.barrier()  # rank 0 keeps the group until rank 1's disable has returned
-    dist.destroy_process_group(group)
+    case.end()
     return outcome
 
 
 def _left_case(world: int, rank: int) -> dict[str, Any]:
     """Rank 1 leaves the group (destroys it, as a process that died would close it) after the
     forwards every rank ran; rank 0 then starts one more."""
-    group = dist.new_group(list(range(world)), timeout=HOUR)
-    model = tiny_model("flux")
-    inputs = example_inputs("flux", model)
-    backend = DistributedLayerwiseOffloadBackend(model, settings=_settings(world), device="cpu",
-                                                 group=group).enable()
-    for _ in range(STEPS):
-        forward(model, inputs)
+    case = _Case.start(world)
     outcome: dict[str, Any] = {}
     if rank == 0:
-        outcome["extra_forward"] = _outcome(lambda: forward(model, inputs))
-        outcome["disable"] = _outcome(lambda: backend.disable(restore=False))
-    dist.destroy_process_group(group)
+        outcome["extra_forward"] = case.forward()
+        outcome["disable"] = case.disable(restore=False)
+    case.end()
     return outcome
 
 
 def _in_step_case(world: int) -> dict[str, Any]:
-    """Every rank runs the same forwards and disables with restore: no error, and the model
-    runs resident again."""
-    group = dist.new_group(list(range(world)), timeout=HOUR)
-    model = tiny_model("flux")
-    inputs = example_inputs("flux", model)
-    backend = DistributedLayerwiseOffloadBackend(model, settings=_settings(world), device="cpu",
-                                                 group=group).enable()
-    for _ in range(STEPS + 1):
-        forward(model, inputs)
-    outcome = {"disable": _outcome(backend.disable),
-               "equal_after_disable": torch.equal(forward(model, inputs),
-                                                  forward(tiny_model("flux"), inputs))}
-    dist.destroy_process_group(group)
+    """Every rank runs the same forwards (one more after `STEPS`) and disables with restore: no
+    error, and the model runs resident again."""
+    case = _Case.start(world)
+    case.forward()
+    outcome = {"disable": case.disable(restore=True),
+               "equal_after_disable": torch.equal(forward(case.model, case.inputs),
+                                                  forward(tiny_model("flux"), case.inputs))}
+    case.end()
     return outcome
 
 
