@@ -11,6 +11,11 @@ its node's cache. The operator opens a group before it creates the pods of a cre
 and closes it (no members) once every member's loader has finished, so a pod recreated later
 never waits for a group that no longer exists.
 
+The document also lists the entry's holders (`Holder`: the nodes whose loaders published the
+DOD's entry and serve it to their peers, with the address and port of that endpoint), open group
+or not: a loader that fills alone reads the entry from them before it reads the store (see
+`dlo_loader.peer_reads`).
+
 Shared by `dlo_operator` (writes) and `dlo_loader` (reads); standard library only.
 """
 
@@ -26,6 +31,26 @@ from dlo_contract.names import DEFAULT_RENDEZVOUS_PORT
 FILL_GROUP_KEY = "group.json"
 
 
+@dataclass(frozen=True)
+class Holder:
+    """A node that holds the DOD's entry, and where its loader serves it to peers."""
+
+    node: str
+    address: str
+    port: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"node": self.node, "address": self.address, "port": self.port}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Holder:
+        if not isinstance(data, dict) or not isinstance(data.get("address"), str) or not (
+                isinstance(data.get("port"), int) and 0 < data["port"] < 65536):
+            raise ValueError(f"a fill group holder must name node, address and port, found "
+                             f"{data!r:.200}")
+        return cls(node=str(data.get("node", "")), address=data["address"], port=data["port"])
+
+
 @dataclass(frozen=True, kw_only=True)
 class FillGroup:
     """One cooperative fill: the member pods (name -> rank) and where rank 0 listens."""
@@ -35,15 +60,21 @@ class FillGroup:
     members: Mapping[str, int] = field(default_factory=dict)
     master_addr: str = ""
     master_port: int = DEFAULT_RENDEZVOUS_PORT
+    holders: tuple[Holder, ...] = ()
+    """The nodes that hold the entry of `revision`'s settings, by node name."""
 
     @property
     def world_size(self) -> int:
         return len(self.members)
 
     def to_json(self) -> str:
-        return json.dumps({"revision": self.revision, "members": dict(sorted(
-            self.members.items(), key=lambda item: item[1])), "masterAddr": self.master_addr,
-            "masterPort": self.master_port}, separators=(",", ":"))
+        document: dict[str, Any] = {
+            "revision": self.revision, "members": dict(sorted(
+                self.members.items(), key=lambda item: item[1])),
+            "masterAddr": self.master_addr, "masterPort": self.master_port}
+        if self.holders:
+            document["holders"] = [h.to_dict() for h in self.holders]
+        return json.dumps(document, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> FillGroup:
@@ -55,9 +86,13 @@ class FillGroup:
         if not isinstance(members, dict) or sorted(members.values()) != list(range(len(members))):
             raise ValueError(f"fill group members must map pod names to ranks 0..n-1, found "
                              f"{members!r:.200}")
+        holders = data.get("holders") or []
+        if not isinstance(holders, list):
+            raise ValueError(f"fill group holders must be a list, found {holders!r:.200}")
         return cls(revision=str(data.get("revision", "")), members=dict(members),
                    master_addr=str(data.get("masterAddr", "")),
-                   master_port=int(data.get("masterPort", DEFAULT_RENDEZVOUS_PORT)))
+                   master_port=int(data.get("masterPort", DEFAULT_RENDEZVOUS_PORT)),
+                   holders=tuple(Holder.from_dict(h) for h in holders))
 
     def place(self, pod: str, revision: str) -> tuple[int, int] | None:
         """(rank, world size) of `pod` in this group, or None when it fills alone."""

@@ -185,7 +185,15 @@ class LoaderConfig(Section):
         description="Port of the loader's Prometheus /metrics endpoint (and, once the fill "
         "ended, of its summary at /summary); the operator reads live progress and the per-node "
         "fill figures from it; 0 turns it off, and the status then shows no figures for the "
-        "pods' fills.")
+        "pods' fills. A sidecar loader that published also serves its entry there to the "
+        "loaders of the same DOD that refill their node from it (loader.peerServeBytesPerSecond).")
+    peer_serve_bytes_per_second: int = setting(
+        256 * MIB, crd="loader.peerServeBytesPerSecond", minimum=0,
+        int64=True,
+        description="Most bytes per second a sidecar loader that published serves of its entry, "
+        "from disk, to the loaders of the same DOD refilling another node from it (all of them "
+        "together), so that serving never takes its own pod's disk and network from it; 0 serves "
+        "nothing, and a refilling node reads the store.")
 
 
 class CacheConfig(Section):

@@ -24,8 +24,10 @@ import typing
 from pathlib import Path
 
 from dlo_loader.fill import TRANSFER_MODULES, FillRequest, fill
-from dlo_loader.group_source import resolve_placement, this_member
+from dlo_loader import metrics
+from dlo_loader.group_source import peer_holders, resolve_placement, this_member
 from dlo_loader.metrics import Endpoint
+from dlo_loader.peer_serve import EntryServer, Throttle
 from dlo_loader.progress import RankPrefixFilter
 from dlo_loader.termination import EXIT_TERMINATED, Terminated, Termination, installed
 from dlo_contract.cache import EntryHandle, open_entry
@@ -95,7 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "whose start is the way to the first request, while the fill mostly waits on the "
              "network")
     add("--keep-running", action="store_true",
-        help="after the entry is published, stay up (serving /metrics) until SIGTERM or SIGINT, "
+        help="after the entry is published, stay up (serving /metrics, and the entry to the "
+             "loaders refilling other nodes from it) until SIGTERM or SIGINT, "
              "holding the entry in use so that no fill on the node evicts it: a pod's native "
              "sidecar, which the kubelet would restart if it exited")
 
@@ -131,7 +134,7 @@ def _fill_command(args: argparse.Namespace, termination: Termination) -> int:
         request = FillRequest(
             settings=settings, rank=rank, world_size=placement.world_size,
             master_addr=placement.master_addr, master_port=placement.master_port,
-            emit=_print_line, member=this_member(rank),
+            emit=_print_line, member=this_member(rank), holders=peer_holders(),
         )
         result = fill(request)
         termination.filled()  # SIGTERM now ends the stay (below), not the fill
@@ -154,6 +157,7 @@ def _fill_command(args: argparse.Namespace, termination: Termination) -> int:
     if endpoint is not None:
         endpoint.publish_summary(summary.to_json())
     if args.keep_running:
+        _serve_entry(endpoint, entry, settings.loader.peer_serve_bytes_per_second)
         _stay_up(termination.stop)
     entry.close()
     if endpoint is not None:
@@ -186,6 +190,16 @@ def _stay_up(stop: threading.Event) -> None:
     while not stop.wait(3600):
         pass
     log.info("stopping: the pod is shutting down")
+
+
+def _serve_entry(endpoint: Endpoint | None, entry: EntryHandle, rate: int) -> None:
+    """A sidecar that stays up serves the entry it holds to the DOD's loaders refilling other
+    nodes (`peer_serve`), at most `rate` bytes a second; 0, or no endpoint, serves nothing."""
+    if endpoint is None or rate == 0:
+        return
+    endpoint.serve_entry(EntryServer(entry, Throttle(rate), metrics.SERVED.inc))
+    log.info("serving entry %s to refilling peers on port %d, at most %d bytes/s",
+             entry.entry_id, endpoint.port, rate)
 
 
 def _serve_metrics(port: int) -> Endpoint | None:

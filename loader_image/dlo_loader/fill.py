@@ -9,7 +9,8 @@ reserves room for the new one), build the plan (where some members' nodes hold t
 they read, from disk), start reading this rank's share (see [Note: reading before the group] in
 `exchange`), form the group, and run the transfer (`transfer`: exchange, headers, store
 checksums, digests compared across ranks, commit). A node whose entry appeared while it waited
-serves its share from disk and publishes nothing. Any failure leaves no entry (the publication
+serves its share from disk and publishes nothing. A fill alone whose entry other nodes hold
+(the fill-group document's holders) reads it from them first (`peer_reads`). Any failure leaves no entry (the publication
 removes its tmp dir). Called by `cli` (and by tests in-process for one rank). Must not parse
 flags or print: it returns a `FillResult`.
 """
@@ -24,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dlo_loader import metrics
 from dlo_loader.claim import Claim, ClaimContext, Waits, claim_alone, claim_in_group
@@ -43,10 +44,14 @@ from dlo_contract.cache import (
     find_entry,
 )
 from dlo_contract.documents import EntryDocument, FillStatus, FillSummary
+from dlo_contract.fill_group import Holder
 from dlo_contract.names import DEFAULT_RENDEZVOUS_PORT
 from dlo_contract.settings import Settings
 from dlo_contract.units import human_bytes
 from dlo_contract.validation import names_for
+
+if TYPE_CHECKING:
+    from dlo_loader.peer_reads import PeerReads
 
 TRANSFER_MODULES = ("dlo_loader.exchange", "dlo_loader.sink", "dlo_contract.safetensors_header")
 """Imported when the transfer starts, not before the listing: `cli` imports them on a thread
@@ -67,6 +72,9 @@ class FillRequest:
     """Where progress lines go (the CLI prints them); None: no progress lines."""
     member: Member | None = None
     """This loader as its group names it (pod, node); None: by its rank alone."""
+    holders: tuple[Holder, ...] = ()
+    """Other nodes that hold the entry and serve it (the fill-group document's): a fill alone
+    reads from them first (`peer_reads`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,6 +180,7 @@ class _Fill:
             if claim.rendezvous is None:
                 if pub.existing is not None:
                     return self._result(eid, pub.existing, claim.mode, cached=True)
+                self.transfer.peers = self._peers(eid, identity)
                 self.transfer.run(pub, self._plan(files, claim), None, identity, None)
             else:
                 self._in_group_transfer(claim, files, identity)
@@ -233,6 +242,16 @@ class _Fill:
             group.close(exc)
             raise
         group.close()
+
+    def _peers(self, eid: str, identity: dict[str, Any]) -> PeerReads | None:
+        """The reads from the other nodes that hold the entry, for a fill alone; None when the
+        document names none or none serves it."""
+        if not self.request.holders:
+            return None
+        from dlo_loader.peer_reads import open_peers
+
+        return open_peers(self.request.holders, entry_id=eid, identity=identity,
+                          timeout_s=self.loader.stall_timeout_s, progress=self.progress)
 
     def _plan(self, files: list[ObjectIdentity], claim: Claim) -> Plan:
         grouped = claim.rendezvous is not None

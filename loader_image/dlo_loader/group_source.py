@@ -6,7 +6,8 @@ Precedence: `--rank/--world-size/--master-addr/--master-port`, then `RANK`/`WORL
 document in `DLO_FILL_GROUP` with this pod's name in `DLO_POD_NAME` (a workload pod: a member of
 the open group fills with it, anyone else fills alone), else one loader alone. Called by `cli`;
 must not start the rendezvous itself (that is `transport`, through `fill`). Also names this
-loader to its group (`this_member`: its pod and node).
+loader to its group (`this_member`: its pod and node), and lists the entry's holders on other
+nodes that the document names (`peer_holders`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from dlo_contract.fill_group import FillGroup
+from dlo_contract.fill_group import FillGroup, Holder
 from dlo_loader.peers import Member
 from dlo_contract.names import FILL_GROUP_ENV, NODE_NAME_ENV, POD_NAME_ENV, REVISION_ENV
 from dlo_contract.names import (
@@ -82,6 +83,18 @@ def _from_document(master_addr: str | None, port: int) -> Placement:
     rank, world = place
     return Placement(rank=rank, world_size=world, master_addr=master_addr or group.master_addr,
                      master_port=group.master_port, origin="fill-group")
+
+
+def peer_holders() -> tuple[Holder, ...]:
+    """The nodes the fill-group document names as holding the entry, this node left out
+    (`DLO_NODE_NAME`); none without a document (or one this loader cannot read: its placement
+    says why)."""
+    try:
+        group = FillGroup.from_json(os.environ.get(FILL_GROUP_ENV, "") or "{}")
+    except ValueError:
+        return ()
+    node = os.environ.get(NODE_NAME_ENV, "")
+    return tuple(h for h in group.holders if not node or h.node != node)
 
 
 def this_member(rank: int) -> Member:

@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from dlo_contract.names import LOADER_SUMMARY_PATH
+from dlo_loader.peer_serve import ENTRY_PATH
 
 if TYPE_CHECKING:
     from dlo_loader.progress import Progress
@@ -39,6 +40,9 @@ METRICS: dict[str, tuple[str, str]] = {
     "dlo_loader_bytes_from_peers_total": ("counter", "Bytes received from peer loaders."),
     "dlo_loader_bytes_to_peers_total": ("counter",
         "Bytes sent to peer loaders (once per receiving peer)."),
+    "dlo_loader_bytes_served_total": ("counter",
+        "Bytes of this node's published entry served to the loaders of the same DOD refilling "
+        "their node from it (at most loader.peerServeBytesPerSecond)."),
     "dlo_loader_store_retries_total": ("counter",
            "Object-store requests retried; label `reason`: " + ", ".join(RETRY_REASONS) + "."),
     "dlo_loader_stalls_total": ("counter",
@@ -57,6 +61,8 @@ from it."""
 REGISTRY = CollectorRegistry(auto_describe=True)
 RETRIES = Counter("dlo_loader_store_retries", METRICS["dlo_loader_store_retries_total"][1],
                   ["reason"], registry=REGISTRY)
+SERVED = Counter("dlo_loader_bytes_served", METRICS["dlo_loader_bytes_served_total"][1],
+                 registry=REGISTRY)
 
 
 def record_retry(reason: str) -> None:
@@ -154,6 +160,7 @@ class Endpoint:
     def __init__(self, port: int, addr: str = "0.0.0.0") -> None:
         self._metrics = make_wsgi_app(REGISTRY)
         self._summary: bytes | None = None
+        self._entry: Callable[..., Iterable[bytes]] | None = None
         self._server = make_server(addr, port, self._app, ThreadingWSGIServer,
                                    handler_class=_QuietHandler)
         self.port = self._server.server_port
@@ -168,8 +175,19 @@ class Endpoint:
         figures here (`dlo_operator.progress.read_summary`)."""
         self._summary = line.encode() + b"\n"
 
+    def serve_entry(self, app: Callable[..., Iterable[bytes]]) -> None:
+        """Answer the peer protocol's paths (`peer_serve.ENTRY_PATH`) with `app` from now on
+        (`peer_serve.EntryServer`: the published entry, to refilling peers)."""
+        self._entry = app
+
     def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        if environ.get("PATH_INFO") != LOADER_SUMMARY_PATH:
+        path = environ.get("PATH_INFO", "")
+        if path.startswith(ENTRY_PATH + "/"):
+            if self._entry is None:
+                start_response("404 Not Found", [("Content-Type", "text/plain")])
+                return [b"no entry served: the fill has not published one\n"]
+            return self._entry(environ, start_response)
+        if path != LOADER_SUMMARY_PATH:
             return self._metrics(environ, start_response)
         if self._summary is None:
             start_response("404 Not Found", [("Content-Type", "text/plain")])

@@ -113,13 +113,15 @@ class ChunkStreams:
 
     def _one(self, chunk: Chunk, pieces: Iterator[memoryview]) -> None:
         writing = 0.0
+        reached = 0  # a chunk delivered again (a peer's bad one, from the store) counts once
 
         def deliver(at: int, view: memoryview) -> None:
-            nonlocal writing
+            nonlocal writing, reached
             began = time.monotonic()
             self._sink.write_at(chunk.file, chunk.offset + at, view)
             writing += time.monotonic() - began
-            self._progress.add(written=len(view))
+            self._progress.add(written=max(at + len(view) - reached, 0))
+            reached = max(reached, at + len(view))
 
         began = time.monotonic()
         value = self._stream(chunk.file, chunk.offset, chunk.length, pieces, deliver)

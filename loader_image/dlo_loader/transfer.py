@@ -1,8 +1,9 @@
 """The data path of a fill once its node's publication is taken: the exchange started, run, its
 bytes checked, and the entry committed.
 
-Owns how a fill reads (from the store, streamed alone or chunk by chunk in a group, or from this
-node's entry where it holds one), the store's whole-object checksums asked for while the bytes
+Owns how a fill reads (from the store, streamed alone or chunk by chunk in a group, alone from
+the peers that hold the entry first (`peer_reads`), or from this node's entry where it holds
+one), the store's whole-object checksums asked for while the bytes
 move, and the order of the last steps: exchange, headers and store checksums (`checks`), every
 rank's digests compared, then (unless this node holds the entry already) the commit. Called by
 `fill`. Must not take locks, join a group or decide the plan.
@@ -30,6 +31,7 @@ if TYPE_CHECKING:  # exchange and transport are imported once the transfer start
     import threading
 
     from dlo_loader.exchange import Exchange, Reader
+    from dlo_loader.peer_reads import PeerReads
     from dlo_loader.sink import FileSink
     from dlo_loader.stream import Streamer
     from dlo_loader.transport import Group
@@ -50,6 +52,8 @@ class Transfer:
         self.store_check: digests_of.StoreCheck | None = None
         self._sink: FileSink | None = None
         """The files being written in the publication's tmp dir, made by the first exchange."""
+        self.peers: PeerReads | None = None
+        """A fill alone: the other nodes that hold the entry, read before the store."""
 
     def start(self, pub: Publication, plan: Plan, *, grouped: bool) -> Exchange:
         """The plan's data path, its reads started: from the store, or from this node's entry."""
@@ -142,7 +146,7 @@ class Transfer:
             return self.store.stream(plan.files[file], offset, length, pieces, counted,
                                      plan.algorithms[file])
 
-        return stream
+        return stream if self.peers is None else self.peers.streamer(plan, stream)
 
     def _reader(self, plan: Plan) -> Reader:
         def read(file: int, offset: int, into: memoryview) -> int:

@@ -1,0 +1,205 @@
+"""Refilling a wiped node from the nodes that hold its entry: real `dlo cache fill` processes on
+loopback. "Node A" fills from the store and stays up as a sidecar serving its entry; "node B"
+(another cache root) fills alone, told of A by the fill-group document, with its store reads
+counted by a proxy outside the loader."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from dlo_bench.faultproxy import CORRUPT, FaultPlan, FaultProxy
+from dlo_bench.s3server import S3Server, free_port
+from support.loader_fleet import (
+    LOADER_SETTINGS,
+    Checkpoint,
+    Outcome,
+    checkout_env,
+    entry_files,
+    finish,
+    included,
+    wait_until,
+)
+
+from dlo_contract.fill_group import FillGroup, Holder
+from dlo_contract.cache import read_manifest
+from dlo_loader.peer_serve import ACCESS_HEADER, ENTRY_PATH, access_key
+
+
+@dataclass
+class Node:
+    """One node's loader: its cache root and files, and where its endpoint listens."""
+
+    tmp: Path
+    name: str
+    port: int
+
+    @property
+    def root(self) -> Path:
+        return self.tmp / self.name / "cache"
+
+    @property
+    def entry_file(self) -> Path:
+        return self.tmp / self.name / "entry.json"
+
+    def command(self, source: str, endpoint: str, *extra: str, **settings: object) -> list[str]:
+        (self.tmp / self.name).mkdir(parents=True, exist_ok=True)
+        config = self.tmp / self.name / "settings.json"
+        config.write_text(json.dumps({"loader": {**LOADER_SETTINGS, "metrics_port": self.port,
+                                                 **settings}}))
+        return [sys.executable, "-m", "dlo_cli.main", "cache", "fill", "--config", str(config),
+                "--source", source, "--endpoint-url", endpoint,
+                "--cache-root", str(self.root), "--entry-file", str(self.entry_file),
+                "--summary-file", str(self.tmp / self.name / "termination-log"), *extra]
+
+    def start(self, source: str, endpoint: str, *extra: str, holders: tuple[Holder, ...] = (),
+              **settings: object) -> subprocess.Popen[str]:
+        env = checkout_env(DLO_NODE_NAME=self.name,
+                           DLO_FILL_GROUP=FillGroup(holders=holders).to_json())
+        return subprocess.Popen(self.command(source, endpoint, *extra, **settings), env=env,
+                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def holder(self, port: int | None = None) -> Holder:
+        return Holder(node=self.name, address="127.0.0.1", port=port or self.port)
+
+    def metric(self, name: str) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        return next(float(line.split()[-1]) for line in text.splitlines()
+                    if line.startswith(name + " "))
+
+
+@pytest.fixture
+def node_a(s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+           ) -> Iterator[tuple[Node, subprocess.Popen[str]]]:
+    """Node A: filled from the store, staying up as the pod's sidecar, serving its entry."""
+    node = Node(tmp_path, "nodeA", free_port())
+    process = node.start(checkpoint.source, s3.endpoint_url, "--keep-running")
+    try:
+        wait_until(lambda: node.entry_file.exists() or process.poll() is not None, 120)
+        assert node.entry_file.exists(), process.communicate(timeout=10)
+        yield node, process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            process.communicate(timeout=30)
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def _refill(node: Node, checkpoint: Checkpoint, store: FaultProxy,
+            holders: tuple[Holder, ...]) -> Outcome:
+    return finish(0, node.start(checkpoint.source, store.url, holders=holders))
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_a_wiped_node_refills_from_the_holder_without_a_store_read(
+        s3: S3Server, checkpoint: Checkpoint, node_a: tuple[Node, subprocess.Popen[str]],
+        tmp_path: Path) -> None:
+    """Every chunk comes from A, checked against A's manifest; the store is listed, never read;
+    B's entry is A's, byte for byte, and A counts what it served."""
+    a, _ = node_a
+    b = Node(tmp_path, "nodeB", free_port())
+    with FaultProxy(s3.endpoint_url) as store:
+        outcome = _refill(b, checkpoint, store, (a.holder(), b.holder()))  # itself: left out
+    assert outcome.returncode == 0, outcome.stderr
+    total = sum(len(v) for v in included(checkpoint.files).values())
+    assert store.object_requests == 0 and store.object_bytes == 0
+    assert outcome.summary["bytes_from_peers"] == total
+    assert outcome.summary["bytes_from_store"] == 0
+    assert entry_files(b.root) == entry_files(a.root) == included(checkpoint.files)
+    assert json.loads(b.entry_file.read_text())["entry_id"] == json.loads(
+        a.entry_file.read_text())["entry_id"]
+    assert a.metric("dlo_loader_bytes_served_total") == total
+    assert "refilling entry" in outcome.stderr
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_a_holder_that_serves_a_corrupted_chunk_is_dropped_and_the_store_fills_the_rest(
+        s3: S3Server, checkpoint: Checkpoint, node_a: tuple[Node, subprocess.Popen[str]],
+        tmp_path: Path) -> None:
+    """A's second chunk arrives with one byte flipped: its digest differs from the manifest's,
+    so B reads that chunk and every later one from the store; the entry is still exact."""
+    a, _ = node_a
+    b = Node(tmp_path, "nodeB", free_port())
+    with FaultProxy(f"http://127.0.0.1:{a.port}",
+                    FaultPlan(kinds=(CORRUPT,), every=2, limit=1)) as bad, \
+            FaultProxy(s3.endpoint_url) as store:
+        outcome = _refill(b, checkpoint, store, (a.holder(_port(bad.url)),))
+    assert outcome.returncode == 0, outcome.stderr
+    total = sum(len(v) for v in included(checkpoint.files).values())
+    assert bad.faults[CORRUPT] == 1
+    assert 0 < outcome.summary["bytes_from_peers"] < total
+    assert outcome.summary["bytes_from_peers"] + outcome.summary["bytes_from_store"] == total
+    assert store.object_bytes == outcome.summary["bytes_from_store"]
+    assert entry_files(b.root) == included(checkpoint.files)
+    assert "differ from the entry's digest" in outcome.stderr
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_a_holder_that_dies_mid_refill_is_dropped_and_the_store_fills_the_rest(
+        s3: S3Server, checkpoint: Checkpoint, node_a: tuple[Node, subprocess.Popen[str]],
+        tmp_path: Path) -> None:
+    """B's first chunk read from A is held until A is SIGKILLed: B finds A gone, and the store
+    serves the whole entry; nothing from A reached B."""
+    a, a_process = node_a
+    b = Node(tmp_path, "nodeB", free_port())
+    with FaultProxy(f"http://127.0.0.1:{a.port}") as held, \
+            FaultProxy(s3.endpoint_url) as store:
+        held.reads_open.clear()
+        process = b.start(checkpoint.source, store.url, holders=(
+            a.holder(_port(held.url)),), readers=1)
+        wait_until(lambda: held.object_requests >= 1 or process.poll() is not None)
+        a_process.kill()
+        a_process.communicate(timeout=30)
+        held.reads_open.set()
+        outcome = finish(0, process)
+    assert outcome.returncode == 0, outcome.stderr
+    total = sum(len(v) for v in included(checkpoint.files).values())
+    assert outcome.summary["bytes_from_peers"] == 0
+    assert outcome.summary["bytes_from_store"] == total == store.object_bytes
+    assert entry_files(b.root) == included(checkpoint.files)
+    assert "the store serves the rest" in outcome.stderr
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_the_served_entry_answers_only_a_reader_that_listed_its_source(
+        checkpoint: Checkpoint, node_a: tuple[Node, subprocess.Popen[str]]) -> None:
+    """Without the entry's key (a digest of its source's listing, which its id and summary do
+    not reveal), with another entry's id, a name outside the manifest, a range outside the file
+    or a method other than GET, A serves nothing; with the key, the range asked for."""
+    a, _ = node_a
+    entry_id = json.loads(a.entry_file.read_text())["entry_id"]
+    manifest = read_manifest(a.root / "v1" / "entries" / entry_id / "manifest.json")
+    key = access_key(manifest.identity)
+    base = f"http://127.0.0.1:{a.port}{ENTRY_PATH}"
+    name = "transformer/config.json"
+
+    def answer(path: str, key: str | None = key, method: str = "GET",
+               asked: str = "bytes=0-1") -> tuple[int, bytes]:
+        request = urllib.request.Request(base + path, method=method, headers={
+            "Range": asked, **({ACCESS_HEADER: key} if key else {})})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as reply:
+                return reply.status, reply.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, b""
+
+    assert answer(f"/{entry_id}/files/{name}") == (206, checkpoint.files[name][:2])
+    assert answer(f"/{entry_id}/manifest", key=None)[0] == 403
+    assert answer(f"/{entry_id}/files/{name}", key=entry_id)[0] == 403
+    assert answer(f"/{'0' * 64}/files/{name}")[0] == 404
+    assert answer(f"/{entry_id}/files/../../../../etc/passwd")[0] == 404
+    assert answer(f"/{entry_id}/files/transformer/../transformer/config.json")[0] == 404
+    assert answer(f"/{entry_id}/files/{name}", asked="bytes=0-999999")[0] == 416
+    assert answer(f"/{entry_id}/manifest", method="PUT")[0] == 405
