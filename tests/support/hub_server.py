@@ -20,6 +20,7 @@ blob from storage. Test support only.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import threading
@@ -32,8 +33,16 @@ LFS_MIN_BYTES = 1024
 """Files of this size or more are stored with LFS (the Hub's rule is by type and size)."""
 
 
+@functools.cache
 def blob_id(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+@functools.cache
+def lfs_sha256(data: bytes) -> str:
+    """The LFS digest of `data`, computed once per file (the benchmark serves large files: a
+    digest per request would bound what the stand-in serves)."""
+    return hashlib.sha256(data).hexdigest()
 
 
 class HubServer:
@@ -80,7 +89,7 @@ class HubServer:
             self.commits[commit] = dict(files)
             self.branches["main"] = commit
             for data in files.values():
-                self.blobs[hashlib.sha256(data).hexdigest()] = data
+                self.blobs[lfs_sha256(data)] = data
             return commit
 
     def expire_signatures(self) -> None:
@@ -92,11 +101,11 @@ class HubServer:
         change on the Hub)."""
         with self._lock:
             self.commits[commit] = {**self.commits[commit], name: data}
-            self.blobs[hashlib.sha256(data).hexdigest()] = data
+            self.blobs[lfs_sha256(data)] = data
 
     def corrupt_blob(self, data: bytes) -> None:
         """Storage serves the blob of `data` with one byte flipped (a broken mirror)."""
-        sha = hashlib.sha256(data).hexdigest()
+        sha = lfs_sha256(data)
         broken = bytearray(data)
         broken[len(broken) // 2] ^= 0xFF
         self.blobs[sha] = bytes(broken)
@@ -113,7 +122,7 @@ class HubServer:
                 sibling |= {"size": len(data), "blobId": blob_id(data)}
                 if len(data) >= LFS_MIN_BYTES:
                     sibling["lfs"] = {"size": len(data), "pointerSize": 134,
-                                      "sha256": hashlib.sha256(data).hexdigest()}
+                                      "sha256": lfs_sha256(data)}
             siblings.append(sibling)
         return {"_id": "0" * 24, "id": self.repo_id, "modelId": self.repo_id, "sha": commit,
                 "private": False, "disabled": False, "gated": False, "downloads": 0,
@@ -169,7 +178,7 @@ class HubServer:
                 if len(data) < LFS_MIN_BYTES:
                     send_file_bytes(self, data, f'"{blob_id(data)}"', hub.served, headers)
                     return
-                sha = hashlib.sha256(data).hexdigest()
+                sha = lfs_sha256(data)
                 self.send_response(302)
                 for key, value in {**headers, "X-Linked-Etag": f'"{sha}"',
                                    "X-Linked-Size": str(len(data)), "ETag": f'"{blob_id(data)}"',
