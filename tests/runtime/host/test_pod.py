@@ -272,3 +272,36 @@ def test_enabling_a_weightless_dit_skips_the_full_collection(
         assert collections
     finally:
         handle.close()
+
+
+def test_close_closes_every_backend_and_plan_when_one_raises_and_then_raises_the_first() -> None:
+    """A backend whose DLO group drifted raises `OffloadError` from `disable` once it has torn
+    down alone; the handle still disables the others and closes every plan (an entry left in
+    use, or registered pages, would outlive the error)."""
+    done: list[str] = []
+
+    class Backend:
+        def __init__(self, name: str, error: OffloadError | None) -> None:
+            self.name, self.error = name, error
+
+        def disable(self, *, restore: bool) -> None:
+            done.append(f"disable {self.name} restore={restore}")
+            if self.error is not None:
+                raise self.error
+
+    class Plan:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def close(self) -> None:
+            done.append(f"close {self.name}")
+
+    first, second = OffloadError("drift in b"), OffloadError("drift in a")
+    offloaded = [pod._Offloaded(name, Backend(name, error), Plan(name))  # type: ignore[arg-type]
+                 for name, error in (("a", second), ("b", first), ("c", None))]
+    handle = pod.OffloadHandle(torch.device("cpu"), offloaded)
+    with pytest.raises(OffloadError) as caught:
+        handle.close()
+    assert caught.value is first
+    assert done == ["disable c restore=False", "close c", "disable b restore=False", "close b",
+                    "disable a restore=False", "close a"]
