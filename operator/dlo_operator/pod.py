@@ -38,6 +38,7 @@ from dlo_contract.names import (
     ENTRY_WAIT_ENV,
     FILL_GROUP_ENV,
     LOADER_METRICS_PORT_NAME,
+    NODE_NAME_ENV,
     POD_NAME_ENV,
     REVISION_ENV,
     RUN_DIR,
@@ -150,6 +151,8 @@ def loader_container(spec: DeploymentSpec, group_env: list[dict[str, Any]], *,
     workload pod's `sidecar` it stays up after publishing and is ready once the entry document
     exists; in the prefill Job it is an ordinary container that ends with its fill."""
     env: list[dict[str, Any]] = [*group_env, {"name": CONFIG_ENV, "value": DEFAULT_CONFIG_PATH}]
+    # The node, for the other loaders of a fill group to name this one if it is lost.
+    env.append({"name": NODE_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
     env += credential_env(spec)
     args = ["--config", DEFAULT_CONFIG_PATH, "--entry-file", DEFAULT_ENTRY_FILE]
     container: dict[str, Any] = {

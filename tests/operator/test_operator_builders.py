@@ -118,6 +118,7 @@ def test_loader_learns_its_group_from_the_fill_group_document_not_the_replicas()
         "DLO_FILL_GROUP": {"configMapKeyRef": {"name": "flux-fill-group", "key": "group.json",
                                                "optional": True}},
         "DLO_CONFIG": "/etc/dlo/settings.json",
+        "DLO_NODE_NAME": {"fieldRef": {"fieldPath": "spec.nodeName"}},
     }
     scaled = statefulset({**MINIMAL, "replicas": 9, "loader": {"port": 29600}})
     assert scaled["spec"]["template"] == sts["spec"]["template"]

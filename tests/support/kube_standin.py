@@ -371,6 +371,8 @@ def _placement(env: Mapping[str, str], pod: str) -> tuple[int, int, str]:
 def _field(pod: Mapping[str, Any], path: str) -> str:
     if path == "metadata.name":
         return str(pod["metadata"]["name"])
+    if path == "spec.nodeName":
+        return str(pod.get("spec", {}).get("nodeName", ""))
     if path.startswith("metadata.annotations['"):
         return str(pod["metadata"].get("annotations", {}).get(path[22:-2], ""))
     if path.startswith("metadata.labels['"):
