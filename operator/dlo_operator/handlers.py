@@ -31,6 +31,7 @@ from typing import Any
 import kopf
 
 from dlo_operator import metrics, progress, provisioner
+from dlo_operator.conditions import post_event
 from dlo_operator.errors import KubeError, KubeTransientError, SpecError
 from dlo_operator.installation import InstallationConfig
 from dlo_operator.kube import KubeClient
@@ -145,10 +146,11 @@ def on_cache_volume(type: str, body: kopf.Body, name: str, memo: kopf.Memo, **_:
                                  f"volume {name}", time.sleep)
 
 
-def _keep_summaries(memo: kopf.Memo, namespace: str, pods: Any, port: int,
+def _keep_summaries(memo: kopf.Memo, body: kopf.Body, pods: Any, port: int,
                     logger: logging.Logger) -> None:
     """Copy each published sidecar loader's fill summary onto its pod, where the status reads it
-    (the pod event that follows reconciles)."""
+    (the pod event that follows reconciles); an Event says where one refilled from peers."""
+    namespace = body["metadata"]["namespace"]
     for pod in pods:
         pod_name = pod["metadata"]["name"]
         line = progress.read_summary(pod["status"]["podIP"], port)
@@ -159,6 +161,10 @@ def _keep_summaries(memo: kopf.Memo, namespace: str, pods: Any, port: int,
         except (KubeError, KubeTransientError) as exc:
             logger.warning("fill summary of pod %s/%s not kept, the next tick retries: %s",
                            namespace, pod_name, exc)
+            continue
+        report = progress.refill_report(pod, line)
+        if report is not None:
+            post_event(body, report)
 
 
 def _quietly(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger) -> None:
@@ -192,7 +198,7 @@ def _reconcile(memo: kopf.Memo, namespace: str, name: str) -> None:
 
 @kopf.timer(*DOD, interval=progress.INTERVAL_S, registry=registry)
 def loader_progress(spec: kopf.Spec, name: str, namespace: str, status: kopf.Status,
-                    memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+                    body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     """Live progress: while loaders fill (the pods' or a prefill's), read their metrics
     endpoints into `status.progress`; remove it once none fills (the fill summaries in
     `status.nodes` hold the final figures). A pod's sidecar loader that published has its
@@ -208,7 +214,7 @@ def loader_progress(spec: kopf.Spec, name: str, namespace: str, status: kopf.Sta
                        namespace, name, exc)
         return
     if port:
-        _keep_summaries(memo, namespace, progress.published_without_summary(every), port, logger)
+        _keep_summaries(memo, body, progress.published_without_summary(every), port, logger)
     pods = progress.running_loaders(every)
     current = progress.progress_status(
         progress.read_all(pods, port) if port else [], previous=status.get("progress"),

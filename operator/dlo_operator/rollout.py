@@ -8,7 +8,9 @@ turned off), the new prefill record and the Events to post. Stages:
     Creating     no StatefulSet: create it with every pod in one fill group
     Serving      the StatefulSet serves the desired revision; scale by stepping `replicas`, new
                  pods in a fresh fill group (no existing pod restarts), one group at a time;
-                 close a group once its members finished or one of them was scaled away
+                 close a group once its members finished or one of them was scaled away;
+                 the fill-group document names the nodes that hold the entry (`entry_holders`),
+                 which a pod recreated alone reads it from
     Restarting   the settings changed but not the entry, or the prefill succeeded: roll the
                  pods at the live replica count; a scale-up waits one step, for Serving to
                  give its new pods a group
@@ -25,10 +27,11 @@ Must not call the cluster (that is `reconcile`), nor compute the pods' status (`
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dlo_contract.fill_group import FillGroup
+from dlo_contract.fill_group import FillGroup, Holder
 from dlo_operator.configmap import (
     build_configmap,
     build_fill_group_configmap,
@@ -103,10 +106,30 @@ def _serve(owner: Owner, spec: DeploymentSpec, seen: Observed) -> Decision:
     elif spec.replicas < live:
         message = f"scaling {live} -> {spec.replicas}: removing pods, no other pod restarts"
     decision = Decision(stage=Stage.SERVING, message=message)
+    group = dataclasses.replace(group, holders=entry_holders(spec, seen.pods))
     decision.apply = [build_configmap(owner, spec), build_fill_group_configmap(owner, group),
                       build_service(owner, spec), build_statefulset(owner, spec, replicas)]
     _carry(seen.prefill, revision(spec), decision)
     return decision
+
+
+def entry_holders(spec: DeploymentSpec, pods: Sequence[Mapping[str, Any]]) -> tuple[Holder, ...]:
+    """The nodes whose pod's loader published its entry and stays up serving it to the DOD's
+    loaders that refill another node (`dlo_loader.peer_serve`), one per node, by node name:
+    where a pod recreated alone reads its entry before the store. A holder of another entry
+    (an older revision's) is asked once and skipped by the loader, which checks the entry. None
+    when the loaders serve nothing (`loader.metricsPort` or `loader.peerServeBytesPerSecond`
+    0)."""
+    loader = spec.settings.loader
+    if not loader.metrics_port or not loader.peer_serve_bytes_per_second:
+        return ()
+    found: dict[str, Holder] = {}
+    for pod in pods:
+        row, address = node_entry(pod), (pod.get("status") or {}).get("podIP")
+        if (row["loader"] == LoaderState.CACHED.value and row["node"] and address
+                and not (pod.get("metadata") or {}).get("deletionTimestamp")):
+            found.setdefault(row["node"], Holder(row["node"], address, loader.metrics_port))
+    return tuple(found[node] for node in sorted(found))
 
 
 def _carry(record: Mapping[str, Any], rev: str, decision: Decision) -> None:
