@@ -242,7 +242,7 @@ class DistributedLayerwiseOffloadBackend:
         self._forward_gate.attach(self.dit)
         if self.group is not None:
             self._lockstep = GroupLockstep(
-                self.group, rank=self.rank, model=type(self.dit).__name__,
+                self.group, rank=self.rank, device=self.device, model=type(self.dit).__name__,
                 timeout_s=self.settings.offload.group_wait_timeout_s, names=self.names)
             self._lockstep.attach(self.dit)
         self._hooks = []

@@ -67,8 +67,8 @@ class GroupLockstep:
     """The forward count of one AllGather backend, compared across its group; see [Note:
     lockstep]."""
 
-    def __init__(self, group: dist.ProcessGroup, *, rank: int, model: str, timeout_s: float,
-                 names: Names) -> None:
+    def __init__(self, group: dist.ProcessGroup, *, rank: int, device: torch.device, model: str,
+                 timeout_s: float, names: Names) -> None:
         self.group = group
         self.rank = rank
         self.model = model
@@ -80,7 +80,7 @@ class GroupLockstep:
         self.state = LockstepState.IN_STEP
         self._drift: OffloadError | None = None
         """The error every later forward of a drifted group raises again."""
-        self._device = _exchange_device(group)
+        self._device = _exchange_device(group, device)
         self._handle: RemovableHandle | None = None
 
     def attach(self, dit: nn.Module) -> None:
@@ -185,10 +185,8 @@ def _doing(phase: Phase, count: int) -> str:
     return f"disables after {count} forward{'' if count == 1 else 's'}"
 
 
-def _exchange_device(group: dist.ProcessGroup) -> torch.device:
+def _exchange_device(group: dist.ProcessGroup, device: torch.device) -> torch.device:
     """The host when the group gathers host tensors (gloo, or a `cpu:gloo,cuda:nccl` group);
-    else the current accelerator (an NCCL-only group gathers device tensors only)."""
-    accelerator = torch.accelerator.current_accelerator()
-    if "gloo" in str(dist.get_backend(group)) or accelerator is None:
-        return torch.device("cpu")
-    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+    else the backend's `device`, where the group gathers the blocks (an NCCL-only group gathers
+    device tensors only)."""
+    return torch.device("cpu") if "gloo" in str(dist.get_backend(group)) else device
