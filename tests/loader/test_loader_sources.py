@@ -298,6 +298,22 @@ def test_a_stale_listing_file_is_named(checkpoint: Checkpoint, tmp_path: Path) -
     assert caught.value.hint == "write dlo-listing.json again"
 
 
+def test_a_server_that_ignores_ranges_serves_whole_files_only(
+        checkpoint: Checkpoint, tmp_path: Path) -> None:
+    config = "transformer/config.json"
+    with serving("https", checkpoint.files, tmp_path, ranges=False) as served:
+        source = open_served(served)
+        small = next(o for o in source.list(["*.json"]) if o.key == config)
+        whole = bytearray(small.size)
+        source.read(small, 0, memoryview(whole), ALGORITHM)  # a file in one read: taken
+        obj = shard_of(source)
+        with pytest.raises(SourceError) as caught:
+            source.read(obj, 0, memoryview(bytearray(100)), ALGORITHM)
+    assert whole == checkpoint.files[config]
+    assert str(caught.value) == (f"{served.source}{SHARD}: the server answered a range with "
+                                 "the whole file (status 200)")
+
+
 def test_reads_stop_retrying_when_the_fill_stops(checkpoint: Checkpoint, tmp_path: Path) -> None:
     stop = threading.Event()
     with serving("https", checkpoint.files, tmp_path,

@@ -83,15 +83,17 @@ def send_error(handler: BaseHTTPRequestHandler, status: int, code: str = "") -> 
 
 
 def send_file_bytes(handler: BaseHTTPRequestHandler, data: bytes | FileBytes, etag: str | None,
-                    served: Served, headers: dict[str, str] | None = None) -> None:
-    """Answer `handler`'s GET or HEAD with `data` (one `Range`, or whole); `etag` (quoted,
-    or None for a server without ETags) is sent and compared with `If-Match` (412)."""
+                    served: Served, headers: dict[str, str] | None = None, *,
+                    ranges: bool = True) -> None:
+    """Answer `handler`'s GET or HEAD with `data` (one `Range`, or whole; always whole
+    without `ranges`); `etag` (quoted, or None for a server without ETags) is sent and compared
+    with `If-Match` (412)."""
     asked_match = handler.headers.get("If-Match")
     if asked_match is not None and asked_match != "*" and asked_match != etag:
         served.count(handler.command)
         send_error(handler, 412, "PreconditionFailed")
         return
-    wanted = handler.headers.get("Range")
+    wanted = handler.headers.get("Range") if ranges else None
     status, body, extra = 200, data[0:len(data)], {}
     if wanted:
         match = _RANGE.match(wanted)
@@ -141,10 +143,12 @@ def file_etag(path: Path) -> str:
 class DirectoryServer:
     """Serves `root` at `http://127.0.0.1:<port>/` in threads (`with DirectoryServer(root)`);
     with `token`, every request must send `Authorization: Bearer <token>` (else 401);
-    `etags=False` serves without ETags (a server that has none)."""
+    `etags=False` serves without ETags (a server that has none), `ranges=False` every file
+    whole (one that ignores `Range`)."""
 
-    def __init__(self, root: Path, *, token: str | None = None, etags: bool = True) -> None:
-        self.root, self.token, self.etags = root, token, etags
+    def __init__(self, root: Path, *, token: str | None = None, etags: bool = True,
+                 ranges: bool = True) -> None:
+        self.root, self.token, self.etags, self.ranges = root, token, etags, ranges
         self.served = Served()
         self._thread = ServerThread(self._handler())
         self.url = self._thread.url
@@ -170,7 +174,8 @@ class DirectoryServer:
                     send_error(self, 404, "NotFound")
                     return
                 send_file_bytes(self, FileBytes(path),
-                                file_etag(path) if owner.etags else None, owner.served)
+                                file_etag(path) if owner.etags else None, owner.served,
+                                ranges=owner.ranges)
 
             do_HEAD = do_GET
 

@@ -108,7 +108,9 @@ class HttpClient:
                headers: Mapping[str, str] | None = None) -> Iterator[tuple[Answer, HttpBody]]:
         """A GET of bytes `[start, start + length)` of `url`: the answer (its status and
         `Content-Range` checked: the span asked for, `size_of` tells the total), and its body
-        to read into the caller's buffers; closed on the way out."""
+        to read into the caller's buffers; closed on the way out. A server that answers with the
+        whole file (200) is taken only where that is what was asked for (from 0, of its
+        length): a small file some servers do not serve in ranges."""
         answer = self.request("GET", url, {
             **(headers or {}), "Range": f"bytes={start}-{start + length - 1}",
             "Accept-Encoding": "identity"})
@@ -117,14 +119,17 @@ class HttpClient:
         try:
             span = response.headers.get("Content-Range", "").rpartition("/")[0]
             asked = f"bytes {start}-{start + length - 1}"
-            if response.status == 200:
+            got_length = response.headers.get("Content-Length")
+            if response.status == 200 and (start or got_length != str(length)):
                 raise SourceError(f"{answer.url}: the server answered a range with the whole "
                                   "file (status 200)",
                                   hint="serve the source from a server that honours Range")
+            if response.status == 200:  # the whole file was asked for, and sent
+                yield answer, body
+                return
             if response.status != 206 or span != asked:
                 raise ShortBody(f"status {response.status}, Content-Range "
                                 f"{response.headers.get('Content-Range')!r}, asked for {asked!r}")
-            got_length = response.headers.get("Content-Length")
             if got_length is not None and int(got_length) != length:
                 raise ShortBody(f"Content-Length {got_length}, asked for {length}")
             yield answer, body
