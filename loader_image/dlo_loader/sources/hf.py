@@ -11,10 +11,10 @@ following the redirect to the Hub's storage (the token stays with the Hub's host
 answer's `X-Linked-Etag` (else `ETag`) and `X-Linked-Size` must be the listed ones, and the
 bytes' total size the listed size (else `SourceChanged`). The storage URL it redirected to (a
 signed one) serves the file's next reads directly, one round trip instead of two, until the
-storage refuses it (its signature expired) and the resolve URL is asked again. The store checksums are the LFS
-sha256 and the git blob id of every file, each checked against the written file. The endpoint
-is `loader.endpoint_url`, else `HF_ENDPOINT`, else the public Hub; a token in `HF_TOKEN` goes
-with every request to it. Called through `dlo_loader.sources`.
+storage refuses it (its signature expired) and the resolve URL is asked again. The store
+checksums are the LFS sha256 and the git blob id of every file, each checked against the
+written file. The endpoint is `loader.endpoint_url`, else `HF_ENDPOINT`, else the public Hub; a
+token in `HF_TOKEN` goes with every request to it. Called through `dlo_loader.sources`.
 """
 
 from __future__ import annotations
