@@ -98,7 +98,8 @@ def _direct(model: Path, jobs: list[dict[str, Any]], steps: list[int]
     figures, each job's PNG (the reference), and the idle-rank figures."""
     import torch
 
-    from dlo_server.sampler import FluxSampler, Job, resident_dit
+    from dlo_server.requests import Job
+    from dlo_server.sampler import FluxSampler, resident_dit
 
     torch.set_num_threads(1)
     device = torch.device("cpu")

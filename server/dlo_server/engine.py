@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from dlo_server.metrics import ServerMetrics
-from dlo_server.sampler import FluxSampler, Job
+from dlo_server.requests import Job
+from dlo_server.sampler import FluxSampler
 from dlo_server.status import State, Status
 from dlo_server.waves import Pending, WaveQueue
 

@@ -1,5 +1,5 @@
 """The body of `POST /v1/images/generations` (OpenAI images API shape) checked and turned into
-jobs, one per image.
+jobs (`Job`), one per image.
 
 Owns the request fields, their defaults and bounds (`Limits`), and the 400 answer's wording: each
 `RequestError` names the field as the client wrote it, the value, and what is accepted. Pure: no
@@ -11,13 +11,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dlo_server.sampler import Job
 
 RESPONSE_FORMAT = "b64_json"
 FIELDS = ("prompt", "n", "size", "response_format", "num_inference_steps", "guidance_scale",
           "seed", "model", "user")
 """Every field a request may carry; `model`, when given, must name the served model; `user` is
 accepted and not used."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One image to make: what a request asks for, one per image (`n` images: seeds
+    `seed`, `seed + 1`, ...)."""
+
+    prompt: str
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
+    seed: int
 
 
 @dataclass(frozen=True)

@@ -17,30 +17,18 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
+from dlo_server.requests import Job
+
 log = logging.getLogger(__name__)
 
 TEXT_TOKENS = 8
 """Sequence length of the hashed prompt embeddings."""
-
-
-@dataclass(frozen=True)
-class Job:
-    """One image to make: what a request asks for, one per image (`n` images: seeds
-    `seed`, `seed + 1`, ...)."""
-
-    prompt: str
-    width: int
-    height: int
-    steps: int
-    guidance_scale: float
-    seed: int
 
 
 class HashedPromptEncoder:

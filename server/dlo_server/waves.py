@@ -14,7 +14,7 @@ import threading
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
-from dlo_server.sampler import Job
+from dlo_server.requests import Job
 
 
 @dataclass

@@ -11,8 +11,7 @@ from dlo_bench.models import tiny_model
 from dlo_bench.serve_model import save_pipeline_layout
 from dlo_runtime.pod import PodError
 from dlo_server.engine import check_model_folder
-from dlo_server.requests import Limits, RequestError, parse_request
-from dlo_server.sampler import Job
+from dlo_server.requests import Job, Limits, RequestError, parse_request
 from dlo_server.waves import QueueClosed, QueueFull, WaveQueue
 
 LIMITS = Limits(size_multiple=4, max_side=64, max_steps=8, max_n=3)

@@ -1,7 +1,7 @@
-"""Waves over a real 2-rank group (two `dlo serve` processes over gloo on loopback): concurrent
-requests of mixed step counts each get the image a resident pipeline makes for them in one
-process, bit for bit, in AllGather mode (idle ranks run dropped forwards) and in rank-local
-mode."""
+"""Waves over a real 2-rank group (two `dlo serve` processes over gloo on loopback): ten
+concurrent requests of mixed step counts (one of them for two images) each get the images a
+resident pipeline makes for them in one process, bit for bit, in AllGather mode (idle ranks run
+dropped forwards) and in rank-local mode."""
 
 from __future__ import annotations
 
@@ -28,14 +28,18 @@ def jobs(count: int) -> list[dict]:
 
 
 def serve_concurrently(server: RunningServer, wanted: list[dict]) -> list[bytes]:
-    def one(job: dict) -> bytes:
-        [png] = png_of(server.generate({
+    """One request per job, all at once, except that the last two jobs (seeds s and s + 1, the
+    same otherwise) are one request with n=2; the images in job order."""
+    *singles, pair, _ = wanted
+
+    def one(job: dict, n: int = 1) -> list[bytes]:
+        return png_of(server.generate({
             "prompt": job["prompt"], "size": f"{job['width']}x{job['height']}",
-            "num_inference_steps": job["steps"], "seed": job["seed"]}))
-        return png
+            "num_inference_steps": job["steps"], "seed": job["seed"], "n": n}))
 
     with ThreadPoolExecutor(len(wanted)) as pool:
-        return list(pool.map(one, wanted))
+        answers = [pool.submit(one, job) for job in singles] + [pool.submit(one, pair, 2)]
+        return [png for answer in answers for png in answer.result()]
 
 
 @pytest.mark.parametrize("allgather", [True, False], ids=["allgather", "rank-local"])
@@ -48,6 +52,7 @@ def test_concurrent_requests_of_mixed_steps_equal_their_resident_reference(
     assert server.get("/health/ready").json()["detail"] == (
         f"2 rank(s), {'allgather' if allgather else 'rank-local'} mode")
     wanted = jobs(10)
+    wanted.append({**wanted[-1], "seed": wanted[-1]["seed"] + 1})  # the 10th request has n=2
     served = serve_concurrently(server, wanted)
     expected = references(files, wanted, tmp_path / "jobs.json")
     mismatched = [index for index, (got, want) in enumerate(zip(served, expected)) if got != want]

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from dlo_server.sampler import FluxSampler, Job, resident_dit
+from dlo_server.requests import Job
+from dlo_server.sampler import FluxSampler, resident_dit
 
 
 def main(model: Path, jobs_file: Path) -> None:
