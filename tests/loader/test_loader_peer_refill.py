@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from dlo_bench.faultproxy import CORRUPT, FaultPlan, FaultProxy
+from dlo_bench.faultproxy import CORRUPT, STALL, FaultPlan, FaultProxy
 from dlo_bench.s3server import S3Server, free_port
 from support.loader_fleet import (
     LOADER_SETTINGS,
@@ -103,18 +103,25 @@ def _refill(node: Node, checkpoint: Checkpoint, store: FaultProxy,
 
 
 @pytest.mark.usefixtures("aws_env")
-def test_a_wiped_node_refills_from_the_holder_without_a_store_read(
+def test_a_wiped_node_refills_from_the_holders_without_a_store_read(
         s3: S3Server, checkpoint: Checkpoint, node_a: tuple[Node, subprocess.Popen[str]],
         tmp_path: Path) -> None:
-    """Every chunk comes from A, checked against A's manifest; the store is listed, never read;
-    B's entry is A's, byte for byte, and A counts what it served."""
+    """Every chunk comes from a holder, checked against its manifest, spread over both holders
+    (A, and A again behind a second address standing for another node); the store is listed,
+    never read; B's entry is A's, byte for byte, and A counts what it served."""
     a, _ = node_a
     b = Node(tmp_path, "nodeB", free_port())
-    with FaultProxy(s3.endpoint_url) as store:
-        outcome = _refill(b, checkpoint, store, (a.holder(), b.holder()))  # itself: left out
+    with FaultProxy(s3.endpoint_url) as store, \
+            FaultProxy(f"http://127.0.0.1:{a.port}") as first, \
+            FaultProxy(f"http://127.0.0.1:{a.port}") as second:
+        outcome = _refill(b, checkpoint, store, (
+            a.holder(_port(first.url)), Holder("nodeC", "127.0.0.1", _port(second.url)),
+            b.holder()))  # itself: left out
     assert outcome.returncode == 0, outcome.stderr
     total = sum(len(v) for v in included(checkpoint.files).values())
     assert store.object_requests == 0 and store.object_bytes == 0
+    assert first.object_bytes > 0 and second.object_bytes > 0
+    assert first.object_bytes + second.object_bytes == total
     assert outcome.summary["bytes_from_peers"] == total
     assert outcome.summary["bytes_from_store"] == 0
     assert entry_files(b.root) == entry_files(a.root) == included(checkpoint.files)
@@ -144,6 +151,28 @@ def test_a_holder_that_serves_a_corrupted_chunk_is_dropped_and_the_store_fills_t
     assert store.object_bytes == outcome.summary["bytes_from_store"]
     assert entry_files(b.root) == included(checkpoint.files)
     assert "differ from the entry's digest" in outcome.stderr
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_a_holder_that_goes_silent_is_dropped_after_the_stall_timeout(
+        s3: S3Server, checkpoint: Checkpoint, node_a: tuple[Node, subprocess.Popen[str]],
+        tmp_path: Path) -> None:
+    """A's first chunk stops halfway and nothing follows: after `stallTimeoutSeconds` B drops
+    A and reads that chunk and the rest from the store."""
+    a, _ = node_a
+    b = Node(tmp_path, "nodeB", free_port())
+    with FaultProxy(f"http://127.0.0.1:{a.port}",
+                    FaultPlan(kinds=(STALL,), limit=1, stall_s=30.0)) as silent, \
+            FaultProxy(s3.endpoint_url) as store:
+        outcome = finish(0, b.start(checkpoint.source, store.url, holders=(
+            a.holder(_port(silent.url)),), readers=1, stall_timeout_s=1.0))
+    assert outcome.returncode == 0, outcome.stderr
+    total = sum(len(v) for v in included(checkpoint.files).values())
+    assert silent.faults[STALL] == 1
+    assert outcome.summary["bytes_from_peers"] == 0
+    assert outcome.summary["bytes_from_store"] == total == store.object_bytes
+    assert entry_files(b.root) == included(checkpoint.files)
+    assert "timed out" in outcome.stderr
 
 
 @pytest.mark.usefixtures("aws_env")
