@@ -20,21 +20,35 @@ def test_help_lists_every_top_level_command(capsys) -> None:
         assert name in out
 
 
-def test_help_imports_no_plane() -> None:
+def help_without_planes(*argv: str) -> str:
+    """`dlo ARGV --help`'s output in a process where torch, boto3 and kopf cannot import."""
     code = (
         "import sys\n"
         "for name in ('torch', 'boto3', 'kopf', 'kubernetes'): sys.modules[name] = None\n"
         "from dlo_cli import main as cli\n"
         "try:\n"
-        "    cli.main(['cache', '--help'])\n"
+        f"    cli.main({[*argv, '--help']!r})\n"
         "except SystemExit as e:\n"
         "    print('exit', e.code)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "exit 0" in out.stdout
+    return out.stdout
+
+
+def test_help_imports_no_plane() -> None:
+    out = help_without_planes("cache")
     for leaf in ("ls", "verify", "gc", "fill"):
-        assert leaf in out.stdout
+        assert leaf in out
+
+
+def test_serve_help_lists_its_options_without_importing_torch() -> None:
+    out = help_without_planes("serve")
+    for option in ("--port", "--ranks", "--queue-size", "--max-n", "--max-steps", "--max-side",
+                   "--model", "--threads"):
+        assert option in out
+    assert "--master-port" not in out  # the ranks' own flags stay hidden
 
 
 @pytest.mark.parametrize("command", cli.COMMANDS, ids=lambda c: " ".join(c.path))
