@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from dlo_bench.faultproxy import FAULT_KINDS, STALL, FaultPlan
-from dlo_loader.digest import ALGORITHM, chunk_digest
+from dlo_loader.digest import ALGORITHM, chunk_digest, file_hash
 from dlo_loader.errors import SourceChanged, SourceError, SourceUnavailable
 from dlo_loader.sources import Source, SourceOptions, open_source, parse_source
 from dlo_contract.cache import ObjectIdentity
@@ -312,6 +312,17 @@ def test_a_server_that_ignores_ranges_serves_whole_files_only(
     assert whole == checkpoint.files[config]
     assert str(caught.value) == (f"{served.source}{SHARD}: the server answered a range with "
                                  "the whole file (status 200)")
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_a_git_blob_id_is_the_one_git_gives(tmp_path: Path) -> None:
+    """The Hub names a file stored in git by its blob id; the fill checks it as git computes
+    it (not only as the Hub stand-in does)."""
+    path = tmp_path / "config.json"
+    path.write_bytes(b'{"num_layers": 10}\n')
+    expected = subprocess.run(["git", "hash-object", str(path)], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    assert file_hash(path, "git-sha1") == expected
 
 
 def test_reads_stop_retrying_when_the_fill_stops(checkpoint: Checkpoint, tmp_path: Path) -> None:
