@@ -5,6 +5,7 @@ the caller's buffer, the retried faults, a replaced object, wrong credentials, a
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import hashlib
 import json
@@ -235,28 +236,41 @@ def test_an_azure_connection_string_names_the_account_and_an_endpoint(
     assert AZURITE_KEY not in str(caught.value)
 
 
-@pytest.fixture
-def denying_server() -> Iterator[str]:
-    """An HTTP server answering every request as GCS answers a caller without access."""
+@contextlib.contextmanager
+def answering(status: int, document: dict[str, object]) -> Iterator[str]:
+    """An HTTP server on loopback answering every GET and POST with `status` and `document`
+    (JSON); yields its URL."""
 
-    class Deny(BaseHTTPRequestHandler):
+    class Answer(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (stdlib naming)
-            body = json.dumps({"error": {"code": 403, "message": "caller has no access",
-                                         "errors": [{"reason": "forbidden"}]}}).encode()
-            self.send_response(403)
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            body = json.dumps(document).encode()
+            self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
 
+        do_POST = do_GET
+
         def log_message(self, format: str, *args: object) -> None:  # noqa: A002
             """Silent."""
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Deny)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def denying_server() -> Iterator[str]:
+    """Answers every request as GCS answers a caller without access."""
+    with answering(403, {"error": {"code": 403, "message": "caller has no access",
+                                   "errors": [{"reason": "forbidden"}]}}) as url:
+        yield url
 
 
 def test_gcs_access_denied_names_the_source_and_where_credentials_come_from(
@@ -335,3 +349,35 @@ def test_a_blob_written_in_blocks_has_no_checksum_and_counts_as_unchecked(
     checksums = store.checksums(objects)
     assert checksums[SHARD] == digest.StoreChecksum(None)
     assert all(checksums[o.key].algorithm == "md5" for o in objects if o.key != SHARD)
+
+
+@pytest.fixture
+def refusing_token_server() -> Iterator[str]:
+    """An OAuth token endpoint refusing every grant, as Google's refuses a revoked key."""
+    with answering(400, {"error": "invalid_grant",
+                         "error_description": "Invalid JWT Signature."}) as url:
+        yield f"{url}/token"
+
+
+def test_a_gcs_key_the_token_service_refuses_is_denied_without_the_key(
+        gs_store: CloudStore, cloud_files: dict[str, bytes], refusing_token_server: str,
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    source = gs_store.put("revoked", cloud_files)
+    pem = rsa.generate_private_key(public_exponent=65537, key_size=2048).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()).decode()
+    key_file = tmp_path / "key.json"
+    key_file.write_text(json.dumps({
+        "type": "service_account", "project_id": "test", "private_key_id": "1",
+        "private_key": pem, "client_email": "loader@test.iam.gserviceaccount.com",
+        "client_id": "1", "token_uri": refusing_token_server}))
+    monkeypatch.delenv(GCS_EMULATOR_ENV)  # the key file, not the emulator's anonymity
+    monkeypatch.setenv(GOOGLE_APPLICATION_CREDENTIALS_ENV, str(key_file))
+    with pytest.raises(SourceError) as caught:
+        open_store(gs_store, source).list(INCLUDE)
+    assert str(caught.value) == f"listing {source}: access denied (credentials refresh failed)"
+    assert GOOGLE_APPLICATION_CREDENTIALS_ENV in caught.value.hint
+    assert "PRIVATE KEY" not in f"{caught.value} {caught.value.hint}"

@@ -75,15 +75,10 @@ class GcsSource(ListedBlobs):
         return ObjectIdentity(key, int(blob.size), str(blob.generation))
 
     def _blobs(self) -> list[Any]:
-        from google.api_core import exceptions
-
-        try:
-            with transport_errors(self.stall_timeout_s):
-                return list(self._client.list_blobs(
-                    self.uri.container, prefix=self.uri.prefix, fields=_LISTED_FIELDS,
-                    retry=None, timeout=(CONNECT_TIMEOUT_S, self.stall_timeout_s)))
-        except exceptions.GoogleAPICallError as exc:
-            raise StoreStatus(int(exc.code or 0), _reason(exc.errors)) from None
+        with _google_errors(self.stall_timeout_s):
+            return list(self._client.list_blobs(
+                self.uri.container, prefix=self.uri.prefix, fields=_LISTED_FIELDS, retry=None,
+                timeout=(CONNECT_TIMEOUT_S, self.stall_timeout_s)))
 
     @contextlib.contextmanager
     def _body(self, obj: ObjectIdentity, start: int, length: int) -> Iterator[HttpBody]:
@@ -93,18 +88,39 @@ class GcsSource(ListedBlobs):
         name = urllib.parse.quote(self.uri.prefix + obj.key, safe="")
         bucket = urllib.parse.quote(self.uri.container, safe="")
         url = f"{self._client.api_endpoint}/download/storage/v1/b/{bucket}/o/{name}"
-        with transport_errors(self.stall_timeout_s):
+        with _google_errors(self.stall_timeout_s):
             response = self._session.get(
                 url, params={"alt": "media", "ifGenerationMatch": obj.etag}, stream=True,
                 headers={"Range": f"bytes={start}-{start + length - 1}",
                          "Accept-Encoding": "gzip"},
                 timeout=(CONNECT_TIMEOUT_S, self.stall_timeout_s))
-        code = _answer_reason(response) if response.status_code >= 400 else ""
+            code = _answer_reason(response) if response.status_code >= 400 else ""
         with ranged_body(response, obj, start, length,
                          identity=response.headers.get("X-Goog-Generation"),
                          where=f"{self.uri}{obj.key}", stall_timeout_s=self.stall_timeout_s,
                          error_code=code) as body:
             yield body
+
+
+@contextlib.contextmanager
+def _google_errors(stall_timeout_s: float) -> Iterator[None]:
+    """The GCS client's errors as the seam's: an error answer is `StoreStatus`; credentials
+    that cannot be refreshed (a revoked key, no workload identity) a 401 unless google-auth
+    says a retry may help; transport failures what `sessions.transport_errors` makes of them."""
+    import google.auth.exceptions as auth
+    from google.api_core import exceptions
+
+    try:
+        with transport_errors(stall_timeout_s):
+            yield
+    except exceptions.GoogleAPICallError as exc:
+        raise StoreStatus(int(exc.code or 0), _reason(exc.errors)) from None
+    except auth.RefreshError as exc:
+        if getattr(exc, "retryable", False):
+            raise ConnectionError(f"credentials refresh: {type(exc).__name__}") from exc
+        raise StoreStatus(401, "credentials refresh failed") from None
+    except auth.TransportError as exc:
+        raise ConnectionError(f"credentials refresh: {type(exc).__name__}") from exc
 
 
 def _client(uri: SourceAddress, endpoint_url: str | None) -> Any:
