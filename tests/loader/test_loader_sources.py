@@ -164,6 +164,26 @@ def test_a_hub_folder_at_a_pinned_revision_reads_that_commit(
     assert {o.version_id for o in objects} == {first} and data == checkpoint.files[SHARD]
 
 
+def test_the_hub_stand_in_answers_huggingface_hub_as_the_hub_does(
+        checkpoint: Checkpoint, tmp_path: Path) -> None:
+    """The stand-in is checked against the Hub's own client: its model info (files, sizes,
+    LFS sha256 at a commit) and a download through the resolve URL and its redirect."""
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    with serving("hf", checkpoint.files, tmp_path) as served:
+        api = huggingface_hub.HfApi(endpoint=served.endpoint)
+        commit = served.hub.branches["main"]
+        info = api.model_info(HUB_REPO, revision=commit, files_metadata=True)
+        shard = next(s for s in info.siblings if s.rfilename == SHARD)
+        path = huggingface_hub.hf_hub_download(HUB_REPO, SHARD, revision=commit,
+                                               endpoint=served.endpoint,
+                                               cache_dir=tmp_path / "hf-cache")
+        source = open_served(served)
+        listed = shard_of(source)
+    assert info.sha == commit == listed.version_id
+    assert (shard.size, shard.lfs.sha256) == (listed.size, listed.etag)
+    assert Path(path).read_bytes() == checkpoint.files[SHARD]
+
+
 def test_hub_reads_go_to_where_the_resolve_url_redirected_until_it_expires(
         checkpoint: Checkpoint, tmp_path: Path) -> None:
     """One resolve per file, not per read: its storage URL serves the next reads, and a refused
