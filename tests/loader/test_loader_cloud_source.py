@@ -207,9 +207,14 @@ def test_a_wrong_azure_key_is_denied_without_the_key(
     with pytest.raises(SourceError) as caught:
         open_store(az_store, source).list(INCLUDE)
     text = f"{caught.value} {caught.value.hint}"
-    assert str(caught.value).startswith(f"listing {source}: access denied")
+    assert str(caught.value) == f"listing {source}: access denied (AuthorizationFailure)"
     assert AZURE_ACCOUNT_KEY_ENV in caught.value.hint
     assert wrong not in text and AZURITE_KEY not in text
+    monkeypatch.setenv(AZURE_ACCOUNT_KEY_ENV, "not base64!")  # cannot even sign a request
+    with pytest.raises(SourceError) as caught:
+        open_store(az_store, source).list(INCLUDE)
+    assert str(caught.value) == f"listing {source}: access denied (AzureSigningError)"
+    assert "not base64!" not in f"{caught.value} {caught.value.hint}"
 
 
 def test_an_azure_connection_string_names_the_account_and_an_endpoint(

@@ -124,17 +124,33 @@ def _azure_errors(stall_timeout_s: float) -> Iterator[None]:
     """The Azure client's errors as the seam's: an error answer is `StoreStatus`, a transport
     failure what `sessions.transport_error` makes of the `requests` error under it."""
     import requests
-    from azure.core.exceptions import HttpResponseError, ServiceRequestError, ServiceResponseError
+    from azure.core.exceptions import (
+        ClientAuthenticationError,
+        HttpResponseError,
+        ServiceRequestError,
+        ServiceResponseError,
+    )
 
     try:
         yield
+    except ClientAuthenticationError as exc:
+        if exc.status_code is not None:  # the service's answer
+            raise StoreStatus(int(exc.status_code), _code(exc)) from None
+        # Signing failed here, no request sent (a key that is not base64): denied all the same.
+        raise StoreStatus(401, type(exc).__name__) from None
     except HttpResponseError as exc:
-        raise StoreStatus(int(exc.status_code or 0), str(exc.error_code or "")) from None
+        raise StoreStatus(int(exc.status_code or 0), _code(exc)) from None
     except (ServiceRequestError, ServiceResponseError) as exc:
         inner = exc.inner_exception
         if isinstance(inner, requests.exceptions.RequestException):
             raise transport_error(inner, stall_timeout_s) from inner
         raise ConnectionError(type(exc).__name__) from exc
+
+
+def _code(exc: Exception) -> str:
+    """The service's error code of an error answer (a `StorageErrorCode`, a str enum)."""
+    code = getattr(exc, "error_code", None)
+    return str(getattr(code, "value", code) or "")
 
 
 def _service(uri: SourceAddress, endpoint_url: str | None, transport: Any) -> Any:
