@@ -234,8 +234,8 @@ class PeerWatch:
             return Loss(self.member(stale[0]), f"died: its connections to the group closed and "
                                                f"it sent no heartbeat for {bound}")
         if stale:
-            return Loss(self.member(stale[0]), f"sent no heartbeat for {bound}: it was "
-                                               "stopped, frozen or cut off")
+            return Loss(self.member(stale[0]), f"sent no heartbeat for {bound}: it died, was "
+                                               "stopped or is cut off")
         if failed:
             return Loss(self.member(failed[0]),
                         f"left the group: {self._left[failed[0]]['why'] or 'it failed'}")

@@ -35,6 +35,7 @@ from support.loader_fleet import (
     Fleet,
     OpenWatch,
     Outcome,
+    ended,
     entry_files,
     finish,
     included,
@@ -259,11 +260,14 @@ def formed(port: int) -> int:
 
 
 PEER_TIMEOUT_S = 3.0
+PATIENT = {"timeout_s": 3600.0, "peer_timeout_s": PEER_TIMEOUT_S}
+"""A fill deadline (and with it gloo's timeout) far beyond the process guard, and a short
+heartbeat bound: only the heartbeat can end a survivor's wait in time."""
 LOST = {
     "died": "died: its connections to the group closed and it sent no heartbeat for 3 s "
             "(loader.peer_timeout_s)",
-    "silent": "sent no heartbeat for 3 s (loader.peer_timeout_s): it was stopped, frozen or cut "
-              "off",
+    "silent": "sent no heartbeat for 3 s (loader.peer_timeout_s): it died, was stopped or is "
+              "cut off",
     "store": "stopped answering: the group's store it hosts has not answered for 3 s "
              "(loader.peer_timeout_s); it was stopped, frozen or cut off",
 }
@@ -283,19 +287,14 @@ def signalled_mid_fill(fleet: Fleet, slow: list[FaultProxy], victim: int,
     """Start every rank, signal `victim` once the group is up and it reads, and return the
     others' outcomes; the fill's deadline (and with it gloo's timeout) is far beyond the
     process guard, so only the heartbeat can end the survivors' waits in time."""
-    fleet.settings |= {"timeout_s": 3600.0, "peer_timeout_s": PEER_TIMEOUT_S}
+    fleet.settings |= PATIENT
     processes = {rank: fleet.start(rank) for rank in range(fleet.world)}
-    try:
+    with ended(*processes.values()):
         # Ranks read before the group forms: signal the victim once the group is up and it reads.
         wait_until(lambda: formed(fleet.master_port) == fleet.world
                    and slow[victim].object_requests >= 1)
         os.kill(processes[victim].pid, signum)
         return [finish(rank, processes[rank]) for rank in processes if rank != victim]
-    finally:  # the loaders and their pipes end with the test, whatever it found
-        for process in processes.values():
-            if process.poll() is None:
-                process.kill()
-            process.communicate()
 
 
 @pytest.mark.parametrize("in_flight", [1, 2])
@@ -333,14 +332,40 @@ def test_a_stopped_rank_is_named_by_every_other_within_the_peer_timeout(
     """A stopped loader keeps its sockets open, so gloo would wait for it until its timeout
     (here the fill's deadline, an hour): the others find it silent by its heartbeat (rank 0, by
     the store it hosts) and stop, naming it."""
-    with proxies(s3, *[FaultPlan(delay_s=2.0)] * 3) as slow:
-        fleet = Fleet(tmp_path, checkpoint.source, 3, [p.url for p in slow])
-        outcomes = signalled_mid_fill(fleet, slow, victim, signal.SIGSTOP)
+    with proxies(s3, *[FaultPlan()] * 3) as held:
+        held[victim].reads_open.clear()  # the fill cannot end: the others wait for its chunks
+        fleet = Fleet(tmp_path, checkpoint.source, 3, [p.url for p in held])
+        outcomes = signalled_mid_fill(fleet, held, victim, signal.SIGSTOP)
     how = LOST["store"] if victim == 0 else LOST["silent"]
     for outcome in outcomes:
         assert outcome.returncode == 1, outcome.stderr
         assert outcome.summary == {"status": "error", "rank": outcome.rank,
                                    "error": lost_error(victim, how)}
+        assert no_entry(fleet.root(outcome.rank))
+
+
+def test_a_member_killed_before_its_claim_is_named_within_the_peer_timeout(
+    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """Rank 1 has joined and waits for its node's publication lock (held here) when it is
+    killed: the others, waiting for its claim, name it within the peer timeout, not at the
+    fill's deadline."""
+    files = included(checkpoint.files)
+    objects = [ObjectIdentity(k, len(v), hashlib.md5(v).hexdigest()) for k, v in files.items()]
+    eid = entry_id(checkpoint_identity("s3://models/tiny/", objects))
+    fleet = Fleet(tmp_path, checkpoint.source, 3, [s3.endpoint_url] * 3, settings=PATIENT)
+    with begin_publication(fleet.root(1), eid, expected_bytes=0, lock_timeout_s=60):
+        watch = OpenWatch(fleet.root(1) / "v1" / "locks" / f"{eid}.publish")
+        processes = {rank: fleet.start(rank) for rank in range(3)}
+        with ended(*processes.values()):
+            watch.wait()  # rank 1 has joined, and waits for the lock
+            watch.close()
+            os.kill(processes[1].pid, signal.SIGKILL)
+            outcomes = [finish(rank, processes[rank]) for rank in (0, 2)]
+    for outcome in outcomes:
+        assert outcome.returncode == 1, outcome.stderr
+        assert outcome.summary == {"status": "error", "rank": outcome.rank,
+                                   "error": lost_error(1, LOST["silent"])}
         assert no_entry(fleet.root(outcome.rank))
 
 

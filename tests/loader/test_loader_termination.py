@@ -4,33 +4,18 @@ with `EXIT_TERMINATED`; once the entry is published, it only ends the sidecar's 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from dlo_bench.faultproxy import FaultPlan, FaultProxy
 from dlo_bench.s3server import S3Server
 from dlo_loader.termination import EXIT_TERMINATED, TERMINATED_MESSAGE
-from support.loader_fleet import Checkpoint, Fleet, finish, no_entry, wait_until
+from support.loader_fleet import Checkpoint, Fleet, ended, finish, no_entry, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-@contextlib.contextmanager
-def ended(*processes: subprocess.Popen[str]) -> Iterator[None]:
-    """The loaders and their pipes end with the test, whatever it found."""
-    try:
-        yield
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.communicate()
 
 
 def tmp_files(root: Path) -> list[Path]:

@@ -7,6 +7,7 @@ torch.distributed environment.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -14,7 +15,7 @@ import select
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,18 @@ class Fleet:
         chosen = ranks if ranks is not None else range(self.world)
         processes = {r: self.start(r, *extra) for r in chosen}
         return [finish(rank, process) for rank, process in processes.items()]
+
+
+@contextlib.contextmanager
+def ended(*processes: subprocess.Popen[str]) -> Iterator[None]:
+    """The loaders and their pipes end with the test, whatever it found."""
+    try:
+        yield
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+            process.communicate()
 
 
 def finish(rank: int, process: subprocess.Popen[str]) -> Outcome:
