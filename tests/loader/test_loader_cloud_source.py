@@ -124,7 +124,8 @@ def test_a_stall_is_abandoned_and_asked_again(
                            on_stall=stalls.append)
         obj = listed(store, SHARD)
         assert read_whole(store, obj)[0] == cloud_files[SHARD]
-    assert len(stalls) == 1 and f"{cloud_source}{SHARD}" in stalls[0]
+    assert proxy.faults[STALL] == 1
+    assert stalls and f"{cloud_source}{SHARD}" in stalls[0]  # (a slow machine may add one)
 
 
 def test_faults_that_persist_give_up_as_unavailable(cloud: CloudStore, cloud_source: str) -> None:
