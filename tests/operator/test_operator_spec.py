@@ -39,7 +39,8 @@ def test_every_camel_case_field_reaches_the_settings_document() -> None:
         "region": "eu-west-1", "path_style": True, "mode": "single-reader", "readers": 4,
         "chunk_bytes": 1024, "rendezvous_timeout_s": 9.0, "on_rendezvous_timeout": "fail",
         "memory_limit_bytes": 4096, "backend": "nccl", "max_retries": 2, "stall_timeout_s": 7.0,
-        "timeout_s": 60.0, "metrics_port": 9500, "peer_timeout_s": 10.0}
+        "timeout_s": 60.0, "metrics_port": 9500, "peer_timeout_s": 10.0,
+        "peer_serve_bytes_per_second": 268435456}
     assert doc["parallel"] == {"dp": 1, "sp": 4, "tp": 1, "hsdp": True, "cfg_parallel": 2,
                                "pp": 1, "ep": 1}
     assert (doc["offload"]["resident_layers"], doc["quantization"], doc["cache"]["root"]) == (
