@@ -41,7 +41,7 @@ from dlo_contract.source_credentials import (
 from dlo_contract.source_uri import SourceAddress, parse_source_uri
 from dlo_contract.validation import cr_names
 from dlo_operator.host_paths import OWN_MOUNT_PATHS, overlaps, within
-from dlo_operator.spec import DeploymentSpec
+from dlo_operator.spec import DeploymentSpec, field_name
 
 CREDENTIALS_VOLUME = "source-credentials"
 """The Secret volume of a `gs://` key file (one of the operator's own volume names)."""
@@ -108,10 +108,12 @@ def source_mounts(spec: DeploymentSpec) -> list[dict[str, Any]]:
     return mounts
 
 
+_VOLUME, _MOUNT, _VOLUMES = (field_name("share.volume_name"), field_name("share.mount_path"),
+                             field_name("volumes"))
 SHARE_NEEDED_MESSAGE = (
     f"[source-share] a file:/// {cr_names('loader.source')} reads a share the loader mounts, "
-    "but spec.model.share.volumeName names none; fix: set spec.model.share.volumeName to the "
-    "spec.volumes entry holding the checkpoint, or use another scheme")
+    f"but {_VOLUME} names none; fix: set {_VOLUME} to the {_VOLUMES} entry holding the "
+    "checkpoint, or use another scheme")
 """Said word for word by the CRD's CEL twin (`podCelRules` in `crd_base.yaml`)."""
 
 
@@ -123,26 +125,24 @@ def share_problems(spec: DeploymentSpec) -> list[str]:
     if address.scheme is not Scheme.FILE:
         if not share.volume_name:
             return []
-        return [f"[source-share-scheme] spec.model.share.volumeName={share.volume_name!r} is "
-                f"only read "
-                f"by a file:/// source, and {source} is {address.scheme.value}://; fix: remove "
-                "spec.model.share"]
+        return [f"[source-share-scheme] {_VOLUME}={share.volume_name!r} is only read by a "
+                f"file:/// source, and {source} is {address.scheme.value}://; fix: remove "
+                f"{_VOLUME.rpartition('.')[0]}"]
     if not share.volume_name:
         return [SHARE_NEEDED_MESSAGE]
     problems = []
     if share.volume_name not in {str(v.get("name", "")) for v in spec.volumes}:
-        problems.append(f"[source-share-volume] spec.model.share.volumeName="
-                        f"{share.volume_name!r} is not one of spec.volumes; fix: add the share's volume (a "
-                        "persistentVolumeClaim or nfs volume) to spec.volumes under that name")
-    path = address.prefix.rstrip("/")
-    if not within(path, share.mount_path):
+        problems.append(f"[source-share-volume] {_VOLUME}={share.volume_name!r} is not one of "
+                        f"{_VOLUMES}; fix: add the share's volume (a persistentVolumeClaim or nfs "
+                        f"volume) to {_VOLUMES} under that name")
+    if not within(address.prefix.rstrip("/"), share.mount_path):
         problems.append(f"[source-share-path] {source}={str(address)!r} lies outside "
-                        f"spec.model.share.mountPath={share.mount_path!r}; fix: write the "
-                        f"source as file://{share.mount_path}/<directory>/ or move the mount")
+                        f"{_MOUNT}={share.mount_path!r}; fix: write the source as "
+                        f"file://{share.mount_path}/<directory>/ or move the mount")
     own = [*OWN_MOUNT_PATHS, spec.settings.cache.root]
     clash = next((mount for mount in own if overlaps(share.mount_path, mount)), None)
     if clash is not None:
-        problems.append(f"[source-share-path] spec.model.share.mountPath={share.mount_path!r} "
-                        f"overlaps the loader's mount path {clash!r}; fix: choose a directory "
-                        "that neither contains nor lies inside it")
+        problems.append(f"[source-share-path] {_MOUNT}={share.mount_path!r} overlaps the "
+                        f"loader's mount path {clash!r}; fix: choose a directory that neither "
+                        "contains nor lies inside it")
     return problems
