@@ -50,6 +50,11 @@ CASES = (
     Case("runtime-cache-apart", ("offload.runtime_cache_root", "cache.root"),
          lambda env, o: _problems(offload={"useAllgather": False, "enableRuntimeCache": True,
                                            "runtimeCacheRoot": "/var/lib/dlo/cache/runtime"})),
+    Case("source-form", ("loader.source",),
+         lambda env, o: _refused({**MINIMAL, "model": {"source": "hf://org"}})),
+    Case("source-share-path", ("loader.source",),
+         lambda env, o: _problems(model={"source": "file:///etc/m/", "share": {
+             "volumeName": "w"}}, volumes=[{"name": "w", "emptyDir": {}}])),
 )
 
 
