@@ -23,14 +23,18 @@ AZURE_BLOB_HOST = ".blob.core.windows.net"
 """An `https://` source on `<account>` + this host is an Azure Blob container."""
 
 SCHEME_PATTERNS: dict[Scheme, str] = {
-    Scheme.S3: r"s3://[^/]+/.*",
+    Scheme.S3: r"s3://[^/?#]+/[^?#]*",
     Scheme.FILE: rf"file://(/{_SEGMENT})+/?",
-    Scheme.GS: r"gs://[^/]+/.*",
-    Scheme.AZ: r"az://[a-z0-9]+/[^/]+(/.*)?",
-    Scheme.HTTPS: r"https?://[^/]+/.*",
-    Scheme.HF: r"hf://[^/@]+/[^/@]+(@[^/]+)?(/.*)?",
+    Scheme.GS: r"gs://[^/?#]+/[^?#]*",
+    Scheme.AZ: r"az://[a-z0-9]+/[^/?#]+(/[^?#]*)?",
+    Scheme.HTTPS: r"https?://[^/@?#]+/[^?#]*",
+    Scheme.HF: r"hf://[^/@?#]+/[^/@?#]+(@[^/?#]+)?(/[^?#]*)?",
 }
-"""Each scheme's URIs (an Azure Blob `https://` URL matches `HTTPS`'s)."""
+"""Each scheme's URIs (an Azure Blob `https://` URL matches `HTTPS`'s). None holds a query, a
+fragment or a `user:password@`: a URI is written into the settings document, the status and
+messages, so a SAS token or a password in it would be too (credentials go in a Secret)."""
+_CREDENTIAL_PARTS = re.compile(r"[?#]|^[a-z0-9]+://[^/]*@")
+"""A query, a fragment, or user information before the host."""
 SOURCE_PATTERN = "^(" + "|".join(SCHEME_PATTERNS.values()) + ")$"
 """The CRD's pattern of `model.source`: any scheme's URI."""
 
@@ -107,6 +111,17 @@ def _address(uri: str) -> SourceAddress | None:
     return SourceAddress(scheme, first, _prefix(path), secure=scheme_name != "http")
 
 
+def shown_source(uri: str) -> str:
+    """`uri` as a message may show it: a query, a fragment or user information (which could
+    hold a SAS token or a password) replaced by `...`."""
+    scheme, sep, rest = uri.partition("://")
+    authority, slash, path = rest.partition("/")
+    if "@" in authority:
+        authority = "...@" + authority.rpartition("@")[2]
+    path = re.sub(r"[?#].*", "?...", path, flags=re.S)
+    return f"{scheme}{sep}{authority}{slash}{path}" if sep else re.sub(r"[?#].*", "?...", uri)
+
+
 def source_problem(uri: str) -> str | None:
     """Why `uri` is not a source, or None: the forms of its scheme, else every scheme's."""
     if _address(uri) is not None:
@@ -116,6 +131,10 @@ def source_problem(uri: str) -> str | None:
                   Scheme.HTTPS if scheme_name == "http" else None)
     if scheme is None:
         return "must be one of " + ", ".join(SCHEME_FORMS.values())
+    if _CREDENTIAL_PARTS.search(uri) and scheme is not Scheme.FILE:
+        return ("must not carry a query, a fragment or a user:password@ (a SAS token or a "
+                "password would reach the status and the logs): give credentials through the "
+                "DOD's model.credentials Secret")
     if scheme is Scheme.HTTPS and AZURE_BLOB_HOST in uri:
         scheme = Scheme.AZ
     return f"must be {SCHEME_FORMS[scheme]}"
@@ -126,7 +145,8 @@ def parse_source_uri(uri: str, names: Names = document_names) -> SourceAddress:
     address = _address(uri)
     if address is None:
         field = names("loader.source")
-        raise SettingsError(f"{field}={uri!r} is not a source URI: it {source_problem(uri)}",
+        raise SettingsError(f"{field}={shown_source(uri)!r} is not a source URI: it "
+                            f"{source_problem(uri)}",
                             hint=f"set {field} (or --source) to e.g. s3://models/flux-dev/ or "
                             "hf://black-forest-labs/FLUX.1-dev/")
     return address

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from dlo_contract.field_names import Names, document_names
 from dlo_contract.schema import leaves
 from dlo_contract.settings import Settings, SettingsError
-from dlo_contract.source_uri import source_problem
+from dlo_contract.source_uri import shown_source, source_problem
 
 QUANT_NONE = "none"
 QUANT_FP8_PER_TENSOR = "fp8_per_tensor"
@@ -185,7 +185,7 @@ def range_errors(settings: Settings, names: Names = document_names) -> list[str]
             errors.append(f"{names(leaf.path)}={value!r} {problem}")
     source = settings.loader.source
     if source and (problem := source_problem(source)):
-        errors.append(f"{names('loader.source')}={source!r} {problem}")
+        errors.append(f"{names('loader.source')}={shown_source(source)!r} {problem}")
     if settings.loader.chunk_bytes * 2 > settings.loader.memory_limit_bytes:
         errors.append(
             f"{names('loader.memory_limit_bytes')}={settings.loader.memory_limit_bytes} must "

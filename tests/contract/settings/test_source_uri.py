@@ -78,3 +78,20 @@ def test_the_validator_refuses_a_bad_source_with_the_other_problems() -> None:
                        r"be hf://org/repo\[@revision\]/$"):
         validate(settings)
     assert validate(Settings()) == Settings()  # no source yet: a runtime's own document
+
+
+@pytest.mark.parametrize("uri", [
+    "https://acct.blob.core.windows.net/models/flux/?sv=2024&sig=s3cr3t",
+    "https://reader:s3cr3t@cdn.example.com/models/flux/",
+    "gs://models/flux/?s3cr3t", "hf://org/repo/#s3cr3t"])
+def test_a_source_carrying_credentials_is_refused_without_showing_them(uri: str) -> None:
+    """A URI reaches the settings document, the status and the logs: a SAS token or a password
+    in it is refused, and the refusal does not repeat it."""
+    assert not re.fullmatch(SOURCE_PATTERN, uri)
+    with pytest.raises(SettingsError) as caught:
+        parse_source_uri(uri)
+    assert "s3cr3t" not in str(caught.value)
+    assert "give credentials through the DOD's model.credentials Secret" in str(caught.value)
+    with pytest.raises(SettingsError) as caught:
+        validate(Settings.from_dict({"loader": {"source": uri}}))
+    assert "s3cr3t" not in str(caught.value)
