@@ -85,11 +85,16 @@ def _prefix(path: str) -> str:
     return path + "/" if path else ""
 
 
-def _address(uri: str) -> SourceAddress | None:
-    scheme_name, sep, rest = uri.partition("://")
-    scheme = next((s for s in Scheme if s.value == scheme_name), None)
+def _scheme_of(scheme_name: str) -> Scheme | None:
+    """The scheme a URI's `<name>://` names (`http` is `HTTPS`'s plain form)."""
     if scheme_name == "http":
-        scheme = Scheme.HTTPS
+        return Scheme.HTTPS
+    return next((s for s in Scheme if s.value == scheme_name), None)
+
+
+def _address(uri: str) -> SourceAddress | None:
+    scheme_name, _, rest = uri.partition("://")
+    scheme = _scheme_of(scheme_name)
     if scheme is None or not re.fullmatch(SCHEME_PATTERNS[scheme], uri):
         return None
     first, _, path = rest.partition("/")
@@ -126,9 +131,7 @@ def source_problem(uri: str) -> str | None:
     """Why `uri` is not a source, or None: the forms of its scheme, else every scheme's."""
     if _address(uri) is not None:
         return None
-    scheme_name = uri.partition("://")[0]
-    scheme = next((s for s in Scheme if s.value == scheme_name),
-                  Scheme.HTTPS if scheme_name == "http" else None)
+    scheme = _scheme_of(uri.partition("://")[0])
     if scheme is None:
         return "must be one of " + ", ".join(SCHEME_FORMS.values())
     if _CREDENTIAL_PARTS.search(uri) and scheme is not Scheme.FILE:
