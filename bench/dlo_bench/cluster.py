@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from dlo_bench import cluster_report, hostcpu, linkprobe, netns, provenance
+from dlo_bench import cluster_refill, cluster_report, hostcpu, linkprobe, netns, provenance
 from dlo_bench.s3server import DUMMY_CREDENTIALS
 from dlo_contract.cache import sha256_file
 from dlo_contract.errors import PermanentError
@@ -70,6 +70,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ministack", default="ministack", help="ministack executable")
     parser.add_argument("--fill-timeout-s", type=float, default=300.0,
                         help="longest one fill may take before the benchmark fails")
+    parser.add_argument("--refill-from", type=int, default=0, metavar="H",
+                        help="instead of the group fills: H nodes fill as a group and serve "
+                             "the entry, then one more node fills alone from them "
+                             "(`cluster_refill`; writes cluster_refill.json)")
+    parser.add_argument("--refill-runs", type=int, default=3,
+                        help="refills of the lone node from the same holders (default: "
+                             "%(default)s)")
+    parser.add_argument("--refill-readers", type=int, default=8,
+                        help="concurrent chunk reads of the refilling loader (default: "
+                             "%(default)s)")
     parser.add_argument("--out", type=Path, help="write cluster.json and cluster.png here")
     parser.add_argument("--json", action="store_true", help="last line: the report as JSON")
 
@@ -92,12 +102,25 @@ def run(args: argparse.Namespace) -> int:
         for ratio in ratios:
             links = netns.LinkConfig(store_mbit=args.store_mbit,
                                      peer_mbit=args.store_mbit * float(ratio))
+            if args.refill_from:
+                reports[ratio] = cluster_refill.measure(args, links)
+                print(f"peer/store {ratio}x: {json.dumps(reports[ratio])}", flush=True)
+                continue
             reports[ratio] = _measure(args, nodes, modes, links)
             print(f"peer/store {ratio}x:")
             print("\n".join(cluster_report.format_table(reports[ratio])))
     except netns.NetnsUnavailable as exc:
         return _skip(str(exc), as_json=args.json)
     report = {"benchmark": "cluster", "peer_ratios": ratios, "by_peer_ratio": reports}
+    if args.refill_from:
+        report["benchmark"] = "cluster_refill"
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "cluster_refill.json").write_text(json.dumps(report, indent=2) + "\n")
+            print(f"wrote {args.out / 'cluster_refill.json'}")
+        if args.json:
+            print(json.dumps(report, separators=(",", ":")))
+        return 0
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "cluster.json").write_text(json.dumps(report, indent=2) + "\n")
