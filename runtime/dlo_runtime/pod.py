@@ -205,7 +205,10 @@ def enable(target: Any, *, device: str | torch.device | None = None,
             if plan is not None:
                 plan.require_consumed()
     except BaseException:
-        handle.close()
+        try:
+            handle.close()
+        except OffloadError as drift:  # the startup error below is the one to report
+            logger.warning("dlo: closing the backends enabled before the failure: %s", drift)
         raise
     return handle
 

@@ -305,3 +305,23 @@ def test_close_closes_every_backend_and_plan_when_one_raises_and_then_raises_the
     assert caught.value is first
     assert done == ["disable c restore=False", "close c", "disable b restore=False", "close b",
                     "disable a restore=False", "close a"]
+
+
+def test_a_failed_enable_reports_its_own_error_when_closing_what_it_enabled_raises(
+        pod_files, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pod.enable` closes what it enabled before a failure; an `OffloadError` from that close (a
+    drifted group) is logged, and the startup error is the one raised."""
+    from dlo_runtime import backend
+
+    def fail(self: backend.DistributedLayerwiseOffloadBackend) -> None:
+        self.enabled = True  # as far as close() can tell
+        raise RuntimeError("no device slots")
+
+    def drifted(self: backend.DistributedLayerwiseOffloadBackend, *, restore: bool) -> None:
+        raise OffloadError("drifted")
+
+    monkeypatch.setattr(backend.DistributedLayerwiseOffloadBackend, "enable", fail)
+    monkeypatch.setattr(backend.DistributedLayerwiseOffloadBackend, "disable", drifted)
+    dit = pod.build_dit(FluxTransformer2DModel)
+    with pytest.raises(RuntimeError, match="^no device slots$"):
+        pod.enable(dit, device="cpu")
