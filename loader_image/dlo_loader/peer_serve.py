@@ -20,6 +20,7 @@ the file.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import os
 import re
@@ -86,7 +87,8 @@ class EntryServer:
             return _answer(start_response, "405 Method Not Allowed", "GET only")
         if not path.startswith(self._prefix):
             return _answer(start_response, "404 Not Found", "this loader holds another entry")
-        if environ.get("HTTP_" + ACCESS_HEADER.upper().replace("-", "_")) != self._key:
+        shown = environ.get("HTTP_" + ACCESS_HEADER.upper().replace("-", "_"), "")
+        if not hmac.compare_digest(shown.encode("latin-1", "replace"), self._key.encode()):
             return _answer(start_response, "403 Forbidden", "no key of this entry")
         name = path[len(self._prefix):]
         if name == "manifest":
