@@ -28,16 +28,8 @@ from typing import Any
 from dlo_contract.fill_group import FILL_GROUP_KEY, FillGroup
 from dlo_operator import loader_image, metrics, pod_refusals
 from dlo_operator.admission import admit
-from dlo_operator.conditions import (
-    FALSE,
-    TRUE,
-    Condition,
-    find,
-    merge_conditions,
-    post_event,
-    report_event,
-)
-from dlo_operator.decision import Decision, Observed, Stage
+from dlo_operator.conditions import FALSE, Condition, find, post_event, report_event
+from dlo_operator.decision import Decision, Observed
 from dlo_operator.errors import KubeError, KubeTransientError, NameConflict, SpecError
 from dlo_operator.installation import InstallationConfig
 from dlo_operator.kube import KubeClient, backoff_delay
@@ -49,18 +41,16 @@ from dlo_operator.naming import (
     foreign_controller,
     labels_of,
     owns,
-    selector_labels,
 )
-from dlo_operator.prefill_stage import BackoffConfig, PrefillState
+from dlo_operator.prefill_stage import BackoffConfig
 from dlo_operator.rollout import decide
+from dlo_operator.rollout_status import PREFILL_STUCK, rollout_fields
 from dlo_operator.status import (
     APPLIED,
     APPLY_RETRYING,
     PREFILLED,
-    PROGRESSING,
     READY,
     TROUBLE_REASONS,
-    UPDATING,
     VALID,
     status_from_pods,
 )
@@ -68,8 +58,6 @@ from dlo_operator.status import (
 log = logging.getLogger(__name__)
 NAME_CONFLICT = "NameConflict"
 """The `Applied` reason of a DOD whose child name another DOD's (or controller's) object holds."""
-PREFILL_STUCK = "PrefillStuck"
-"""The `Prefilled` reason (and Warning Event) of a prefill pod that cannot start its loader."""
 _REPORTED_REASONS = {READY: TROUBLE_REASONS, PREFILLED: frozenset({PREFILL_STUCK})}
 """The failed reasons of these conditions that get an Event here (the others are reported
 elsewhere, or are steps of a rollout)."""
@@ -143,7 +131,7 @@ def reconcile(kube: KubeClient, dod: Mapping[str, Any], config: ReconcileConfig,
                               loader_image=image.spec.loader.image,
                               refused=[t for name, t in seen.refused.items()
                                        if name == owner.statefulset_name])
-    status.update(_rollout_status(owner, decision, status, previous, _stamp(now), generation))
+    status.update(rollout_fields(owner, decision, status, previous, _stamp(now), generation))
     _report_new(dod, previous, status, (READY, PREFILLED))
     _write_status(kube, owner, dod, previous, status)
     outcome = "applied" if problem is None else (
@@ -256,46 +244,6 @@ def _converge(kube: KubeClient, owner: Owner, decision: Decision) -> None:
             continue  # another's object of the name: never the operator's to delete
         log.info("%s/%s: deleting %s %s", owner.namespace, owner.name, kind, name)
         kube.delete(kind, owner.namespace, name)
-
-
-def _rollout_status(owner: Owner, decision: Decision, status: Mapping[str, Any],
-                    previous: Mapping[str, Any], now: str,
-                    generation: int | None) -> dict[str, Any]:
-    """The lifecycle fields: stage, revision, prefill record, `Prefilled` condition, selector
-    (for the scale subresource). While old pods serve because a stage other than Serving holds
-    the rollout (a prefill, its backoff, the restart), `Ready` and `Progressing` name the stage."""
-    current = [_prefilled(decision)]
-    fields: dict[str, Any] = {
-        "stage": decision.stage.value, "stageMessage": decision.message,
-        "revision": decision.revision,
-        "selector": ",".join(f"{k}={v}" for k, v in selector_labels(owner).items()),
-    }
-    if status["phase"] == UPDATING and decision.stage is not Stage.SERVING:
-        fields["message"] = decision.message
-        current += [Condition(kind, value, decision.stage.value, decision.message)
-                    for kind, value in ((PROGRESSING, TRUE), (READY, FALSE))]
-    stamped = {c["type"]: c for c in merge_conditions(  # `current` first, stamped
-        previous.get("conditions"), current, generation=generation, now=now)[:len(current)]}
-    fields["conditions"] = [stamped.pop(c["type"], c) for c in status["conditions"]] + list(
-        stamped.values())
-    fields["prefill"] = decision.prefill or None
-    return fields
-
-
-def _prefilled(decision: Decision) -> Condition:
-    prefill = decision.prefill
-    state = prefill.get("state")
-    if not prefill:
-        return Condition(PREFILLED, TRUE, "NotNeeded", "no prefill has been needed")
-    if decision.stuck is not None:
-        return Condition(PREFILLED, FALSE, PREFILL_STUCK, decision.message)
-    if state == PrefillState.FAILED.value:
-        return Condition(PREFILLED, FALSE, "PrefillFailed", decision.message)
-    if state == PrefillState.RUNNING.value:
-        return Condition(PREFILLED, FALSE, "Prefilling", decision.message)
-    if state == PrefillState.SUPERSEDED.value:
-        return Condition(PREFILLED, TRUE, PrefillState.SUPERSEDED.value, str(prefill["message"]))
-    return Condition(PREFILLED, TRUE, "PrefillSucceeded", str(prefill.get("message", "")))
 
 
 def _write_status(kube: KubeClient, owner: Owner, dod: Mapping[str, Any],
