@@ -2,15 +2,15 @@
 
 Owns the server's processes and its lifetime. The command is rank 0: it serves HTTP
 (`dlo_server.app`) from the start, so the probes answer while the loader fills, and starts ranks
-1..G-1 as child processes of the same command (`--rank`), one per device. Each rank joins the
-group (gloo on the CPU; gloo and NCCL on CUDA), builds its model with the pod API
-(`engine.start_model`) and runs the wave loop (`engine.lead` on rank 0, `engine.follow` on the
-others) on a thread of its own. SIGTERM (or Ctrl-C) on rank 0: readiness fails at once, new
-requests get 503, the queued and running ones finish, rank 0 tells the others to stop, every
-rank closes its offload handle and destroys its process groups, and the command exits 0 once
-its children have. The children ignore SIGTERM and SIGINT: they stop when rank 0 says so (or
-fail when it is gone). A server that is broken (a rank exited, a failed start) fails every probe
-and exits 1 on SIGTERM.
+1..G-1 as child processes of the same command (`--rank`), one per device. Each rank joins the group
+(gloo on the CPU; gloo and NCCL on CUDA), builds its model with the pod API (`engine.start_model`)
+and serves: in AllGather mode the wave loop (`engine.lead` on rank 0, `engine.follow` on the
+others), in rank-local mode one job at a time per rank (`local`). SIGTERM (or Ctrl-C) on rank 0:
+readiness fails at once, new requests get 503, the queued and running ones finish, rank 0 tells the
+others to stop, every rank closes its offload handle and destroys its process groups, and the
+command exits 0 once its children have. The children ignore SIGTERM and SIGINT: they stop when rank
+0 says so (or fail when it is gone). A server that is broken (a rank exited, a failed start) fails
+every probe and exits 1 on SIGTERM.
 """
 
 from __future__ import annotations
@@ -82,11 +82,15 @@ def _settings_dp() -> int:
 
 def _follower(args: argparse.Namespace, world: int) -> int:
     from dlo_server.engine import follow
+    from dlo_server.local import follow_local
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 decides when the group stops
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    with _rank(args, args.rank, world, args.master_port, Status()) as (model, group):
-        follow(model, args.rank, group)
+    with _rank(args, args.rank, world, args.master_port, Status()) as (model, group, pairs):
+        if model.allgather:
+            follow(model, args.rank, group)
+        else:
+            follow_local(model, args.rank, pairs[args.rank])
     return 0
 
 
@@ -121,18 +125,21 @@ def _lead_rank(args: argparse.Namespace, world: int, master_port: int, server: A
     """Rank 0's engine thread: start, serve waves, stop; a failure breaks the server."""
     from dlo_runtime.metrics import OffloadCollector
     from dlo_server.engine import lead
+    from dlo_server.local import lead_local
 
     status, queue = server.status, server.queue
     try:
-        with _rank(args, 0, world, master_port, status) as (model, group):
-            queue.same_steps = model.allgather
+        with _rank(args, 0, world, master_port, status) as (model, group, pairs):
             server.limits = Limits(size_multiple=model.sampler.size_multiple,
-                                   model=args.model, max_side=args.max_side, max_steps=args.max_steps,
-                                   max_n=args.max_n)
+                                   model=args.model, max_side=args.max_side,
+                                   max_steps=args.max_steps, max_n=args.max_n)
             server.metrics.registry.register(OffloadCollector(model.handle.stats))
             status.set(State.READY, f"{world} rank(s), "
                                     f"{'allgather' if model.allgather else 'rank-local'} mode")
-            lead(model, queue, group, server.metrics)
+            if model.allgather:
+                lead(model, queue, group, server.metrics)
+            else:
+                lead_local(model, queue, pairs, server.metrics)
     except BaseException as exc:  # noqa: BLE001 (reported by the probes and the log)
         log.exception("dlo serve: the engine stopped")
         status.set(State.BROKEN, f"{type(exc).__name__}: {exc}")
@@ -141,29 +148,32 @@ def _lead_rank(args: argparse.Namespace, world: int, master_port: int, server: A
 
 @contextmanager
 def _rank(args: argparse.Namespace, rank: int, world: int, master_port: int | None,
-          status: Status) -> Iterator[tuple[Any, Any]]:
+          status: Status) -> Iterator[tuple[Any, Any, dict[int, Any]]]:
     """Join the group (when there is one), start the model, wait for every rank; on the way
-    out close the offload handle, then destroy the process groups."""
+    out close the offload handle, then destroy the process groups. Yields the model, the
+    group of all ranks for AllGather waves, and rank 0's pair group with each other rank for
+    rank-local serving (gloo, whatever the devices)."""
     import torch
     import torch.distributed as dist
 
     from dlo_server.engine import start_model
 
-    group = None
+    group, pairs = None, {}
     if world > 1:
         status.set(State.JOINING, f"joining the group of {world} ranks")
         dist.init_process_group(
             "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
             init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=world,
             timeout=timedelta(seconds=args.collective_timeout))
-        group = dist.new_group(backend="gloo")  # the waves' messages, whatever the devices
+        group = dist.new_group(backend="gloo")
+        pairs = {peer: dist.new_group([0, peer], backend="gloo") for peer in range(1, world)}
     try:
         device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
         model = start_model(status, device)
         try:
             if group is not None:
                 dist.barrier(group=group)
-            yield model, group
+            yield model, group, pairs
         finally:
             model.handle.close()
     finally:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,8 +36,8 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 5.0
 SAMPLER_PARTS = ("transformer", "vae", "scheduler")
 """Folders of the entry the server loads (diffusers layout)."""
-_TICK = "tick"
-_STOP = "stop"
+TICK = "tick"
+STOP = "stop"
 
 
 @dataclass(frozen=True)
@@ -109,13 +111,14 @@ def lead(model: Model, queue: WaveQueue, group: Any, metrics: ServerMetrics) -> 
         metrics.queue_depth.set(queue.depth)
         pending = queue.take_wave(HEARTBEAT_S)
         if pending is None:
-            _broadcast(_TICK, group)
+            broadcast(TICK, group)
             continue
         if not pending:
-            _broadcast(_STOP, group)
+            broadcast(STOP, group)
             return
         started = time.monotonic()
-        _run_wave(model, pending, queue.ranks, group, metrics)
+        with failing_on_error(pending):
+            _run_wave(model, pending, queue.ranks, group, metrics)
         queue.wave_s = time.monotonic() - started
         metrics.wave_seconds.observe(queue.wave_s)
 
@@ -123,10 +126,10 @@ def lead(model: Model, queue: WaveQueue, group: Any, metrics: ServerMetrics) -> 
 def follow(model: Model, rank: int, group: Any) -> None:
     """The other ranks' loop: each wave rank 0 broadcasts, until STOP."""
     while True:
-        order = _broadcast(None, group)
-        if order == _STOP:
+        order = broadcast(None, group)
+        if order == STOP:
             return
-        if order == _TICK:
+        if order == TICK:
             continue
         _gather(_own_part(model, order, rank), group)
 
@@ -135,16 +138,12 @@ def _run_wave(model: Model, pending: list[Pending], ranks: int, group: Any,
               metrics: ServerMetrics) -> None:
     jobs = tuple(item.job for item in pending) + (None,) * (ranks - len(pending))
     wave = Wave(steps=pending[0].job.steps, jobs=jobs)
-    _broadcast(wave, group)
+    broadcast(wave, group)
     results = _gather(_own_part(model, wave, 0), group)
     metrics.waves.inc()
     metrics.idle_slots.inc(ranks - len(pending))
     for item, result in zip(pending, results):
-        if isinstance(result, bytes):
-            metrics.images.inc()
-            item.future.set_result(result)
-        else:
-            item.future.set_exception(WaveFailed(str(result)))
+        resolve(item, result, metrics)
 
 
 def _own_part(model: Model, wave: Wave, rank: int) -> bytes | str | None:
@@ -152,21 +151,47 @@ def _own_part(model: Model, wave: Wave, rank: int) -> bytes | str | None:
     AllGather mode."""
     job = wave.jobs[rank]
     if job is None:
-        if model.allgather:
-            model.sampler.idle(wave.steps)
+        model.sampler.idle(wave.steps)
         return None
+    return make_image(model, job, rank)
+
+
+def make_image(model: Model, job: Job, rank: int) -> bytes | str:
+    """The PNG of `job`, or the error that stopped it as text (that request's 500; the server
+    goes on)."""
     try:
         return model.sampler.generate(job)
-    except Exception as exc:  # answered as this request's 500; the wave goes on
+    except Exception as exc:
         log.exception("rank %d: the job failed", rank)
         return f"rank {rank}: {type(exc).__name__}: {exc}"
 
 
-def _broadcast(message: Any, group: Any) -> Any:
+def resolve(item: Pending, result: bytes | str, metrics: ServerMetrics) -> None:
+    if isinstance(result, bytes):
+        metrics.images.inc()
+        item.future.set_result(result)
+    else:
+        item.future.set_exception(WaveFailed(result))
+
+
+@contextmanager
+def failing_on_error(pending: list[Pending]) -> Iterator[None]:
+    """A wave that raises (a rank gone) fails its requests before the error goes on."""
+    try:
+        yield
+    except BaseException as exc:
+        for item in pending:
+            if not item.future.done():
+                item.future.set_exception(WaveFailed(f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+def broadcast(message: Any, group: Any, src: int = 0) -> Any:
+    """`message` from rank `src` to every rank of `group` (the same object back on `src`)."""
     if group is None:
         return message
     box = [message]
-    dist.broadcast_object_list(box, src=0, group=group)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 

@@ -15,7 +15,9 @@ METRICS: dict[str, tuple[str, str]] = {
         "`outcome`: ok, invalid, busy, unavailable, failed (400, 503 queue full, 503 not "
         "ready or stopping, 500)."),
     "dlo_server_queue_depth": ("gauge", "Images accepted and not yet in a wave."),
-    "dlo_server_waves_total": ("counter", "Waves run over the DLO group (one job per rank)."),
+    "dlo_server_waves_total": (
+        "counter", "Waves run over the AllGather group (up to one image per rank, one step "
+        "count); none in rank-local mode, where each rank takes the next image when free."),
     "dlo_server_images_total": ("counter", "Images made."),
     "dlo_server_idle_slots_total": (
         "counter", "Wave slots without a job: in AllGather mode that rank ran the wave's "

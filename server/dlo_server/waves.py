@@ -3,8 +3,8 @@
 Owns the wave rule of an AllGather group: every rank runs the same blocks in the same order, so a
 wave holds up to G jobs (one per rank) with the same step count; the oldest job always leads the
 next wave (no job waits behind younger ones of another step count for more than the waves
-before it). In rank-local mode (`same_steps=False`) a wave takes the G oldest jobs whatever their
-step counts. Pure threading, no torch.
+before it). In rank-local mode each rank takes the oldest job alone (`size=1`). Pure threading,
+no torch.
 """
 
 from __future__ import annotations
@@ -40,10 +40,9 @@ class QueueClosed(Exception):
 class WaveQueue:
     """At most `capacity` images waiting; waves of at most `ranks` jobs."""
 
-    def __init__(self, capacity: int, ranks: int, *, same_steps: bool = True) -> None:
+    def __init__(self, capacity: int, ranks: int) -> None:
         self.capacity = capacity
         self.ranks = ranks
-        self.same_steps = same_steps
         self.wave_s = 1.0
         """Seconds the last wave took (the engine sets it): the Retry-After estimate."""
         self._pending: list[Pending] = []
@@ -69,8 +68,9 @@ class WaveQueue:
             self._changed.notify_all()
         return [item.future for item in added]
 
-    def take_wave(self, timeout_s: float) -> list[Pending] | None:
-        """The next wave; None when nothing came within `timeout_s`; [] once closed and empty."""
+    def take_wave(self, timeout_s: float, size: int | None = None) -> list[Pending] | None:
+        """The next wave (at most `size` jobs, default `ranks`); None when nothing came within
+        `timeout_s`; [] once closed and empty."""
         with self._changed:
             if not self._changed.wait_for(lambda: self._pending or self._closed, timeout_s):
                 return None
@@ -84,7 +84,7 @@ class WaveQueue:
                 return None if not self._closed else []
             lead = self._pending[0]
             wave = [item for item in self._pending
-                    if not self.same_steps or item.job.steps == lead.job.steps][:self.ranks]
+                    if item.job.steps == lead.job.steps][:size or self.ranks]
             taken = {id(item) for item in wave}
             self._pending = [item for item in self._pending if id(item) not in taken]
         wave = [item for item in wave if item.future.set_running_or_notify_cancel()]

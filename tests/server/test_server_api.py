@@ -76,6 +76,6 @@ def test_probes_pass_and_metrics_count_requests_waves_and_offload(
     samples = scrape(one_rank_server.port)
     assert value(samples, "dlo_server_request_seconds_count", outcome="ok") >= 1
     assert value(samples, "dlo_server_request_seconds_count", outcome="invalid") >= 1
-    assert value(samples, "dlo_server_waves_total") >= 1
+    assert value(samples, "dlo_server_images_total") >= 1  # one rank: rank-local, no waves
     assert value(samples, "dlo_server_queue_depth") == 0
     assert value(samples, "dlo_runtime_forwards_total", component="transformer") >= 2

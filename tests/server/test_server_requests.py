@@ -65,10 +65,10 @@ def test_waves_hold_one_step_count_led_by_the_oldest_job() -> None:
     assert queue.take_wave(0) is None
 
 
-def test_rank_local_waves_take_the_oldest_jobs_whatever_their_steps() -> None:
-    queue = WaveQueue(capacity=10, ranks=2, same_steps=False)
+def test_rank_local_ranks_take_the_oldest_job_alone() -> None:
+    queue = WaveQueue(capacity=10, ranks=2)
     queue.submit([job(2, 0), job(3, 1), job(2, 2)])
-    assert [p.job.seed for p in queue.take_wave(0)] == [0, 1]
+    assert [[p.job.seed for p in queue.take_wave(0, size=1)] for _ in range(3)] == [[0], [1], [2]]
 
 
 def test_a_request_that_does_not_fit_is_refused_whole() -> None:
