@@ -23,6 +23,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from dlo_loader import digest
@@ -50,11 +51,12 @@ def open_peers(holders: Sequence[Holder], *, entry_id: str, identity: Mapping[st
     key = access_key(identity)
     serving: list[Holder] = []
     manifest: Manifest | None = None
-    for holder in holders:
-        try:
-            found = _manifest(holder, entry_id, key, timeout_s)
-        except (OSError, http.client.HTTPException, PeerFailed, CacheCorruptError) as exc:
-            log.warning("peer %s does not serve entry %s: %s", _named(holder), entry_id, exc)
+    with ThreadPoolExecutor(max_workers=min(len(holders), 16) or 1,
+                            thread_name_prefix="dlo-peer-manifest") as pool:
+        answers = list(pool.map(lambda h: _answer(h, entry_id, key, timeout_s), holders))
+    for holder, found in zip(holders, answers):
+        if isinstance(found, Exception):
+            log.warning("peer %s does not serve entry %s: %s", _named(holder), entry_id, found)
             continue
         if found.entry_id != entry_id or canonical_json(found.identity) != canonical_json(
                 dict(identity)):
@@ -168,6 +170,15 @@ def _chunk_digest(record: FileRecord, plan: Plan, file: int, number: int) -> str
     if record.chunk_bytes != plan.file_chunk_bytes[file]:
         return None
     return record.chunk_digests[number]
+
+
+def _answer(holder: Holder, entry_id: str, key: str, timeout_s: float) -> Manifest | Exception:
+    """The holder's manifest of the entry, or why it gave none (all holders are asked at once:
+    one gone from the network costs one timeout, not one each)."""
+    try:
+        return _manifest(holder, entry_id, key, timeout_s)
+    except (OSError, http.client.HTTPException, PeerFailed, CacheCorruptError) as exc:
+        return exc
 
 
 def _manifest(holder: Holder, entry_id: str, key: str, timeout_s: float) -> Manifest:

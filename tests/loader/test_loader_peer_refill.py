@@ -107,8 +107,9 @@ def test_a_wiped_node_refills_from_the_holders_without_a_store_read(
         s3: S3Server, checkpoint: Checkpoint, node_a: tuple[Node, subprocess.Popen[str]],
         tmp_path: Path) -> None:
     """Every chunk comes from a holder, checked against its manifest, spread over both holders
-    (A, and A again behind a second address standing for another node); the store is listed,
-    never read; B's entry is A's, byte for byte, and A counts what it served."""
+    (A, and A again behind a second address standing for another node; a third, whose loader is
+    gone, is skipped); the store is listed, never read; B's entry is A's, byte for byte, and A
+    counts what it served."""
     a, _ = node_a
     b = Node(tmp_path, "nodeB", free_port())
     with FaultProxy(s3.endpoint_url) as store, \
@@ -116,7 +117,7 @@ def test_a_wiped_node_refills_from_the_holders_without_a_store_read(
             FaultProxy(f"http://127.0.0.1:{a.port}") as second:
         outcome = _refill(b, checkpoint, store, (
             a.holder(_port(first.url)), Holder("nodeC", "127.0.0.1", _port(second.url)),
-            b.holder()))  # itself: left out
+            Holder("nodeD", "127.0.0.1", free_port()), b.holder()))  # itself: left out
     assert outcome.returncode == 0, outcome.stderr
     total = sum(len(v) for v in included(checkpoint.files).values())
     assert store.object_requests == 0 and store.object_bytes == 0
@@ -128,7 +129,8 @@ def test_a_wiped_node_refills_from_the_holders_without_a_store_read(
     assert json.loads(b.entry_file.read_text())["entry_id"] == json.loads(
         a.entry_file.read_text())["entry_id"]
     assert a.metric("dlo_loader_bytes_served_total") == total
-    assert "refilling entry" in outcome.stderr
+    assert "refilling entry" in outcome.stderr and "from 2 peer(s)" in outcome.stderr
+    assert "peer nodeD (127.0.0.1:" in outcome.stderr
 
 
 @pytest.mark.usefixtures("aws_env")
