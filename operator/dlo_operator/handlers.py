@@ -218,7 +218,7 @@ def loader_progress(spec: kopf.Spec, name: str, namespace: str, status: kopf.Sta
     pods = progress.running_loaders(every)
     current = progress.progress_status(
         progress.read_all(pods, port) if port else [], previous=status.get("progress"),
-        now=format_time(memo.config.clock()))
+        now=format_time(memo.config.clock()), running=pods)
     if current == status.get("progress"):
         return
     try:

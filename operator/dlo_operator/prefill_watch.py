@@ -2,8 +2,9 @@
 
 The Job alone waits for a hung loader until its deadline (the loader's timeouts, an hour and
 more). `no_progress` finds the first prefill pod whose running loader has shown no progress for
-`spec.loader.progressDeadlineSeconds`: since its container started, or since the operator last
-saw it write bytes or change phase (`status.progress`'s `progressAt`, which `progress` keeps).
+`spec.loader.progressDeadlineSeconds` since the operator last saw it write bytes or change phase
+on its metrics endpoint (`status.progress`'s `progressAt`, which `progress` keeps, also while the
+endpoint stops answering); a loader whose endpoint never answered is not judged.
 Its `Trouble` names the pod, the node and what the loader waits for (its phase). `unfinished`
 names the nodes whose loader had not finished, for a Job that ran out of time. Pure; called by
 `prefill_stage`.
@@ -24,8 +25,6 @@ from dlo_operator.status import LoaderState
 
 DEADLINE_FIELD = next(f"spec.{leaf.meta.crd}" for leaf in CR_LEAVES
                       if leaf.path == "loader.progress_deadline_s")
-METRICS_FIELD = next(f"spec.{leaf.meta.crd}" for leaf in CR_LEAVES
-                     if leaf.path == "settings.loader.metrics_port")
 WAITS_FOR = {
     "listing": "the source's listing of the model's objects",
     "waiting": "its node's cache lock or the other loaders of its group (the rendezvous)",
@@ -41,25 +40,20 @@ def no_progress(pods: Sequence[Mapping[str, Any]], progress: Mapping[str, Any],
     `deadline_s`, or None."""
     shown = {row.get("pod"): row for row in progress.get("nodes") or ()}
     for pod in sorted(pods, key=_name):
-        running = (_loader(pod).get("state") or {}).get("running")
-        if running is None:
+        if "running" not in (_loader(pod).get("state") or {}):
             continue
         row = shown.get(_name(pod)) or {}
-        moments = [t for t in (parse_time(running.get("startedAt")),
-                               parse_time(row.get("progressAt"))) if t is not None]
-        if not moments or now - max(moments) <= datetime.timedelta(seconds=deadline_s):
-            continue
+        since = parse_time(row.get("progressAt"))
+        if since is None or now - since <= datetime.timedelta(seconds=deadline_s):
+            continue  # no reading yet (or ever: the endpoint unreachable) tells nothing
         return Trouble(TroubleReason.NO_PROGRESS, _name(pod),
                        str((pod.get("spec") or {}).get("nodeName") or ""), LOADER_CONTAINER,
-                       f"no progress since {format_time(max(moments))} (more than "
+                       f"no progress since {format_time(since)} (more than "
                        f"{DEADLINE_FIELD}={deadline_s:g} s): {_waits_for(row)}")
     return None
 
 
 def _waits_for(row: Mapping[str, Any]) -> str:
-    if not row:
-        return (f"no reading of its progress, its metrics endpoint ({METRICS_FIELD}) does not "
-                "answer")
     phase = str(row.get("phase") or "")
     what = WAITS_FOR.get(phase, f"the end of its phase {phase or 'unknown'}")
     stalled = ", a read stalled" if row.get("stalled") else ""

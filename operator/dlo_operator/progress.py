@@ -156,15 +156,21 @@ def read_loader(address: str, port: int, timeout_s: float = READ_TIMEOUT_S) -> L
 
 
 def progress_status(readings: Sequence[tuple[Mapping[str, Any], LoaderReading]], *,
-                    previous: Mapping[str, Any] | None = None, now: str = ""
-                    ) -> dict[str, Any] | None:
+                    previous: Mapping[str, Any] | None = None, now: str = "",
+                    running: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any] | None:
     """`status.progress` from (pod, reading) pairs; None (remove the field) when there are none.
     Each node's `progressAt` is `now` unless the `previous` progress shows its pod with the same
-    bytes written and phase (no progress since): then it stays."""
-    if not readings:
-        return None
+    bytes written and phase (no progress since): then it stays. A pod of `running` (loaders
+    still filling) whose endpoint did not answer this time keeps its previous row, so a hung
+    loader that stops answering keeps the time it last moved."""
     before = {n.get("pod"): n for n in (previous or {}).get("nodes") or ()}
-    nodes = []
+    answered = {(pod.get("metadata") or {}).get("name", "") for pod, _ in readings}
+    kept = [dict(before[name]) for pod in running
+            if (name := (pod.get("metadata") or {}).get("name", "")) not in answered
+            and name in before]
+    if not readings and not kept:
+        return None
+    nodes = kept
     for pod, reading in readings:
         name = (pod.get("metadata") or {}).get("name", "")
         node: dict[str, Any] = {
@@ -183,7 +189,9 @@ def progress_status(readings: Sequence[tuple[Mapping[str, Any], LoaderReading]],
             node["etaSeconds"] = eta
         nodes.append(node)
     nodes.sort(key=lambda n: n["pod"])
-    return {"summary": _summary([r for _, r in readings]), "nodes": nodes}
+    summary = _summary([r for _, r in readings]) if readings else (
+        f"no answer from {len(kept)} running loaders")
+    return {"summary": summary, "nodes": nodes}
 
 
 def _eta(reading: LoaderReading) -> int | None:

@@ -27,7 +27,9 @@ from support.operator_harness import (
     request,
 )
 
+from dlo_operator import progress
 from dlo_operator.handlers import PREFILL_BACKOFF_ENV
+from dlo_operator.prefill_watch import no_progress
 
 pytestmark = pytest.mark.slow  # the operator through a create and a model change
 
@@ -95,7 +97,7 @@ async def test_a_prefill_loader_without_progress_is_named_with_what_it_waits_for
     clock.offset = datetime.timedelta(seconds=DEADLINE_S + 1)
     stuck = await eventually(lambda: prefilled(cluster).get("reason") == "PrefillStuck"
                              and prefilled(cluster), timeout=TIMEOUT)
-    since = max(seen["nodes"][0]["progressAt"], _started(standin, pods[0]))
+    since = seen["nodes"][0]["progressAt"]
     message = (f"prefill of revision {running['revision']} is stuck: loader container of pod "
                f"{pods[0]} on node gpu-0: NoProgress: no progress since {since} (more than "
                f"spec.loader.progressDeadlineSeconds={DEADLINE_S} s): waiting for its node's "
@@ -120,6 +122,23 @@ async def test_a_prefill_loader_without_progress_is_named_with_what_it_waits_for
         f"gpu-0 (pod {pods[0]}, loader Running), gpu-1 (pod {pods[1]}, loader Running)")
 
 
-def _started(standin: KubeStandIn, pod: str) -> str:
-    found = next(p for p in standin.pods() if p["metadata"]["name"] == pod)
-    return found["status"]["containerStatuses"][0]["state"]["running"]["startedAt"]
+def test_a_loader_that_stops_answering_keeps_the_time_it_last_moved() -> None:
+    """A hung loader may stop answering its endpoint too: its row stays, with the time it last
+    moved, while its pod runs; a loader whose endpoint never answered is not judged."""
+    pod = {"metadata": {"name": "flux-prefill-0"}, "spec": {"nodeName": "gpu-0"},
+           "status": {"containerStatuses": [{"name": "loader", "state": {"running": {
+               "startedAt": "2026-12-01T08:00:00Z"}}}]}}
+    reading = progress.LoaderReading(bytes_done=600, bytes_total=1200, bytes_per_second=0.0,
+                                     stalled=False, phase="waiting")
+    first = progress.progress_status([(pod, reading)], now="2026-12-01T09:00:00Z")
+    again = progress.progress_status([], previous=first, now="2026-12-01T09:10:00Z",
+                                     running=[pod])
+    assert again is not None and again["nodes"] == first["nodes"]
+    assert again["nodes"][0]["progressAt"] == "2026-12-01T09:00:00Z"
+    at = datetime.datetime(2026, 12, 1, 9, 10, tzinfo=datetime.timezone.utc)
+    stuck = no_progress([pod], again, at, DEADLINE_S)
+    assert stuck is not None and stuck.message.startswith(
+        "loader container of pod flux-prefill-0 on node gpu-0: NoProgress: no progress since "
+        "2026-12-01T09:00:00Z")
+    assert no_progress([pod], {}, at, DEADLINE_S) is None  # never answered: not judged
+    assert progress.progress_status([], previous=first, running=[]) is None
