@@ -23,6 +23,7 @@ from support.operator_harness import (
 )
 
 from dlo_operator.handlers import PREFILL_BACKOFF_ENV
+from dlo_operator.pod_refusals import refusal
 
 pytestmark = pytest.mark.slow  # each test runs the operator through a create
 
@@ -111,3 +112,23 @@ async def test_prefill_pods_the_api_server_refuses_are_named_while_the_old_pods_
     done = await eventually(lambda: (s := dod_status(cluster)).get("phase") == "Ready" and (
         s.get("prefill") or {}).get("state") == "Succeeded" and s, timeout=TIMEOUT)
     assert done["revision"] == stuck["revision"]
+
+
+def test_a_refusal_is_over_once_a_pod_was_created_after_it() -> None:
+    """The controller's latest FailedCreate counts while no pod of it was created since; another
+    Job's (an earlier attempt's) Events do not count."""
+    job = {"kind": "Job", "metadata": {"name": "flux-prefill-abc", "uid": "uid-2"}}
+    event = {"reason": "FailedCreate", "lastTimestamp": "2026-12-01T09:00:00Z",
+             "involvedObject": {"kind": "Job", "name": "flux-prefill-abc", "uid": "uid-2"},
+             "message": f'Error creating: pods "flux-prefill-abc-1-x" is forbidden: {QUOTA}'}
+    earlier = {"metadata": {"name": "flux-prefill-abc-0-y",
+                            "creationTimestamp": "2026-12-01T09:00:00Z"}}
+    later = {"metadata": {"name": "flux-prefill-abc-1-x",
+                          "creationTimestamp": "2026-12-01T09:00:01Z"}}
+    refused = refusal(job, [event], [earlier])
+    assert refused is not None and refused.message == (
+        "pod flux-prefill-abc-1-x (not created): FailedCreate: the API server refused the pod "
+        f'Job flux-prefill-abc creates: pods "flux-prefill-abc-1-x" is forbidden: {QUOTA}')
+    assert refusal(job, [event], [earlier, later]) is None
+    other = {**event, "involvedObject": {**event["involvedObject"], "uid": "uid-1"}}
+    assert refusal(job, [other], []) is None
