@@ -104,6 +104,11 @@ async def test_holders_reach_the_fill_group_document_and_a_refill_is_reported(
         return [h.node for h in group_document(cluster).holders] == ["gpu-0", "gpu-1"]
 
     await eventually(both)
-    status = live(cluster, "dlo.dev/v1alpha1/diffusionoffloaddeployments", "flux")["status"]
-    row = next(n for n in status["nodes"] if n["pod"] == "flux-1")
-    assert (row["bytesFromPeers"], row["bytesFromStore"]) == (60 * MIB, 4 * MIB)
+
+    def row() -> tuple[int, int]:
+        """flux-1's status row has the refill's figures"""
+        status = live(cluster, "dlo.dev/v1alpha1/diffusionoffloaddeployments", "flux")["status"]
+        found = next(n for n in status["nodes"] if n["pod"] == "flux-1")
+        return found["bytesFromPeers"], found["bytesFromStore"]
+
+    assert await eventually(row) == (60 * MIB, 4 * MIB)
