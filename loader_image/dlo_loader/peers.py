@@ -218,8 +218,10 @@ class PeerWatch:
     def _judge(self) -> Loss | None:
         """Who is lost, from what the watch saw (called holding the lock)."""
         now, timeout = self._clock(), self.timeout_s
+        # Silence is measured up to this watch's last round, not up to now: a watch that could
+        # not look (its own process starved or stopped) takes no one for lost.
         stale = [r for r, changed in self._changed.items()
-                 if r not in self._left and now - changed > timeout]
+                 if r not in self._left and self._answered - changed > timeout]
         failed = [r for r, left in self._left.items() if not left["ok"]]
         if self.rank != 0 and self._store_error is not None:
             return Loss(self.member(0), "died: the group's store it hosts closed this loader's "
