@@ -28,10 +28,11 @@ from collections.abc import Callable
 from typing import Self, TypeVar
 
 from dlo_contract.errors import PermanentError
+from dlo_contract.source_credentials import AWS_ACCESS_KEY_ID_ENV, AWS_SECRET_ACCESS_KEY_ENV
 
 DUMMY_CREDENTIALS = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
+    AWS_ACCESS_KEY_ID_ENV: "testing",
+    AWS_SECRET_ACCESS_KEY_ENV: "testing",
     "AWS_DEFAULT_REGION": "us-east-1",
 }
 """Environment for a client of these servers: both accept any key; boto3 needs one to sign."""
@@ -91,8 +92,8 @@ class S3Server(ServerProcess):
             "s3",
             endpoint_url=self.endpoint_url,
             region_name=DUMMY_CREDENTIALS["AWS_DEFAULT_REGION"],
-            aws_access_key_id=DUMMY_CREDENTIALS["AWS_ACCESS_KEY_ID"],
-            aws_secret_access_key=DUMMY_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+            aws_access_key_id=DUMMY_CREDENTIALS[AWS_ACCESS_KEY_ID_ENV],
+            aws_secret_access_key=DUMMY_CREDENTIALS[AWS_SECRET_ACCESS_KEY_ENV],
             config=Config(s3={"addressing_style": "path"}, max_pool_connections=32),
         )
 
