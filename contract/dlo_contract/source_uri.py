@@ -37,6 +37,9 @@ _CREDENTIAL_PARTS = re.compile(r"[?#]|^[a-z0-9]+://[^/]*@")
 """A query, a fragment, or user information before the host."""
 SOURCE_PATTERN = "^(" + "|".join(SCHEME_PATTERNS.values()) + ")$"
 """The CRD's pattern of `model.source`: any scheme's URI."""
+ENDPOINT_PATTERN = r"^https?://[^/@?#]+(/[^?#]*)?$"
+"""`model.endpointUrl`: an http(s) URL without credentials in it (checked by the validator,
+whose refusal hides what the URL carries; the CRD's generic pattern message would repeat it)."""
 
 SCHEME_FORMS: dict[Scheme, str] = {
     Scheme.S3: "s3://bucket/prefix/",
@@ -141,6 +144,17 @@ def source_problem(uri: str) -> str | None:
     if scheme is Scheme.HTTPS and AZURE_BLOB_HOST in uri:
         scheme = Scheme.AZ
     return f"must be {SCHEME_FORMS[scheme]}"
+
+
+def endpoint_problem(url: str) -> str | None:
+    """Why `url` is not an endpoint (`loader.endpoint_url`), or None."""
+    if re.fullmatch(ENDPOINT_PATTERN, url):
+        return None
+    if _CREDENTIAL_PARTS.search(url):
+        return ("must not carry a query, a fragment or a user:password@ (they would reach the "
+                "status and the logs): give credentials through the DOD's model.credentials "
+                "Secret")
+    return "must be an http:// or https:// URL, e.g. http://minio.storage:9000"
 
 
 def parse_source_uri(uri: str, names: Names = document_names) -> SourceAddress:

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from dlo_contract.field_names import Names, document_names
 from dlo_contract.schema import leaves
 from dlo_contract.settings import Settings, SettingsError
-from dlo_contract.source_uri import shown_source, source_problem
+from dlo_contract.source_uri import endpoint_problem, shown_source, source_problem
 
 QUANT_NONE = "none"
 QUANT_FP8_PER_TENSOR = "fp8_per_tensor"
@@ -175,17 +175,19 @@ def _get(settings: Any, dotted: str) -> Any:
 
 def range_errors(settings: Settings, names: Names = document_names) -> list[str]:
     """Single-field bounds declared in the schema (the CRD states them as `minimum`/`enum`),
-    the source URI's form (`source_uri`; empty is left to whoever requires a source) and the
-    loader's double-buffering bound."""
+    the source URI's and the endpoint's forms (`source_uri`; an empty source is left to whoever
+    requires one) and the loader's double-buffering bound."""
     errors = []
     for leaf in leaves(Settings):
         value = _get(settings, leaf.path)
         problem = None if value is None else leaf.meta.bounds.problem(value)
         if problem is not None and not leaf.meta.required:
             errors.append(f"{names(leaf.path)}={value!r} {problem}")
-    source = settings.loader.source
+    source, endpoint = settings.loader.source, settings.loader.endpoint_url
     if source and (problem := source_problem(source)):
         errors.append(f"{names('loader.source')}={shown_source(source)!r} {problem}")
+    if endpoint and (problem := endpoint_problem(endpoint)):
+        errors.append(f"{names('loader.endpoint_url')}={shown_source(endpoint)!r} {problem}")
     if settings.loader.chunk_bytes * 2 > settings.loader.memory_limit_bytes:
         errors.append(
             f"{names('loader.memory_limit_bytes')}={settings.loader.memory_limit_bytes} must "

@@ -95,3 +95,23 @@ def test_a_source_carrying_credentials_is_refused_without_showing_them(uri: str)
     with pytest.raises(SettingsError) as caught:
         validate(Settings.from_dict({"loader": {"source": uri}}))
     assert "s3cr3t" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("url", "problem"), [
+    ("https://reader:s3cr3t@minio.storage:9000", "must not carry a query, a fragment or a "
+     "user:password@"),
+    ("http://127.0.0.1:10000/devstoreaccount1?sig=s3cr3t", "must not carry a query"),
+    ("minio.storage:9000", "must be an http:// or https:// URL"),
+])
+def test_an_endpoint_carrying_credentials_or_of_no_url_is_refused(url: str, problem: str) -> None:
+    with pytest.raises(SettingsError) as caught:
+        validate(Settings.from_dict({"loader": {"source": "s3://m/p/", "endpoint_url": url}}))
+    assert str(caught.value).startswith("invalid settings: loader.endpoint_url=")
+    assert problem in str(caught.value) and "s3cr3t" not in str(caught.value)
+
+
+def test_an_emulator_endpoint_with_a_path_is_an_endpoint() -> None:
+    settings = Settings.from_dict({"loader": {
+        "source": "az://devstoreaccount1/models/p/",
+        "endpoint_url": "http://127.0.0.1:10000/devstoreaccount1"}})
+    assert validate(settings) == settings
