@@ -232,12 +232,16 @@ class FileDigests:
     """Where the plan cut the file at its upload's parts, their size (else None)."""
 
 
+def file_hasher(algorithm: str, size: int) -> Any:
+    """A fresh hasher of `algorithm` (one of `FILE_HASHES`) for a file of `size` bytes."""
+    if algorithm == "git-sha1":  # a git blob's id: SHA-1 of a header and the bytes
+        return hashlib.sha1(b"blob %d\0" % size)
+    return hashlib.new(algorithm)
+
+
 def file_hash(path: Path, algorithm: str) -> str:
     """The `algorithm` (one of `FILE_HASHES`) of a written file, read in pieces."""
-    if algorithm == "git-sha1":  # a git blob's id: SHA-1 of a header and the bytes
-        hasher = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
-    else:
-        hasher = hashlib.new(algorithm)
+    hasher = file_hasher(algorithm, path.stat().st_size)
     piece = memoryview(bytearray(_HASH_PIECE_BYTES))
     with open(path, "rb", buffering=0) as handle:
         while count := handle.readinto(piece):

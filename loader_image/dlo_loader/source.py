@@ -87,6 +87,11 @@ class ObjectStore(RangedReads):
         return self._listing.chunk_algorithms
 
     @property
+    def listed_checksums(self) -> dict[str, StoreChecksum]:
+        """S3's checksums are CRCs, combined from the chunks: none is hashed from the file."""
+        return {}
+
+    @property
     def part_bytes(self) -> dict[str, int]:
         """By relative key, from the last `list`: the part size of objects checked by parts."""
         return self._listing.part_bytes

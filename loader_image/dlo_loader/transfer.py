@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # exchange and transport are imported once the transfer start
     import threading
 
     from dlo_loader.exchange import Exchange, Reader
+    from dlo_loader.file_hashes import FollowingHashes
     from dlo_loader.peer_reads import PeerReads
     from dlo_loader.sink import FileSink
     from dlo_loader.stream import Streamer
@@ -50,6 +51,8 @@ class Transfer:
         self.rank, self.deadline, self.stop = rank, deadline, stop
         self.source, self.names = source, names
         self.store_check: digests_of.StoreCheck | None = None
+        self._hashes: FollowingHashes | None = None
+        """Whole-file hashes followed while a fill alone writes the files (`file_hashes`)."""
         self._sink: FileSink | None = None
         """The files being written in the publication's tmp dir, made by the first exchange."""
         self.peers: PeerReads | None = None
@@ -73,7 +76,8 @@ class Transfer:
                 else self._reader(plan))
         self.progress.start()
         self.progress.phase = "transferring"  # metrics: phase
-        stream = None if pub.existing or grouped else self._streamer(plan)  # alone: streamed
+        stream = None if pub.existing or grouped else self._following(
+            self._streamer(plan), plan, pub.tmp_dir)  # alone: streamed
         return Exchange(plan, rank=self.rank, grouped=grouped, read=read, sink=sink,
                         progress=self.progress, config=self.config, deadline=self.deadline,
                         stop=self.stop, stream=stream, names=self.names)
@@ -97,6 +101,8 @@ class Transfer:
                 pub.tmp_dir, plan, digests, published))
         finally:  # a failed fill does not wait for a HEAD in flight
             beside.shutdown(wait=False, cancel_futures=True)
+            if self._hashes is not None:
+                self._hashes.close()
         pub.commit("checkpoint", identity, records, tensor_count=tensors, producer=PRODUCER)
 
     def _exchange(self, pub: Publication, plan: Plan, group: Group | None,
@@ -130,11 +136,47 @@ class Transfer:
             files, published.result(), self.source,
             layout_holds=lambda key, part_bytes: self.store.layout_holds(by_key[key],
                                                                          part_bytes),
-            hash_file=lambda key, algorithm: digests_of.file_hash(directory / key, algorithm))
+            hash_file=self._hash_file(plan, directory))
         log.info("store checksums: %d object(s) match the store's own (a CRC of the whole object "
                  "or of its parts, or a hash of the file), %d without one",
                  self.store_check.checked, self.store_check.unavailable)
         return checked
+
+    def _following(self, stream: Streamer, plan: Plan, directory: Path | None) -> Streamer:
+        """`stream`, each piece it delivers told to the hashes of the files whose listed store
+        checksum is a whole-file hash (`file_hashes`), which read them back meanwhile."""
+        listed = self.store.listed_checksums
+        wanted = {index: (directory / obj.key, listed[obj.key].algorithm)
+                  for index, obj in enumerate(plan.files)
+                  if directory is not None and obj.key in listed
+                  and listed[obj.key].value is not None
+                  and listed[obj.key].algorithm in digests_of.FILE_HASHES}
+        if not wanted:
+            return stream
+        from dlo_loader.file_hashes import FollowingHashes
+
+        hashes = self._hashes = FollowingHashes(wanted, [obj.size for obj in plan.files])
+
+        def followed(file: int, offset: int, length: int, pieces: Iterator[memoryview],
+                     deliver: Callable[[int, memoryview], None]) -> int:
+            def written(at: int, view: memoryview) -> None:
+                deliver(at, view)
+                hashes.written(file, offset + at, len(view))
+
+            return stream(file, offset, length, pieces, written)
+
+        return followed
+
+    def _hash_file(self, plan: Plan, directory: Path) -> Callable[[str, str], str]:
+        """`hash_file` of the store check: as followed while written, else from the file."""
+        index = {obj.key: number for number, obj in enumerate(plan.files)}
+
+        def hash_file(key: str, algorithm: str) -> str:
+            followed = (self._hashes.hash_of(index[key], algorithm)
+                        if self._hashes is not None else None)
+            return followed or digests_of.file_hash(directory / key, algorithm)
+
+        return hash_file
 
     def _streamer(self, plan: Plan) -> Streamer:
         def stream(file: int, offset: int, length: int, pieces: Iterator[memoryview],

@@ -4,6 +4,7 @@ what the entry holds and checks for identical bytes from different schemes."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -106,6 +107,54 @@ def test_a_hub_mirror_serving_corrupt_bytes_fails_the_sha256_check(
             fill_in_process(served.source, served.endpoint, tmp_path / "cache")
     assert str(caught.value).startswith(f"{served.source}{shard}: the bytes read have sha256 ")
     assert no_entry(tmp_path / "cache")
+
+
+@pytest.mark.parametrize("scheme", ("https-sha256", "hf"))
+def test_a_fill_alone_hashes_each_file_while_writing_it(
+        scheme: str, checkpoint: Checkpoint, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No file is read back after the transfer for its sha256 (or git blob id): each was hashed
+    behind its written bytes (`file_hashes`)."""
+    from dlo_loader import digest, file_hashes
+
+    def read_back(path: Path, algorithm: str) -> str:
+        raise AssertionError(f"{path.name} was read back for its {algorithm} after the transfer")
+
+    monkeypatch.setattr(digest, "file_hash", read_back)
+    monkeypatch.setattr(file_hashes, "file_hash", read_back)
+    with serving(scheme.partition("-")[0], checkpoint.files, tmp_path,
+                 digests=("sha256",)) as served:
+        result = fill_in_process(served.source, served.endpoint, tmp_path / "cache")
+    assert result.store_checksums == "all"
+    assert entry_files(tmp_path / "cache") == included(checkpoint.files)
+
+
+def test_hashes_follow_written_bytes_and_a_span_written_twice_is_hashed_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dlo_loader import file_hashes
+
+    data = bytes(range(256)) * (4 << 12)  # 4 MiB
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    read_back = []
+    whole = file_hashes.file_hash
+    monkeypatch.setattr(file_hashes, "file_hash",
+                        lambda p, a: read_back.append(a) or whole(p, a))
+    hashes = file_hashes.FollowingHashes({0: (path, "sha256"), 1: (path, "md5")},
+                                         [len(data), len(data)])
+    try:
+        hashes.written(1, 0, 1 << 20)
+        hashes.written(1, 0, 4096)  # again: the bytes followed may have changed
+        for start in (2 << 20, 0, 1 << 20, 3 << 20):  # out of order, as parallel readers write
+            hashes.written(0, start, 1 << 20)
+            if start:
+                hashes.written(1, start, 1 << 20)
+        assert hashes.hash_of(0, "sha256") == hashlib.sha256(data).hexdigest()
+        assert hashes.hash_of(1, "md5") == hashlib.md5(data).hexdigest()
+        assert hashes.hash_of(0, "md5") is None  # not followed for another algorithm
+    finally:
+        hashes.close()
+    assert read_back == ["md5"]  # only the file written twice was read back whole
 
 
 def test_a_file_replaced_on_the_share_mid_fill_publishes_nothing(

@@ -160,12 +160,12 @@ class HubServer:
                     send_error(self, 404, "RevisionNotFound")
                     return
                 payload = json.dumps(hub._info(commit, blobs)).encode()
+                hub.served.count(self.command)  # before the answer: its client sees it counted
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
                 self.wfile.write(payload)
-                hub.served.count(self.command)
 
             def _resolve(self, revision: str, name: str) -> None:
                 commit = hub._commit(revision)
@@ -179,6 +179,7 @@ class HubServer:
                     send_file_bytes(self, data, f'"{blob_id(data)}"', hub.served, headers)
                     return
                 sha = lfs_sha256(data)
+                hub.served.count(self.command)
                 self.send_response(302)
                 for key, value in {**headers, "X-Linked-Etag": f'"{sha}"',
                                    "X-Linked-Size": str(len(data)), "ETag": f'"{blob_id(data)}"',
@@ -187,7 +188,6 @@ class HubServer:
                                    "Content-Length": "0"}.items():
                     self.send_header(key, value)
                 self.end_headers()
-                hub.served.count(self.command)
 
         return Handler
 

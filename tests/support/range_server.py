@@ -105,6 +105,9 @@ def send_file_bytes(handler: BaseHTTPRequestHandler, data: bytes | FileBytes, et
         last = min(int(match.group(2)) if match.group(2) else len(data) - 1, len(data) - 1)
         status, body = 206, data[first:last + 1]
         extra["Content-Range"] = f"bytes {first}-{last}/{len(data)}"
+    # Counted before the answer goes out: a client that has it sees it counted.
+    served.count(handler.command, len(body) if handler.command == "GET" and wanted else 0,
+                 if_match=asked_match is not None)
     handler.send_response(status)
     for name, value in {**(headers or {}), **extra}.items():
         handler.send_header(name, value)
@@ -115,8 +118,6 @@ def send_file_bytes(handler: BaseHTTPRequestHandler, data: bytes | FileBytes, et
     handler.end_headers()
     if handler.command == "GET":
         handler.wfile.write(body)
-    served.count(handler.command, len(body) if handler.command == "GET" and wanted else 0,
-                 if_match=asked_match is not None)
 
 
 class FileBytes:

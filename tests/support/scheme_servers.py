@@ -57,16 +57,21 @@ def write_files(directory: Path, files: dict[str, bytes]) -> Path:
 @contextlib.contextmanager
 def serving(scheme: str, files: dict[str, bytes], tmp: Path, *,
             plan: FaultPlan | None = None, token: str | None = None,
-            etags: bool = True, ranges: bool = True) -> Iterator[Served]:
+            etags: bool = True, ranges: bool = True,
+            digests: tuple[str, ...] | None = None) -> Iterator[Served]:
     """`files` served by `scheme`'s server (see the module docstring); `token`: the bearer
     token the server requires (https, hf); `etags`, `ranges`: off for an https server without
-    ETags, or one that ignores `Range`."""
+    ETags, or one that ignores `Range`; `digests`: the only digests its listing file names."""
     if scheme == "file":
         directory = write_files(tmp / "share", files)
         yield Served(scheme, f"file://{directory}/", None, None, directory)
     elif scheme == "https":
         directory = write_files(tmp / "www" / "models" / "tiny", files)
-        (directory / LISTING_FILE).write_text(json.dumps(listing_of(directory)))
+        listing = listing_of(directory)
+        for row in listing["files"]:  # only the digests asked for (None: all listing_of writes)
+            for algorithm in set(row) - {"name", "size", *(digests or row)}:
+                del row[algorithm]
+        (directory / LISTING_FILE).write_text(json.dumps(listing))
         with DirectoryServer(tmp / "www", token=token, etags=etags, ranges=ranges) as server, \
                 FaultProxy(server.url, plan) as proxy:
             yield Served(scheme, f"{proxy.url}/models/tiny/", None, proxy, directory,

@@ -41,6 +41,8 @@ The contract of a `Source` (`seam.Source`), which `fill`, `transfer` and `exchan
   called on a thread beside the transfer. A CRC of `chunk_algorithms` is combined from the
   chunk digests; a whole-file hash (`sha256`, `md5`, `git-sha1`: `digest.FILE_HASHES`) is
   computed from the written file before publication. A mismatch publishes nothing.
+  `listed_checksums`: by key, those the last `list` gave without another call (a fill reading
+  alone hashes such files while it writes them, `file_hashes`); `{}` where there are none.
   `layout_holds(obj, part_bytes)`: S3's composite checksums; others False.
 - `close()`: release connections. Messages, logs and errors name `str(uri)` and keys, never a
   credential (the names of the variables a scheme reads are `dlo_contract.source_credentials`).

@@ -72,6 +72,9 @@ class Source(Protocol):
     @property
     def part_bytes(self) -> Mapping[str, int]: ...
 
+    @property
+    def listed_checksums(self) -> Mapping[str, StoreChecksum]: ...
+
     def list(self, include: Iterable[str], *, checked_bytes: int | None = None
              ) -> list[ObjectIdentity]: ...
 
@@ -205,6 +208,10 @@ class ListedChecksums:
     @property
     def part_bytes(self) -> Mapping[str, int]:
         return {}
+
+    @property
+    def listed_checksums(self) -> Mapping[str, StoreChecksum]:
+        return self._listed
 
     def checksums(self, files: Sequence[ObjectIdentity]) -> dict[str, StoreChecksum]:
         return dict(self._listed)
