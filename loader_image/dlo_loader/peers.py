@@ -23,6 +23,7 @@ and the group is never torn down (`Group.close`); the process ends without waiti
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -50,6 +51,24 @@ _LEFT = "dlo/left"
 _LOST = "dlo/lost"
 MEMBER_KEY = "dlo/member"
 """`dlo/member/<rank>`: the member's pod and node, posted as it joins."""
+
+
+def interruptible(call: Callable[[], T]) -> T:
+    """`call()` on a thread of its own, waited for in this one, so that a signal's handler
+    (SIGTERM: see `termination`) runs here while `call` blocks in C++ (torch's store client
+    retries through interrupted system calls)."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(call())
+        except BaseException as exc:  # noqa: BLE001 (handed to the caller)
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="dlo-blocking-call", daemon=True).start()
+    while True:
+        with contextlib.suppress(FutureTimeout):
+            return future.result(timeout=POLL_S)
 
 
 @dataclass(frozen=True)

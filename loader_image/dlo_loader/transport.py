@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dlo_loader.errors import GroupError, RendezvousTimeout
-from dlo_loader.peers import MEMBER_KEY, Member, PeerWatch
+from dlo_loader.peers import MEMBER_KEY, Member, PeerWatch, interruptible
 from dlo_contract.field_names import Names, document_names
 
 log = logging.getLogger(__name__)
@@ -246,15 +246,17 @@ def join(
     where = f"{master_addr}:{master_port}"
     store = listening
     try:
-        store = listening if listening is not None else _store(
-            master_addr, master_port, world_size, is_master=rank == 0, timeout_s=timeout_s)
+        # Blocking calls into torch's store run where SIGTERM can still end the wait.
+        store = listening if listening is not None else interruptible(lambda: _store(
+            master_addr, master_port, world_size, is_master=rank == 0, timeout_s=timeout_s))
         store.set(f"{_NODE_KEY}/{rank}", node_key)  # before it counts as joined
         store.set(f"{MEMBER_KEY}/{rank}", (member or Member(rank)).to_json())
         if store.add(_JOINED_KEY, 1) == world_size:
             store.set(_ALL_JOINED_KEY, "1")
         # Every rank waits here until all have joined, so a late loader is found out at once.
         remaining = max(deadline - time.monotonic(), 0.001)
-        store.wait([_ALL_JOINED_KEY], datetime.timedelta(seconds=remaining))
+        interruptible(lambda: store.wait([_ALL_JOINED_KEY],
+                                         datetime.timedelta(seconds=remaining)))
         members = [Member.from_json(r, value.decode()) for r, value in enumerate(
             store.multi_get([f"{MEMBER_KEY}/{r}" for r in range(world_size)]))]
     except (RuntimeError, dist.DistError, OSError) as exc:

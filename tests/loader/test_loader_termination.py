@@ -93,3 +93,22 @@ def test_sigterm_right_after_the_entry_ends_a_sidecar_with_status_0(
     assert outcome.summary["status"] == "ok"
     assert json.loads(entry_file.read_text())["entry_id"] == outcome.summary["entry_id"]
 
+
+
+def test_sigterm_while_the_group_gathers_ends_the_loader_at_once(
+        s3: S3Server, checkpoint: Checkpoint, tmp_path: Path) -> None:
+    """Rank 1 of 2 waits for a rank 0 that never starts (the rendezvous timeout is an hour):
+    SIGTERM ends the wait, the loader holding nothing."""
+    fleet = Fleet(tmp_path, checkpoint.source, 2, [s3.endpoint_url] * 2,
+                  settings={"rendezvous_timeout_s": 3600.0})
+    process = fleet.start(1)
+    with ended(process):
+        assert process.stdout is not None
+        for _ in range(2):  # the second "waiting" line comes from inside the rendezvous
+            line = process.stdout.readline()
+            assert "waiting for 2 loaders" in line, line
+        process.send_signal(signal.SIGTERM)
+        outcome = finish(1, process)
+    assert outcome.returncode == EXIT_TERMINATED, outcome.stderr
+    assert outcome.summary == {"status": "error", "rank": 1, "error": TERMINATED_MESSAGE}
+    assert no_entry(fleet.root(1))
