@@ -3,8 +3,8 @@
 Owns the loader's counters (bytes from the object store, from peers, to peers, written) and the
 line a person watching `kubectl logs` reads: `[rank r/w] 1.2 GiB of 4.0 GiB (30%), 410.5 MiB/s,
 ETA 7 s` (`stalled (...)` instead of the ETA while a read gets no bytes past the stall timeout,
-`no bytes written for N s` while nothing is written for `QUIET_S`, and an ETA past `ETA_MAX_S`
-shown as over it: a trickle of bytes must not promise a date months away). A daemon thread
+`no bytes written for N s` while nothing is written for `QUIET_S`, and the ETA as
+`units.human_eta` spells it, bounded). A daemon thread
 emits the line through a callable the CLI provides (stdout), so a stalled fill keeps reporting; `repeating` does the same for a wait (the rendezvous). Also owns
 the `[rank r/w]` prefix for the loader's log records. Called by `fill`, `exchange` and `cli`.
 Must not decide anything about the fill.
@@ -18,28 +18,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from dlo_contract.units import human_bytes
+from dlo_contract.units import human_bytes, human_eta
 
 DEFAULT_INTERVAL_S = 5.0
 QUIET_S = 15.0
 """Seconds without a byte written after which the line shows how long instead of an ETA."""
-ETA_MAX_S = 24 * 3600.0
-"""Longest ETA the line shows as a figure; a longer one says `ETA over 24 h`."""
 STAGES = ("get", "digest", "write", "exchange")
 """Where a fill's time goes: ranged GETs (summed over reader threads), chunk digests, local
 writes (summed over the threads that write) and the peer exchange (the main thread's
 collectives)."""
-
-
-def _duration(seconds: float) -> str:
-    """An ETA as a person reads it: seconds, minutes or hours, bounded by `ETA_MAX_S`."""
-    if seconds > ETA_MAX_S:
-        return f"over {ETA_MAX_S / 3600:.0f} h"
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def rank_prefix(rank: int, world_size: int) -> str:
@@ -113,7 +100,7 @@ class Progress:
         elif now - written_at >= QUIET_S and done < self.total_bytes:
             tail = f"no bytes written for {now - written_at:.0f} s, ETA unknown"
         elif rate > 0:
-            tail = f"ETA {_duration((self.total_bytes - done) / rate)}"
+            tail = f"ETA {human_eta((self.total_bytes - done) / rate)}"
         else:
             tail = "ETA unknown"
         return (f"{self.prefix} {human_bytes(done)} of {human_bytes(self.total_bytes)} "

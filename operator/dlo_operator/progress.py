@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dlo_contract.documents import DocumentError, FillSummary
 from dlo_contract.names import LOADER_SUMMARY_PATH
-from dlo_contract.units import human_bytes
+from dlo_contract.units import human_bytes, human_eta
 from dlo_operator import metrics
 from dlo_operator.conditions import EventType, Report
 from dlo_operator.naming import ANNOTATION_FILL_SUMMARY, LOADER_CONTAINER
@@ -211,6 +211,6 @@ def _summary(readings: Sequence[LoaderReading]) -> str:
         return f"{line}, stalled ({stalled} of {len(readings)} loaders)"
     etas = [_eta(r) for r in readings]
     if all(e is not None for e in etas):
-        return f"{line}, ETA {max(e for e in etas if e is not None)} s"
+        return f"{line}, ETA {human_eta(max(e for e in etas if e is not None))}"
     return line
 

@@ -156,3 +156,13 @@ def test_stalled_loader_shows_stalled_and_no_eta() -> None:
     assert "etaSeconds" not in status["nodes"][0]
     assert status["summary"] == "10% 10 B/100 B, 0 B/s, stalled (1 of 1 loaders)"
     assert progress.progress_status([]) is None
+
+
+def test_a_trickling_loaders_eta_is_bounded_and_spelled_as_the_loader_does() -> None:
+    """1 KiB/s with 4 GiB left: the summary said `ETA 4194303 s`."""
+    reading = progress.LoaderReading(bytes_done=1024, bytes_total=4 << 30,
+                                     bytes_per_second=1024.0, stalled=False,
+                                     phase="transferring")
+    status = progress.progress_status([({"metadata": {"name": "p-0"}}, reading)])
+    assert status is not None
+    assert status["summary"] == "0% 1.0 KiB/4.0 GiB, 1.0 KiB/s, ETA over 24 h"
