@@ -51,6 +51,9 @@ class FollowingHashes:
         self._written = {index: _Written(sizes[index]) for index in wanted}
         self._cond = threading.Condition()
         self._closed = False
+        self._finished = False
+        """Set once the transfer ended: a file whose bytes were not all told written is hashed
+        whole instead of waited for."""
         self._pool = ThreadPoolExecutor(max_workers=min(len(wanted), _THREADS) or 1,
                                         thread_name_prefix="dlo-follow-hash")
         self._hashes: dict[int, Future[str | None]] = {
@@ -67,6 +70,9 @@ class FollowingHashes:
         not: a byte written twice); None where it was not followed for `algorithm`."""
         if self._wanted.get(file, (None, None))[1] != algorithm:
             return None
+        with self._cond:  # asked after the transfer: nothing more will be written
+            self._finished = True
+            self._cond.notify_all()
         followed = self._hashes[file].result()
         return followed if followed is not None else file_hash(self._wanted[file][0], algorithm)
 
@@ -85,9 +91,9 @@ class FollowingHashes:
         with open(path, "rb", buffering=0) as handle:
             while done < written.size:
                 with self._cond:
-                    self._cond.wait_for(lambda: self._closed or written.twice
-                                        or written.frontier > done)
-                    if self._closed or written.twice:
+                    self._cond.wait_for(lambda: self._closed or self._finished
+                                        or written.twice or written.frontier > done)
+                    if self._closed or written.twice or written.frontier <= done:
                         return None
                     until = written.frontier
                 while done < until:

@@ -155,6 +155,13 @@ def test_hashes_follow_written_bytes_and_a_span_written_twice_is_hashed_again(
     finally:
         hashes.close()
     assert read_back == ["md5"]  # only the file written twice was read back whole
+    partly = file_hashes.FollowingHashes({0: (path, "sha256")}, [len(data)])
+    partly.written(0, 0, 1 << 20)  # the rest never told written: asked, it is hashed whole
+    try:
+        assert partly.hash_of(0, "sha256") == hashlib.sha256(data).hexdigest()
+    finally:
+        partly.close()
+    assert read_back == ["md5", "sha256"]
 
 
 def test_a_file_replaced_on_the_share_mid_fill_publishes_nothing(
