@@ -112,13 +112,16 @@ class Retrier:
     def __init__(self, source: str, *, attempts: int, stop: threading.Event,
                  on_stall: Callable[[str], None] = lambda what: None,
                  names: Names = document_names,
-                 credentials: str = "check the loader's credentials and the bucket policy"
-                 ) -> None:
+                 credentials: str = "check the loader's credentials and the bucket policy",
+                 address: str = "loader.endpoint_url") -> None:
         """`source`: the store's URI, for the error without credentials; `on_stall(what)` is
         told of every stall; `names` spells the settings in hints; `credentials`: the hint of
-        an access denied (where the scheme's credentials come from, never their values)."""
+        an access denied (where the scheme's credentials come from, never their values);
+        `address`: the setting that says where the store is (the endpoint, or the source URI
+        itself where the scheme's public endpoint is used), named when it cannot be reached."""
         self.source, self.attempts, self.stop = source, attempts, stop
         self.on_stall, self.names, self.credentials = on_stall, names, credentials
+        self.address = address
 
     def run(self, what: str, call: Callable[[], _T]) -> _T:
         """Run `call`, retrying transient failures; `what` names the call in logs and errors."""
@@ -196,7 +199,7 @@ class Retrier:
         if retry.kind is RetryKind.UNREACHABLE:
             return (f"the object store{f' at {retry.endpoint}' if retry.endpoint else ''} "
                     "cannot be reached (no connection could be made); check "
-                    f"{self.names('loader.endpoint_url')}, that the store is up, and the "
+                    f"{self.names(self.address)}, that the store is up, and the "
                     "loader's network path (and DNS) to it")
         return ("the object store is throttling or failing; raise "
                 f"{self.names('loader.max_retries')} or retry later")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from dlo_bench.faultproxy import FAULT_KINDS, STALL, FaultPlan
+from dlo_bench.s3server import free_port
 from dlo_loader.digest import ALGORITHM, chunk_digest, file_hash
 from dlo_loader.errors import SourceChanged, SourceError, SourceUnavailable
 from dlo_loader.sources import Source, SourceOptions, open_source, parse_source
@@ -294,6 +295,17 @@ def test_a_missing_source_is_not_found(scheme: str, tmp_path: Path) -> None:
         with pytest.raises(SourceError) as caught:
             open_served(served).list(["*"])
     assert "not found" in str(caught.value) and "loader.source" in caught.value.hint
+
+
+def test_an_https_source_that_cannot_be_reached_names_the_source_setting() -> None:
+    """An https:// source has no endpoint setting: its address is the URI itself, so the hint
+    names loader.source (it named loader.endpoint_url, which does not apply)."""
+    source = f"https://127.0.0.1:{free_port()}/models/tiny/"
+    with pytest.raises(SourceUnavailable) as caught:
+        open_source(parse_source(source), SourceOptions(attempts=2)).list(["*"])
+    assert "cannot be reached" in caught.value.hint
+    assert "check loader.source," in caught.value.hint
+    assert "endpoint_url" not in caught.value.hint
 
 
 def test_https_without_etags_reads_by_the_listed_digest(

@@ -55,9 +55,13 @@ class SourceOptions:
 
     def retrier(self, source: SourceAddress, *, credentials: str) -> Retrier:
         """The retry policy of one source's calls; `credentials`: the hint of an access
-        denied, saying where the scheme's credentials come from (never their values)."""
+        denied, saying where the scheme's credentials come from (never their values). A
+        source read at its scheme's own address (no endpoint set) names the source URI when
+        it cannot be reached, not an endpoint setting that was never set."""
+        address = "loader.endpoint_url" if self.endpoint_url else "loader.source"
         return Retrier(str(source), attempts=self.attempts, stop=self.stop,
-                       on_stall=self.on_stall, names=self.names, credentials=credentials)
+                       on_stall=self.on_stall, names=self.names, credentials=credentials,
+                       address=address)
 
 
 class Source(Protocol):
