@@ -34,10 +34,12 @@ from dlo_loader.source_retry import Retrier, Stalled
 from dlo_loader.sources.seam import RangedReads, SourceOptions
 from dlo_contract.cache import ObjectIdentity
 from dlo_contract.field_names import Names, document_names
+from dlo_contract.source_credentials import AWS_ACCESS_KEY_ID_ENV, AWS_SECRET_ACCESS_KEY_ENV
 from dlo_contract.source_uri import SourceAddress
 
-CREDENTIALS_HINT = ("check the loader's S3 credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
-                    "from the source's Secret, or its web identity) and the bucket policy")
+CREDENTIALS_HINT = (f"check the loader's S3 credentials ({AWS_ACCESS_KEY_ID_ENV}/"
+                    f"{AWS_SECRET_ACCESS_KEY_ENV} from the source's Secret, or its web identity "
+                    "(service account)) and the bucket policy")
 
 
 class ObjectStore(RangedReads):

@@ -130,10 +130,7 @@ class Retrier:
                 return call()
             except bexc.NoCredentialsError as exc:
                 raise SourceError(
-                    f"no S3 credentials for {self.source}",
-                    hint="set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or a web identity "
-                         "(service account) for the loader",
-                ) from exc
+                    f"no S3 credentials for {self.source}", hint=self.credentials) from exc
             except Exception as exc:  # noqa: BLE001 - `_retry_of` re-raises what is not retried
                 retry = self._retry_of(exc, what)
             if attempt == self.attempts or self.stop.is_set():

@@ -115,6 +115,8 @@ def test_missing_credentials_are_a_clear_error(
     with pytest.raises(SourceError) as caught:
         store_for(checkpoint.source, s3.endpoint_url).list(["*"])
     assert str(caught.value) == "no S3 credentials for s3://models/tiny/"
+    assert caught.value.hint.startswith("check the loader's S3 credentials (AWS_ACCESS_KEY_ID/"
+                                        "AWS_SECRET_ACCESS_KEY from the source's Secret")
 
 
 def test_secrets_never_reach_logs_or_errors(
