@@ -1,8 +1,9 @@
 """`python -m dlo_contract.generate [--check] [--root DIR]`: write or check what the settings
 declarations generate.
 
-Generated: the CRD in `crds/` and its copy in the Helm chart, and the README's configuration
-reference (between its marker comments). `--check` renders everything into a temporary
+Generated: the CRD in `crds/` and its copy in the Helm chart, the README's configuration
+reference (between its marker comments), and the record of which settings fields a document
+always carries (`dlo_contract.settings_history`, updated from its checked-in version). `--check` renders everything into a temporary
 directory and exits 1 with a unified diff when a checked-in file differs (`make check-generated`,
 run by CI). The loader's flags are built from the same declarations at import time
 (`dlo_loader.cli`), so they need no file.
@@ -23,6 +24,7 @@ from pydantic import BaseModel
 
 from dlo_contract.crd import BASE_PATH, build_crd, reference_table
 from dlo_contract.deployment import DeploymentSpec
+from dlo_contract.settings_history import HISTORY_FILE, SettingsHistory, record
 
 CRD_NAME = "dlo.dev_diffusionoffloaddeployments.yaml"
 CRD_FILES = (f"crds/{CRD_NAME}", f"charts/dlo-operator/crds/{CRD_NAME}")
@@ -72,7 +74,15 @@ def outputs(root: Path, model: type[BaseModel] = DeploymentSpec) -> dict[str, st
     crd = crd_text(model)
     files = dict.fromkeys(CRD_FILES, crd)
     files[README] = readme_text((root / README).read_text(), model)
+    files[HISTORY_FILE] = history_text(root)
     return files
+
+
+def history_text(root: Path) -> str:
+    """The settings record after this tree's declarations (new fields `introduced`)."""
+    path = root / HISTORY_FILE
+    previous = SettingsHistory.from_json(path.read_text()) if path.exists() else None
+    return record(previous).to_json()
 
 
 def write(root: Path, files: dict[str, str]) -> None:

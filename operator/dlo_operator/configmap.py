@@ -1,11 +1,15 @@
 """Settings ConfigMaps (one immutable ConfigMap per revision) and the fill-group ConfigMap.
 
-The settings document is `Settings.to_json()` of the validated settings, so the loader and the
-runtime read exactly what the operator accepted (contract C3: key `names.SETTINGS_FILE`, mounted
-at `names.DEFAULT_CONFIG_PATH`); its `origin` names the DOD, so that a reader's error names the
-CR's fields as the user wrote them. Its revision is a digest of the document: a pod mounts the ConfigMap of
-its revision, which never changes, so a pod never reads settings that do not match its entry, and
-a rollback finds the settings of the revision it goes back to. `entry_key` digests only what
+The settings document is the canonical form of the validated settings
+(`settings_history.canonical_json`: every field, except one added by a later release while it
+holds the default it was added with, which readers fill in), so the loader and the runtime read
+exactly what the operator accepted (contract C3: key `names.SETTINGS_FILE`, mounted at
+`names.DEFAULT_CONFIG_PATH`); its `origin` names the DOD, so that a reader's error names the CR's
+fields as the user wrote them. Its revision is a digest of that canonical document: a release
+that only adds fields keeps every DOD's revision (and its pods), and one revision always names
+one content. A pod mounts the ConfigMap of its revision, which never changes, so a pod never
+reads settings that do not match its entry, and a rollback finds the settings of the revision it
+goes back to. `entry_key` digests only what
 decides the cache entry (source, include globs, endpoint, cache root): when it changes, the new
 entry is prefilled before any pod restarts. Pure; called by `manifests`, `prefill`, `rollout`
 and `prefill_stage`.
@@ -18,6 +22,7 @@ import json
 from typing import Any
 
 from dlo_contract.fill_group import FILL_GROUP_KEY, FillGroup
+from dlo_contract.settings_history import canonical, canonical_json
 from dlo_operator.naming import (
     KIND,
     LABEL_REVISION,
@@ -34,12 +39,13 @@ REVISION_CHARS = 10
 
 def settings_document(owner: Owner, spec: DeploymentSpec) -> str:
     origin = f"{KIND} {owner.namespace}/{owner.name}"
-    return spec.settings.model_copy(update={"origin": origin}).to_json()
+    return canonical_json(spec.settings.model_copy(update={"origin": origin}))
 
 
 def settings_hash(spec: DeploymentSpec) -> str:
-    """SHA-256 of the settings (without their origin, which is the same for every revision)."""
-    return hashlib.sha256(spec.settings.to_json().encode()).hexdigest()
+    """SHA-256 of the canonical settings (without their origin, which is the same for every
+    revision)."""
+    return hashlib.sha256(canonical_json(spec.settings).encode()).hexdigest()
 
 
 def revision(spec: DeploymentSpec) -> str:
@@ -47,14 +53,24 @@ def revision(spec: DeploymentSpec) -> str:
     return settings_hash(spec)[:REVISION_CHARS]
 
 
+ENTRY_FIELDS = {"source": "loader.source", "include": "loader.include",
+                "endpoint_url": "loader.endpoint_url", "region": "loader.region",
+                "path_style": "loader.path_style", "cache_root": "cache.root"}
+"""Key in the entry digest -> the settings field that decides which bytes the entry holds. A
+field added here by a later release counts only where the document carries it (not at the
+default it was added with), so that adding it keeps every entry key."""
+
+
 def entry_key(spec: DeploymentSpec) -> str:
     """A digest of the settings that decide which cache entry the loader fills. Equal keys may
     still name different entries (the store's objects changed); the loader's own identity check
     covers that, with a fill in the restarted pod."""
-    loader, cache = spec.settings.loader, spec.settings.cache
-    fields = {"source": loader.source, "include": list(loader.include),
-              "endpoint_url": loader.endpoint_url, "region": loader.region,
-              "path_style": loader.path_style, "cache_root": cache.root}
+    document = canonical(spec.settings)
+    fields = {}
+    for key, path in ENTRY_FIELDS.items():
+        section, name = path.split(".")
+        if name in document.get(section, {}):
+            fields[key] = document[section][name]
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def _copy_tree(tmp_path: Path) -> Path:
-    for name in (*generate.CRD_FILES, generate.README):
+    for name in (*generate.CRD_FILES, generate.README, generate.HISTORY_FILE):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, tmp_path / name)
     return tmp_path
