@@ -105,7 +105,15 @@ class Loss:
     member: Member
     how: str
 
-    def error(self) -> GroupError:
+    def error(self, me: Member | None = None) -> GroupError:
+        """The error a member raises for this loss; `me`: that member, when the loss is its own
+        (it comes back after the others dropped it: see `regroup`)."""
+        if me is not None and me.rank == self.member.rank:
+            return GroupError(
+                f"this loader ({me}) was dropped from its group: the others found that it "
+                f"{self.how}; they finish without it, and this loader publishes nothing",
+                hint="its node fills again when its pod restarts; if it was stopped or starved, "
+                     "check the node")
         return GroupError(
             f"{self.member} {self.how}; this loader stops too and publishes nothing",
             hint=f"{self.member.log_hint()}"
@@ -133,6 +141,10 @@ class PeerWatch:
         """When each other member's beat count last moved, by this watch's clock."""
         self._answered = now
         """When the store last answered a round of beats."""
+        self._asking: float | None = now
+        """When the round of beats under way began (its connection's, first); None between
+        rounds: a watch that is not asking (its process stopped while it slept) takes no
+        silence of the store's for a loss."""
         self._store_error: str | None = None
         self._left: dict[int, dict[str, Any]] = {}
         self._verdict: Loss | None = None
@@ -151,12 +163,20 @@ class PeerWatch:
     def member(self, rank: int) -> Member:
         return self.members[rank] if 0 <= rank < len(self.members) else Member(rank)
 
+    @property
+    def names(self) -> Names:
+        return self._names
+
+    def connect(self) -> Any:
+        """A new connection to the group's store."""
+        return self._connect()
+
     def call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`function(*args, **kwargs)` on the worker thread, waited for while every member is
         alive; raises the lost member's `GroupError` (or what `function` raised)."""
         loss = self.lost()
         if loss is not None:
-            raise loss.error()
+            raise self.error(loss)
         future: Future[T] = Future()
         self._calls.put((future, lambda: function(*args, **kwargs)))
         self._busy = future
@@ -166,7 +186,11 @@ class PeerWatch:
             except FutureTimeout:
                 loss = self.lost()
                 if loss is not None:
-                    raise loss.error() from None
+                    raise self.error(loss) from None
+
+    def error(self, loss: Loss) -> GroupError:
+        """What this member raises for `loss` (see `Loss.error`)."""
+        return loss.error(me=self.member(self.rank))
 
     @property
     def idle(self) -> bool:
@@ -245,7 +269,7 @@ class PeerWatch:
         if self.rank != 0 and self._store_error is not None:
             return Loss(self.member(0), "died: the group's store it hosts closed this loader's "
                                         "connection")
-        if self.rank != 0 and now - self._answered > timeout:
+        if self.rank != 0 and self._asking is not None and now - self._asking > timeout:
             return Loss(self.member(0), f"stopped answering: the group's store it hosts has not "
                                         f"answered for {timeout:g} s "
                                         f"({self._names('loader.peer_timeout_s')}); it was "
@@ -283,6 +307,7 @@ class PeerWatch:
         """One round trip of beats: post what is queued, beat, read everything."""
         with self._lock:
             posts, self._posts = self._posts, []
+            self._asking = self._clock()
         for key, value in posts:
             store.set(key, value)
         size = len(self.members)
@@ -294,7 +319,7 @@ class PeerWatch:
         with self._lock:
             now = self._clock()
             self._posted += len(posts)
-            self._answered = now
+            self._answered, self._asking = now, None
             for r, count in counts.items():
                 if self._counts.get(r) != count:
                     self._counts[r], self._changed[r] = count, now

@@ -56,12 +56,26 @@ class Group:
     """An initialized process group of `world_size` loaders; `close()` tears it down."""
 
     def __init__(self, *, rank: int, world_size: int, backend: str, store: Any,
-                 watch: PeerWatch) -> None:
+                 watch: PeerWatch, pg: Any = None, generation: int = 0,
+                 ranks: tuple[int, ...] | None = None, collective_timeout_s: float = 0.0,
+                 retired: tuple[PeerWatch, ...] = ()) -> None:
         self.rank = rank
+        """This member's rank in this group (its index among `members`)."""
         self.world_size = world_size
         self.backend = backend
         self._store = store  # rank 0 hosts the store: keep it alive as long as the group
         self._watch = watch
+        self.pg = pg
+        """The process group the collectives run on: None for the first (the default group),
+        else the survivors' (`regroup`)."""
+        self.generation = generation
+        """0 for the group every member formed, one more for each group of survivors."""
+        self.ranks = ranks if ranks is not None else tuple(range(world_size))
+        """Each member's rank in the group every member formed, by its rank in this one."""
+        self.collective_timeout_s = collective_timeout_s
+        self.retired = retired
+        """The watches of the groups this one replaced (`regroup`): they keep beating, so a
+        member that comes back finds the verdict that dropped it, until this group closes."""
         if backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
@@ -72,7 +86,7 @@ class Group:
         flags = torch.zeros(2 * self.world_size, dtype=torch.int64, device=self.device)
         flags[self.rank] = int(failed)
         flags[self.world_size + self.rank] = int(ready)
-        self._call("a status exchange", dist.all_reduce, flags)
+        self._call("a status exchange", dist.all_reduce, flags, group=self.pg)
         values = flags.tolist()
         failed_ranks = tuple(r for r in range(self.world_size) if values[r])
         all_ready = sum(values[self.world_size:]) == self.world_size
@@ -88,11 +102,11 @@ class Group:
         incoming = torch.frombuffer(receive, dtype=torch.uint8)
         if self.device.type == "cpu":
             work = self._call(what, dist.all_gather_single, incoming, outgoing,
-                              async_op=True)
+                              group=self.pg, async_op=True)
             return lambda: self._call(what, work.wait)
         staged = torch.empty_like(incoming, device=self.device)
         work = self._call(what, dist.all_gather_single, staged, outgoing.to(self.device),
-                          async_op=True)
+                          group=self.pg, async_op=True)
 
         def wait() -> None:
             self._call(what, work.wait)
@@ -102,19 +116,31 @@ class Group:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
-        self._call("an all-gather", dist.all_gather_object, gathered, obj)
+        self._call("an all-gather", dist.all_gather_object, gathered, obj, group=self.pg)
         return gathered
 
     def member(self, rank: int) -> Member:
         """Rank `rank` as a person finds it (its pod and node)."""
         return self._watch.member(rank)
 
+    @property
+    def watch(self) -> PeerWatch:
+        return self._watch
+
+    @property
+    def store(self) -> Any:
+        return self._store
+
     def close(self, error: BaseException | None = None) -> None:
         """Tell the others this member ends (finished, or failed with `error`) and tear the
         group down, unless a call was cut short (a loss, a signal): gloo's teardown would wait
         for it, and the process ends without it."""
         self._watch.leave(error)
-        if dist.is_initialized() and self._watch.idle:
+        for retired in self.retired:
+            retired.leave(error)
+        # A group of survivors is never torn down: the default group's call cut short by the
+        # loss is still waiting, and tearing it down would wait for it.
+        if dist.is_initialized() and self._watch.idle and not self.retired:
             dist.destroy_process_group()
         self._store = None
 
@@ -127,7 +153,7 @@ class Group:
             log.info("%s failed: %s", what, _first_line(exc))
             loss = self._watch.wait_lost()
             if loss is not None:
-                raise loss.error() from exc
+                raise self._watch.error(loss) from exc
             raise GroupError(
                 f"lost contact with the loader group during {what}, while every loader of it "
                 "still sends heartbeats",
@@ -210,7 +236,7 @@ class Rendezvous:
             log.info("forming the group failed: %s", _first_line(exc))
             loss = self._watch.wait_lost()
             if loss is not None:
-                raise loss.error() from exc
+                raise self._watch.error(loss) from exc
             raise GroupError(
                 f"the loader group at {self.where} did not form: {_first_line(exc)}",
                 hint="another loader died or cannot be reached; see its log, then rerun every "
@@ -218,7 +244,8 @@ class Rendezvous:
         log.info("formed the loader group of %d at %s (%s)", self.world_size, self.where,
                  backend)
         return Group(rank=self.rank, world_size=self.world_size, backend=backend,
-                     store=self._store, watch=self._watch)
+                     store=self._store, watch=self._watch,
+                     collective_timeout_s=collective_timeout_s)
 
     def leave(self, exc_type: type[BaseException] | None = None,
               exc: BaseException | None = None, traceback: object = None) -> None:

@@ -9,6 +9,9 @@ import json
 import threading
 from collections.abc import Callable
 
+import pytest
+
+from dlo_loader.errors import GroupError
 from dlo_loader.peers import Member, PeerWatch
 
 MEMBERS = [Member(0, "p-0", "n-0"), Member(1, "p-1", "n-1"), Member(2, "p-2", "n-2")]
@@ -22,11 +25,14 @@ class Store:
     def __init__(self) -> None:
         self.values: dict[str, bytes] = {}
         self.hang = threading.Event()
+        self.hanging = threading.Event()
+        """Set once a call blocks on `hang`."""
         self.rounds = threading.Semaphore(0)
         """Released after each round of beats (a member's own beat is its round's first call)."""
 
     def _blocked(self) -> None:
         if self.hang.is_set():
+            self.hanging.set()
             threading.Event().wait()
 
     def set(self, key: str, value: str) -> None:
@@ -126,8 +132,21 @@ def test_a_silent_store_names_its_host_and_a_posted_verdict_is_adopted() -> None
     mine = watch(1, other, clock)
     after_rounds(other)
     other.hang.set()  # rank 0, the store's host, is stopped: calls to it never return
+    assert other.hanging.wait(timeout=30), "the watch asked the store nothing"
     clock.now += 2 * TIMEOUT_S
     loss = mine.lost()
     assert loss is not None and loss.member == MEMBERS[0]
     assert loss.how.startswith("stopped answering: the group's store it hosts has not answered "
                                "for 0.8 s (loader.peer_timeout_s)")
+
+
+def test_a_member_the_others_dropped_says_so_when_it_comes_back() -> None:
+    store, clock = Store(), Clock()
+    returning = watch(2, store, clock)  # stopped while the others judged it, then continued
+    store.set("dlo/lost", json.dumps({"rank": 2, "how": "sent no heartbeat for 0.8 s"}))
+    until(lambda: returning.lost() is not None, store)
+    with pytest.raises(GroupError, match=r"this loader \(loader rank 2 \(pod p-2, node n-2\)\) "
+                                         r"was dropped from its group: the others found that it "
+                                         r"sent no heartbeat for 0.8 s; they finish without it"):
+        returning.call(lambda: None)
+    returning.leave()

@@ -1,0 +1,92 @@
+"""What the survivors of a lost member still have to move, and who reads each piece of it.
+
+Owns a pure function of the first plan, the survivors (by their rank in the group every member
+formed) and the chunks each survivor holds written in its publication's tmp dir, digest known
+(see [Note: re-planning]). Every survivor computes it from the same inputs (gathered in the
+survivors' group, `regroup`), so, like `plan.build_plan`, it needs no agreement beyond the
+plan's fingerprint. Called once a group of survivors formed. Must not do I/O.
+
+[Note: re-planning] A survivor keeps every chunk it has written (its own reads and what it
+received before the loss). A chunk every survivor holds is done. Any other chunk, whether the
+lost member's unread ones, ones it alone had received, or ones a survivor missed because the
+round that carried them was cut short, goes round the survivors' ring once more: read from disk
+by a survivor that holds it (the least loaded of its holders, its digest checked against the
+one it recorded), or, where no survivor holds it, from the store by the least loaded survivor.
+Only those are `store_bytes`: what the loss costs the store. The survivors' plan (`Replan.plan`)
+cuts nothing anew: its chunks are the first plan's, renumbered in order, their owners ranks of
+the survivors' group; `Replan.original` maps them back, and `merged` puts the digests of both
+exchanges in the first plan's order, for the checks and the commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from dlo_loader.plan import Chunk, Plan
+
+
+@dataclass(frozen=True)
+class Replan:
+    plan: Plan
+    """The survivors' exchange: the chunks not every survivor holds, owners by rank in the
+    survivors' group."""
+    original: tuple[int, ...]
+    """Each of `plan`'s chunks' index in the first plan."""
+    from_disk: frozenset[int]
+    """`plan`'s chunks their owner reads from its own tmp dir (it holds them already)."""
+    store_bytes: int
+    """Bytes read again from the store: the chunks no survivor holds."""
+    chunk_count: int
+    """How many chunks the first plan has."""
+
+    def merged(self, held: Mapping[int, str], again: Sequence[str]) -> list[str]:
+        """Every chunk's digest in the first plan's order: from `held` (what this survivor
+        holds: first-plan index to digest) and `again` (the survivors' exchange's, by its
+        index, which wins); raises ValueError where one is missing (the inputs disagree)."""
+        digests = {**held, **dict(zip(self.original, again, strict=True))}
+        missing = [i for i in range(self.chunk_count) if i not in digests]
+        if missing:
+            raise ValueError(f"chunks {missing[:8]} have no digest after the re-plan")
+        return [digests[i] for i in range(self.chunk_count)]
+
+
+def replan(plan: Plan, survivors: Sequence[int],
+           held: Sequence[Mapping[int, str]]) -> Replan:
+    """The survivors' plan (see [Note: re-planning]): `survivors` by their rank in the group
+    every member formed, in their order in the survivors' group; `held[k]`: what survivor `k`
+    holds, first-plan chunk index to digest. Raises ValueError where two survivors hold one
+    chunk with different digests (the store's object changed under the fill)."""
+    if len(held) != len(survivors) or not survivors:
+        raise ValueError(f"{len(held)} holdings for {len(survivors)} survivors")
+    everywhere = set(range(len(plan.chunks))).intersection(*held)
+    load, count = [0] * len(survivors), [0] * len(survivors)
+    owners: dict[int, int] = {}
+    from_disk: set[int] = set()
+    # Longest first, each to the least-loaded survivor that can serve it (as `plan._balance`).
+    for chunk in sorted(plan.chunks, key=lambda c: (-c.length, c.index)):
+        holders = [k for k, holding in enumerate(held) if chunk.index in holding]
+        _same_digest(chunk, holders, held)
+        if chunk.index in everywhere:
+            continue
+        owner = min(holders or range(len(survivors)), key=lambda k: (load[k], count[k], k))
+        owners[chunk.index] = owner
+        load[owner] += chunk.length
+        count[owner] += 1
+        if holders:
+            from_disk.add(chunk.index)
+    moving = [c for c in plan.chunks if c.index in owners]
+    chunks = tuple(replace(c, index=i, owner=owners[c.index]) for i, c in enumerate(moving))
+    return Replan(
+        plan=replace(plan, world_size=len(survivors), chunks=chunks),
+        original=tuple(c.index for c in moving),
+        from_disk=frozenset(i for i, c in enumerate(moving) if c.index in from_disk),
+        store_bytes=sum(c.length for c in moving if c.index not in from_disk),
+        chunk_count=len(plan.chunks))
+
+
+def _same_digest(chunk: Chunk, holders: list[int], held: Sequence[Mapping[int, str]]) -> None:
+    digests = {held[k][chunk.index] for k in holders}
+    if len(digests) > 1:
+        raise ValueError(f"chunk {chunk.index} of file {chunk.file} at offset {chunk.offset} was "
+                         f"written with {len(digests)} different digests by the survivors")
