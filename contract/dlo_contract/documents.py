@@ -79,6 +79,12 @@ class FillSummary:
     """How long the loader waited, in seconds: for its group's loaders to join (`group`), for
     the nodes before its own in the group's order (`turn`), for another loader's publication
     of the entry on its node (`publication`), for room in the node cache (`room`)."""
+    without: list[int] | None = None
+    """The ranks of the group the fill finished without: members lost mid-fill, whose share
+    the survivors moved among themselves."""
+    bytes_read_again: int | None = None
+    """Of `bytes_from_store`, what this loader read again for the members it finished
+    without."""
     error: str | None = None
     """One line: what went wrong and the hint, for the DOD status."""
 

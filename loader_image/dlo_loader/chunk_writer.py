@@ -31,10 +31,13 @@ class ChunkWriter:
 
     def __init__(self, plan: Plan, sink: FileSink | None, progress: Progress) -> None:
         self.digests: list[str | None] = [None] * len(plan.chunks)
+        self.written: dict[int, str] = {}
+        """The chunks on disk, written whole, and their digests, by chunk index."""
         self.error: BaseException | None = None
         self._sink, self._progress = sink, progress
         self._algorithms = plan.algorithms
         self._queue: queue.Queue[WriteTask | None] = queue.Queue()
+        self._closed = False
         for number in range(WRITER_THREADS):
             threading.Thread(target=self._work, name=f"dlo-write-{number}", daemon=True).start()
 
@@ -42,6 +45,9 @@ class ChunkWriter:
         """End the threads once the queued writes are done. A thread waiting for work holds its
         last task's buffer and pool, which would keep every chunk buffer of the fill alive in a
         loader that stays up after it (the pod's sidecar)."""
+        if self._closed:
+            return
+        self._closed = True
         for _ in range(WRITER_THREADS):
             self._queue.put(None)
 
@@ -68,6 +74,7 @@ class ChunkWriter:
                         began = time.monotonic()
                         self._sink.write(chunk, view)
                         self._progress.timed("write", time.monotonic() - began)
+                        self.written[chunk.index] = digest
                     self._progress.add(written=chunk.length)
             except BaseException as exc:  # reported by the main thread at the next round
                 self.error = self.error or exc

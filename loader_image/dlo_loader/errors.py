@@ -34,6 +34,11 @@ class GroupError(LoaderError):
     """Another loader of the group failed or vanished; this one stops too, publishing nothing."""
 
 
+class MemberLost(GroupError):
+    """The heartbeat found another loader of the group dead, stopped or gone (see `peers`):
+    the survivors may go on without it (`survive`)."""
+
+
 class SourceUnavailable(TransientError):
     """The object store kept failing (throttling, 5xx, resets) past the retry budget."""
 

@@ -154,6 +154,12 @@ class Exchange:
         self._writer.close()
         return self._fetcher.take_all_ready()
 
+    def held(self) -> dict[int, str]:
+        """Once `run` ended (a member was lost): the chunks this rank wrote whole, with their
+        digests, after the writes queued before the end are done (what `replan` keeps)."""
+        self._writer.drain()
+        return dict(self._writer.written)
+
     def run(self, group: Group | None = None) -> list[str]:
         """Exchange (with the `group` the plan was made for), write and hash every chunk."""
         if (group is not None) != self.grouped:

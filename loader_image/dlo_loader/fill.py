@@ -52,6 +52,7 @@ from dlo_contract.validation import names_for
 
 if TYPE_CHECKING:
     from dlo_loader.peer_reads import PeerReads
+    from dlo_loader.transport import Group
 
 TRANSFER_MODULES = ("dlo_loader.exchange", "dlo_loader.sink", "dlo_contract.safetensors_header")
 """Imported when the transfer starts, not before the listing: `cli` imports them on a thread
@@ -99,6 +100,10 @@ class FillResult:
     """Thread-seconds per stage (`progress.STAGES`); None for a cached entry."""
     wait_seconds: dict[str, float] | None = None
     """Seconds waited, by `claim.WaitKind`; None for an entry found at once."""
+    without: tuple[int, ...] = ()
+    """The group's ranks this fill finished without (lost mid-exchange: `survive`)."""
+    bytes_read_again: int = 0
+    """Of `bytes_from_store`: what this loader read again for a member the group lost."""
 
     def summary(self) -> FillSummary:
         """The one-line JSON summary the operator reads from the termination message."""
@@ -110,6 +115,8 @@ class FillResult:
             store_checksums=self.store_checksums,
             stage_seconds={k: round(v, 3) for k, v in (self.stage_seconds or {}).items()},
             wait_seconds=self.wait_seconds,
+            without=list(self.without) or None,
+            bytes_read_again=self.bytes_read_again if self.without else None,
         )
 
     def entry_document(self) -> EntryDocument:
@@ -239,9 +246,14 @@ class _Fill:
             else:
                 self.transfer.run(pub, plan, group, identity, exchange)
         except BaseException as exc:  # the others name this loader and why it left
-            group.close(exc)
+            self._last_group(group).close(exc)
             raise
-        group.close()
+        self._last_group(group).close()
+
+    def _last_group(self, group: Group) -> Group:
+        """The group the fill ends in: its survivors' where it lost a member (`survive`)."""
+        survived = self.transfer.survived
+        return survived.group if survived is not None else group
 
     def _peers(self, eid: str, identity: dict[str, Any]) -> PeerReads | None:
         """The reads from the other nodes that hold the entry, for a fill alone; None when the
@@ -268,8 +280,10 @@ class _Fill:
 
     def _result(self, eid: str, path: Path, mode: str, *, cached: bool,
                 waited: bool = True) -> FillResult:
-        store_check = self.transfer.store_check
+        store_check, survived = self.transfer.store_check, self.transfer.survived
         return FillResult(
+            without=survived.without if survived is not None else (),
+            bytes_read_again=survived.read_again if survived is not None else 0,
             store_checksums=store_check.summary if store_check else "none",
             stage_seconds=None if cached else dict(self.progress.stage_seconds),
             wait_seconds=self.waits.as_dict() if waited else None,

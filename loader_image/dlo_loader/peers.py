@@ -35,7 +35,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from dlo_loader.errors import GroupError
+from dlo_loader.errors import GroupError, MemberLost
 from dlo_contract.field_names import Names, document_names
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class Loss:
                 f"{self.how}; they finish without it, and this loader publishes nothing",
                 hint="its node fills again when its pod restarts; if it was stopped or starved, "
                      "check the node")
-        return GroupError(
+        return MemberLost(
             f"{self.member} {self.how}; this loader stops too and publishes nothing",
             hint=f"{self.member.log_hint()}"
                  f"{f' and the state of node {self.member.node}' if self.member.node else ''}, "

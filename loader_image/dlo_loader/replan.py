@@ -39,11 +39,17 @@ class Replan:
     """Bytes read again from the store: the chunks no survivor holds."""
     chunk_count: int
     """How many chunks the first plan has."""
+    written: Mapping[int, str]
+    """The digest each of `from_disk` was written with: what reading it back must give."""
 
     def merged(self, held: Mapping[int, str], again: Sequence[str]) -> list[str]:
         """Every chunk's digest in the first plan's order: from `held` (what this survivor
         holds: first-plan index to digest) and `again` (the survivors' exchange's, by its
         index, which wins); raises ValueError where one is missing (the inputs disagree)."""
+        changed = [i for i, digest in self.written.items() if again[i] != digest]
+        if changed:
+            raise ValueError(f"chunks {[self.original[i] for i in changed][:8]} read back from "
+                             "a survivor's disk differ from what it wrote")
         digests = {**held, **dict(zip(self.original, again, strict=True))}
         missing = [i for i in range(self.chunk_count) if i not in digests]
         if missing:
@@ -82,7 +88,9 @@ def replan(plan: Plan, survivors: Sequence[int],
         original=tuple(c.index for c in moving),
         from_disk=frozenset(i for i, c in enumerate(moving) if c.index in from_disk),
         store_bytes=sum(c.length for c in moving if c.index not in from_disk),
-        chunk_count=len(plan.chunks))
+        chunk_count=len(plan.chunks),
+        written={i: held[chunks[i].owner][c.index] for i, c in enumerate(moving)
+                 if c.index in from_disk})
 
 
 def _same_digest(chunk: Chunk, holders: list[int], held: Sequence[Mapping[int, str]]) -> None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from dlo_loader import digest as digests_of
 from dlo_loader.checks import agree, check_files, checked_files, conclude
+from dlo_loader.errors import MemberLost
 from dlo_loader.plan import Plan
 from dlo_loader.progress import Progress
 from dlo_loader.sources import Source
@@ -34,7 +35,9 @@ if TYPE_CHECKING:  # exchange and transport are imported once the transfer start
     from dlo_loader.file_hashes import FollowingHashes
     from dlo_loader.peer_reads import PeerReads
     from dlo_loader.sink import FileSink
+    from dlo_loader.peers import Loss
     from dlo_loader.stream import Streamer
+    from dlo_loader.survive import Survived
     from dlo_loader.transport import Group
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,9 @@ class Transfer:
         """The files being written in the publication's tmp dir, made by the first exchange."""
         self.peers: PeerReads | None = None
         """A fill alone: the other nodes that hold the entry, read before the store."""
+        self.survived: Survived | None = None
+        """A group that lost a member mid-exchange and went on without it (`survive`): its
+        survivors' group, what the loss cost."""
 
     def start(self, pub: Publication, plan: Plan, *, grouped: bool) -> Exchange:
         """The plan's data path, its reads started: from the store, or from this node's entry."""
@@ -93,6 +99,8 @@ class Transfer:
             published = None if pub.existing is not None else beside.submit(
                 self.store.checksums, checked_files(plan))
             digests = self._exchange(pub, plan, group, exchange)
+            if self.survived is not None:
+                group = self.survived.group
             self.progress.phase = "checking"  # metrics: phase
             if published is None:
                 conclude(group, digests, lambda: None)
@@ -109,15 +117,39 @@ class Transfer:
                   exchange: Exchange | None) -> list[str]:
         """Agree on the plan, run the exchange, and end it whatever happens."""
         try:
-            if group is not None:
-                agree(group, plan.fingerprint)
             if exchange is None:
                 exchange = self.start(pub, plan, grouped=group is not None)
-            return exchange.run(group)
+            try:
+                if group is not None:
+                    agree(group, plan.fingerprint)
+                return exchange.run(group)
+            except MemberLost:
+                loss = group.watch.lost() if group is not None and pub.tmp_dir else None
+                if loss is None:
+                    raise
+            assert group is not None and pub.tmp_dir is not None
+            self.survived = self._go_on(plan, group, loss, exchange, pub.tmp_dir)
+            return self.survived.digests
         finally:
             if exchange is not None:
                 exchange.abandon()
             self.progress.stop()
+
+    def _go_on(self, plan: Plan, group: Group, loss: Loss, first: Exchange,
+               tmp_dir: Path) -> Survived:
+        """The exchange cut short by `loss`, finished by the survivors (`survive`)."""
+        from dlo_loader.exchange import Exchange
+        from dlo_loader.survive import go_on
+
+        self.stop.clear()  # the first exchange's end stopped the store's retries
+
+        def exchange_of(again: Plan, rank: int, read: Reader) -> Exchange:
+            return Exchange(again, rank=rank, grouped=True, read=read, sink=self._sink,
+                            progress=self.progress, config=self.config,
+                            deadline=self.deadline, stop=self.stop, names=self.names)
+
+        return go_on(plan=plan, group=group, loss=loss, first=first, tmp_dir=tmp_dir,
+                     store_read=self._reader(plan), exchange_of=exchange_of)
 
     def _check(self, directory: Path | None, plan: Plan, digests: list[str],
                published: Future[dict[str, digests_of.StoreChecksum]],

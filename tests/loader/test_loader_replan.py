@@ -73,6 +73,11 @@ def test_the_digests_come_back_in_the_first_plans_order() -> None:
         assert merged == [digest(i) for i in range(len(PLAN.chunks))]
     with pytest.raises(ValueError, match="have no digest after the re-plan"):
         again.merged({}, [digest(i) for i in again.original])
+    rotten = next(iter(again.from_disk))
+    read_back = [digest(i) if k != rotten else "rotten" for k, i in enumerate(again.original)]
+    with pytest.raises(ValueError, match=rf"chunks \[{again.original[rotten]}\] read back from a "
+                                         "survivor's disk differ from what it wrote"):
+        again.merged(held[0], read_back)
 
 
 def test_nothing_moves_when_every_survivor_holds_everything() -> None:
