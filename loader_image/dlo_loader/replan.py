@@ -9,8 +9,8 @@ plan's fingerprint. Called once a group of survivors formed. Must not do I/O.
 [Note: re-planning] A survivor keeps every chunk it has written (its own reads and what it
 received before the loss). A chunk every survivor holds is done. Any other chunk, whether the
 lost member's unread ones, ones it alone had received, or ones a survivor missed because the
-round that carried them was cut short, goes round the survivors' ring once more: read from disk
-by a survivor that holds it (the least loaded of its holders, its digest checked against the
+round that carried them was cut short, goes round the survivors' ring once more: read by a
+survivor that holds it (from its disk, or from memory: one it read but never sent) (the least loaded of its holders, its digest checked against the
 one it recorded), or, where no survivor holds it, from the store by the least loaded survivor.
 Only those are `store_bytes`: what the loss costs the store. The survivors' plan (`Replan.plan`)
 cuts nothing anew: its chunks are the first plan's, renumbered in order, their owners ranks of
@@ -20,7 +20,7 @@ exchanges in the first plan's order, for the checks and the commit.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from dlo_loader.plan import Chunk, Plan
@@ -57,15 +57,18 @@ class Replan:
         return [digests[i] for i in range(self.chunk_count)]
 
 
-def replan(plan: Plan, survivors: Sequence[int],
-           held: Sequence[Mapping[int, str]]) -> Replan:
+def replan(plan: Plan, survivors: Sequence[int], held: Sequence[Mapping[int, str]],
+           in_memory: Sequence[Collection[int]] = ()) -> Replan:
     """The survivors' plan (see [Note: re-planning]): `survivors` by their rank in the group
     every member formed, in their order in the survivors' group; `held[k]`: what survivor `k`
-    holds, first-plan chunk index to digest. Raises ValueError where two survivors hold one
-    chunk with different digests (the store's object changed under the fill)."""
+    holds, first-plan chunk index to digest; `in_memory[k]`: those of them it holds in memory
+    only (read, never sent, not written: they move even where every survivor holds them).
+    Raises ValueError where two survivors hold one chunk with different digests (the store's
+    object changed under the fill)."""
     if len(held) != len(survivors) or not survivors:
         raise ValueError(f"{len(held)} holdings for {len(survivors)} survivors")
-    everywhere = set(range(len(plan.chunks))).intersection(*held)
+    written = [set(h) - set(m) for h, m in zip(held, in_memory or [()] * len(held), strict=True)]
+    everywhere = set(range(len(plan.chunks))).intersection(*written)
     load, count = [0] * len(survivors), [0] * len(survivors)
     owners: dict[int, int] = {}
     from_disk: set[int] = set()

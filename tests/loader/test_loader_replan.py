@@ -92,3 +92,13 @@ def test_survivors_that_wrote_one_chunk_differently_are_refused() -> None:
     with pytest.raises(ValueError, match=f"chunk {first} of file .* was written with 2 "
                                          "different digests by the survivors"):
         replan(PLAN, [0, 1], held)
+
+
+def test_chunks_a_lone_survivor_holds_in_memory_only_are_still_written() -> None:
+    """Read and never sent: not on any disk, so they move (from memory) even where every
+    survivor holds them."""
+    mine = holding(PLAN, 0, rounds=0)
+    unsent = set(list(mine)[:2])
+    again = replan(PLAN, [0], [mine], [unsent])
+    assert {again.original[i] for i in again.from_disk} == unsent  # the rest is on its disk
+    assert set(again.original) - unsent == {c.index for c in PLAN.chunks} - set(mine)
