@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dlo_loader import digest as digests_of
-from dlo_loader.errors import GroupError
+from dlo_loader.errors import GroupError, LoaderError
 from dlo_loader.plan import Plan
 from dlo_contract.cache import FileRecord, ObjectIdentity
 from dlo_contract.errors import DloError
@@ -57,12 +57,26 @@ def conclude(group: Group | None, digests: list[str], check: Callable[[], Any]) 
     return value
 
 
+def require_every_chunk(digests: list[str]) -> None:
+    """Every chunk of the plan has a digest: one that never reached this rank's files (a path
+    that skipped it, in the group's exchange or a re-plan after a lost member) would publish the
+    preallocated zeros under a manifest that never saw them."""
+    missing = [index for index, digest in enumerate(digests) if not digest]
+    if missing:
+        shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+        raise LoaderError(f"{len(missing)} chunk(s) of the plan were never written on this "
+                          f"node (chunks {shown}); nothing was published",
+                          hint="rerun the fill; report it with the loader's log if it repeats")
+
+
 def check_files(directory: Path | None, plan: Plan, digests: list[str],
                 source: str) -> tuple[list[FileRecord], int]:
-    """Validate every safetensors header; build the manifest records from the chunk digests."""
+    """Validate every safetensors header; build the manifest records from the chunk digests
+    (every chunk must have one: `require_every_chunk`)."""
     from dlo_contract.safetensors_header import read_header
 
     assert directory is not None
+    require_every_chunk(digests)
     by_file: dict[int, list[str]] = {}
     for chunk in plan.chunks:
         by_file.setdefault(chunk.file, []).append(digests[chunk.index])
