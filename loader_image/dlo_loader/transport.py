@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 _JOINED_KEY = "dlo/joined"
 _ALL_JOINED_KEY = "dlo/all-joined"
-_FORMED_KEY = "dlo/formed"
+FORMED_KEY = "dlo/formed"
 """Counts the loaders whose process group is up (connected to every peer), for whoever watches."""
 _NODE_KEY = "dlo/node"
 """`dlo/node/<rank>`: the member's node key (`claim.node_key`), posted as it joins."""
@@ -231,7 +231,7 @@ class Rendezvous:
                 dist.init_process_group, backend, store=self._store, rank=self.rank,
                 world_size=self.world_size,
                 timeout=datetime.timedelta(seconds=collective_timeout_s))
-            self._watch.call(self._store.add, _FORMED_KEY, 1)
+            self._watch.call(self._store.add, FORMED_KEY, 1)
         except (RuntimeError, dist.DistError, OSError) as exc:
             log.info("forming the group failed: %s", _first_line(exc))
             loss = self._watch.wait_lost()

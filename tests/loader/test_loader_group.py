@@ -38,6 +38,7 @@ from support.loader_fleet import (
     ended,
     entry_files,
     finish,
+    formed,
     included,
     no_entry,
     wait_until,
@@ -240,23 +241,6 @@ def test_a_rank_late_for_a_round_makes_every_rank_run_it_again(
         assert entry_files(fleet.root(outcome.rank)) == included(checkpoint.files)
         assert f"{late} once every rank is" in outcome.stderr
         assert "loader rank(s) 0 not ready" not in outcome.stderr
-
-
-def formed(port: int) -> int:
-    """How many loaders have their process group up (connected to every peer) in the group whose
-    master listens on `port` (0: none yet). Counting those that only joined the store is not
-    enough: one killed before its process group is up leaves the others to fill alone."""
-    import datetime
-
-    import torch.distributed as dist
-    from dlo_loader import transport
-
-    try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=False,
-                              timeout=datetime.timedelta(seconds=1))
-        return int(store.add(transport._FORMED_KEY, 0))
-    except (RuntimeError, dist.DistError):
-        return 0
 
 
 PEER_TIMEOUT_S = 3.0

@@ -19,6 +19,7 @@ from support.loader_fleet import (
     ended,
     entry_files,
     finish,
+    formed,
     included,
     no_entry,
     wait_until,
@@ -70,6 +71,9 @@ def test_sigterm_to_a_group_member_mid_fill_lets_the_other_finish_without_it(
         processes = {rank: fleet.start(rank) for rank in range(2)}
         with ended(*processes.values()):
             wait_until(lambda: slow.object_requests >= 1 and tmp_files(fleet.root(1)) != [])
+            # The share is read before the group forms: a SIGTERM then is a loss while the
+            # group forms, which fails every member. Wait until both formed it.
+            wait_until(lambda: formed(fleet.master_port) == 2)
             processes[1].send_signal(signal.SIGTERM)
             terminated, other = finish(1, processes[1]), finish(0, processes[0])
     assert terminated.returncode == EXIT_TERMINATED, terminated.stderr
@@ -119,3 +123,4 @@ def test_sigterm_while_the_group_gathers_ends_the_loader_at_once(
     assert outcome.returncode == EXIT_TERMINATED, outcome.stderr
     assert outcome.summary == {"status": "error", "rank": 1, "error": TERMINATED_MESSAGE}
     assert no_entry(fleet.root(1))
+

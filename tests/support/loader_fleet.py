@@ -219,3 +219,20 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not reached within {timeout_s} s")
         time.sleep(0.05)
+
+
+def formed(port: int) -> int:
+    """How many loaders have their process group up (connected to every peer) in the group whose
+    master listens on `port` (0: none yet). Counting those that only joined the store is not
+    enough: one killed before its process group is up leaves the others to fill alone."""
+    import datetime
+
+    import torch.distributed as dist
+    from dlo_loader import transport
+
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                              timeout=datetime.timedelta(seconds=1))
+        return int(store.add(transport.FORMED_KEY, 0))
+    except (RuntimeError, dist.DistError):
+        return 0
