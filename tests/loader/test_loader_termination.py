@@ -123,4 +123,3 @@ def test_sigterm_while_the_group_gathers_ends_the_loader_at_once(
     assert outcome.returncode == EXIT_TERMINATED, outcome.stderr
     assert outcome.summary == {"status": "error", "rank": 1, "error": TERMINATED_MESSAGE}
     assert no_entry(fleet.root(1))
-
