@@ -253,22 +253,23 @@ def test_the_right_token_is_sent_to_the_source_and_not_past_its_host(
 
 
 def test_an_unreadable_share_is_a_clear_error(checkpoint: Checkpoint) -> None:
-    """`dlo cache fill` as a user who may not read the share (the loader's own uid, 65534 here,
-    as root reads anything): the summary names the source and what to change."""
+    """`dlo cache fill` by a process that may not read the share: root without the capabilities
+    that let it pass file permissions (another uid could not reach a checkout that lives under a
+    private directory); the summary names the source and what to change."""
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        pytest.skip("needs root and setpriv to run the loader as another user")
+        pytest.skip("needs root and setpriv to drop the capabilities that pass file permissions")
     place = Path(tempfile.mkdtemp(prefix="dlo-share-"))
     try:
-        place.chmod(0o777)
         with serving("file", checkpoint.files, place) as served:
-            (served.directory / "transformer").chmod(0o700)
+            (served.directory / "transformer").chmod(0o000)
             done = subprocess.run(
-                ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+                ["setpriv", "--bounding-set=-dac_override,-dac_read_search", sys.executable,
                  "-m", "dlo_cli.main", "cache", "fill", "--source", served.source,
                  "--cache-root", str(place / "cache"), "--metrics-port", "0",
                  "--entry-file", str(place / "entry.json"), "--summary-file", ""],
                 env=checkout_env(PYTHONDONTWRITEBYTECODE="1"), capture_output=True, text=True,
                 timeout=PROCESS_TIMEOUT_S, cwd=place)
+            (served.directory / "transformer").chmod(0o700)
     finally:
         shutil.rmtree(place)
     assert done.returncode == 1, done.stderr
