@@ -19,22 +19,18 @@ called by `pod` (the container and volumes) and `pod_rules` (`share_problems`).
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from dlo_contract.deployment import CredentialsConfig
 from dlo_contract.source_credentials import (
-    AWS_ACCESS_KEY_ID_ENV,
-    AWS_SECRET_ACCESS_KEY_ENV,
     AWS_SESSION_TOKEN_ENV,
     AZURE_ACCOUNT_KEY_ENV,
     AZURE_CONNECTION_STRING_ENV,
     AZURE_SAS_TOKEN_ENV,
     GCS_KEY_FILE,
     GOOGLE_APPLICATION_CREDENTIALS_ENV,
-    HF_TOKEN_ENV,
-    HTTPS_TOKEN_ENV,
+    SCHEME_CREDENTIALS,
     SOURCE_CREDENTIALS_MOUNT,
     Scheme,
 )
@@ -53,20 +49,28 @@ class SecretVar:
     Secret, and whether the Secret may lack that key."""
 
     env: str
-    key: Callable[[CredentialsConfig], str]
+    key_field: str
     optional: bool = False
+
+    def key(self, creds: CredentialsConfig) -> str:
+        return str(getattr(creds, self.key_field))
+
+
+_OPTIONAL_VARS = frozenset({AWS_SESSION_TOKEN_ENV, AZURE_CONNECTION_STRING_ENV,
+                            AZURE_ACCOUNT_KEY_ENV, AZURE_SAS_TOKEN_ENV})
+"""The variables a reader uses only if present (their fields say "used only if present")."""
+_KEY_FIELDS = {info.default: name for name, info in CredentialsConfig.model_fields.items()}
+"""Each variable's `model.credentials` field: the field whose default key is the variable's name
+(`dlo_contract.deployment` pairs them once)."""
+
+
+def _secret_vars(scheme: Scheme) -> tuple[SecretVar, ...]:
+    return tuple(SecretVar(env, _KEY_FIELDS[env], env in _OPTIONAL_VARS)
+                 for env in SCHEME_CREDENTIALS[scheme].env if env in _KEY_FIELDS)
 
 
 SECRET_VARS: dict[Scheme, tuple[SecretVar, ...]] = {
-    Scheme.S3: (SecretVar(AWS_ACCESS_KEY_ID_ENV, lambda c: c.access_key_id_key),
-                SecretVar(AWS_SECRET_ACCESS_KEY_ENV, lambda c: c.secret_access_key_key),
-                SecretVar(AWS_SESSION_TOKEN_ENV, lambda c: c.session_token_key, True)),
-    Scheme.AZ: (SecretVar(AZURE_CONNECTION_STRING_ENV, lambda c: c.connection_string_key, True),
-                SecretVar(AZURE_ACCOUNT_KEY_ENV, lambda c: c.account_key_key, True),
-                SecretVar(AZURE_SAS_TOKEN_ENV, lambda c: c.sas_token_key, True)),
-    Scheme.HTTPS: (SecretVar(HTTPS_TOKEN_ENV, lambda c: c.bearer_token_key),),
-    Scheme.HF: (SecretVar(HF_TOKEN_ENV, lambda c: c.hf_token_key),),
-}
+    scheme: variables for scheme in Scheme if (variables := _secret_vars(scheme))}
 """Each scheme's variables read from the Secret (`gs://` reads a file, `file:///` nothing)."""
 
 
