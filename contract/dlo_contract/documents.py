@@ -56,6 +56,30 @@ class FillStatus(str, enum.Enum):
 
 
 @dataclass(frozen=True, kw_only=True)
+class GroupMember:
+    """A member of a fill group as the group knew it (its pod and node, where it said)."""
+
+    rank: int
+    pod: str = ""
+    node: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerBytes:
+    """What one node that holds the entry served to a loader refilling from it."""
+
+    node: str
+    """The holder's node name (its address and port where the fill-group document named no
+    node)."""
+    bytes: int
+
+
+MAX_PEERS_LISTED = 16
+"""The most holders a summary's `bytes_by_peer` lists (those that served the most): the
+summary is also the loader's termination message, which Kubernetes cuts at 4 KiB."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class FillSummary:
     """One loader's result. A failed fill carries `error`; a successful one the figures."""
 
@@ -85,6 +109,11 @@ class FillSummary:
     bytes_read_again: int | None = None
     """Of `bytes_from_store`, what this loader read again for the members it finished
     without."""
+    lost: list[GroupMember] | None = None
+    """The members `without` names, with the pod and node each had in the group."""
+    bytes_by_peer: list[PeerBytes] | None = None
+    """Of `bytes_from_peers`, for a fill alone that read from the nodes that hold its entry:
+    the bytes each holder served, most first, at most `MAX_PEERS_LISTED` of them."""
     error: str | None = None
     """One line: what went wrong and the hint, for the DOD status."""
 
@@ -108,11 +137,25 @@ class FillSummary:
             except ValueError:
                 raise DocumentError(f"fill summary: status {data['status']!r} is not one of "
                                     f"{[s.value for s in FillStatus]}") from None
+        if isinstance(data, dict):
+            data = {**data, **{name: _records(kind, data[name], f"fill summary's {name}")
+                               for name, kind in _SUMMARY_RECORDS.items()
+                               if data.get(name) is not None}}
         return _from_dict(cls, data, "fill summary")
 
     @classmethod
     def from_json(cls, text: str) -> FillSummary:
         return cls.from_dict(_loads(text, "fill summary"))
+
+
+_SUMMARY_RECORDS: dict[str, type] = {"lost": GroupMember, "bytes_by_peer": PeerBytes}
+"""The summary's lists of typed records, by field."""
+
+
+def _records(kind: type, items: Any, what: str) -> list[Any]:
+    if not isinstance(items, list):
+        raise DocumentError(f"{what} must be a list, got {type(items).__name__}")
+    return [_from_dict(kind, item, what) for item in items]
 
 
 def _loads(text: str, what: str) -> Any:

@@ -43,7 +43,13 @@ from dlo_contract.cache import (
     entry_id,
     find_entry,
 )
-from dlo_contract.documents import EntryDocument, FillStatus, FillSummary
+from dlo_contract.documents import (
+    EntryDocument,
+    FillStatus,
+    FillSummary,
+    GroupMember,
+    PeerBytes,
+)
 from dlo_contract.fill_group import Holder
 from dlo_contract.names import DEFAULT_RENDEZVOUS_PORT
 from dlo_contract.settings import Settings
@@ -52,6 +58,7 @@ from dlo_contract.validation import names_for
 
 if TYPE_CHECKING:
     from dlo_loader.peer_reads import PeerReads
+    from dlo_loader.survive import Survived
     from dlo_loader.transport import Group
 
 TRANSFER_MODULES = ("dlo_loader.exchange", "dlo_loader.sink", "dlo_contract.safetensors_header")
@@ -100,10 +107,12 @@ class FillResult:
     """Thread-seconds per stage (`progress.STAGES`); None for a cached entry."""
     wait_seconds: dict[str, float] | None = None
     """Seconds waited, by `claim.WaitKind`; None for an entry found at once."""
-    without: tuple[int, ...] = ()
-    """The group's ranks this fill finished without (lost mid-exchange: `survive`)."""
+    without: tuple[Member, ...] = ()
+    """The group's members this fill finished without (lost mid-exchange: `survive`)."""
     bytes_read_again: int = 0
     """Of `bytes_from_store`: what this loader read again for a member the group lost."""
+    bytes_by_peer: tuple[PeerBytes, ...] = ()
+    """A refill from the nodes that hold the entry: what each served (`peer_reads`)."""
 
     def summary(self) -> FillSummary:
         """The one-line JSON summary the operator reads from the termination message."""
@@ -115,8 +124,11 @@ class FillResult:
             store_checksums=self.store_checksums,
             stage_seconds={k: round(v, 3) for k, v in (self.stage_seconds or {}).items()},
             wait_seconds=self.wait_seconds,
-            without=list(self.without) or None,
+            without=[m.rank for m in self.without] or None,
             bytes_read_again=self.bytes_read_again if self.without else None,
+            lost=[GroupMember(rank=m.rank, pod=m.pod, node=m.node)
+                  for m in self.without] or None,
+            bytes_by_peer=list(self.bytes_by_peer) or None,
         )
 
     def entry_document(self) -> EntryDocument:
@@ -282,7 +294,9 @@ class _Fill:
                 waited: bool = True) -> FillResult:
         store_check, survived = self.transfer.store_check, self.transfer.survived
         return FillResult(
-            without=survived.without if survived is not None else (),
+            without=_lost(survived),
+            bytes_by_peer=tuple(self.transfer.peers.bytes_by_peer()) if self.transfer.peers
+            else (),
             bytes_read_again=survived.read_again if survived is not None else 0,
             store_checksums=store_check.summary if store_check else "none",
             stage_seconds=None if cached else dict(self.progress.stage_seconds),
@@ -307,6 +321,15 @@ class _Fill:
                                 master_port=request.master_port,
                                 world_size=request.world_size,
                                 timeout_s=self.loader.rendezvous_timeout_s)
+
+
+def _lost(survived: Survived | None) -> tuple[Member, ...]:
+    """The members a group that lost some finished without, as the group every member formed
+    named them (the watch of generation 0: the first one its survivors' group retired)."""
+    if survived is None:
+        return ()
+    first = (*survived.group.retired, survived.group.watch)[0]
+    return tuple(first.member(rank) for rank in survived.without)
 
 
 @contextlib.contextmanager

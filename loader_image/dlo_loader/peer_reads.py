@@ -22,6 +22,7 @@ import http.client
 import itertools
 import logging
 import threading
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -34,6 +35,7 @@ from dlo_loader.progress import Progress
 from dlo_loader.sources.seam import fill_hashed
 from dlo_loader.stream import Deliver, Streamer
 from dlo_contract.cache import CacheCorruptError, FileRecord, Manifest, canonical_json
+from dlo_contract.documents import MAX_PEERS_LISTED, PeerBytes
 from dlo_contract.fill_group import Holder
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,8 @@ class PeerReads:
         self._timeout_s, self._progress = timeout_s, progress
         self._turn = itertools.count()
         self._lock = threading.Lock()
+        self._served: Counter[Holder] = Counter()
+        """Bytes each holder served that passed their digest check."""
 
     def streamer(self, plan: Plan, store: Streamer) -> Streamer:
         """`store`'s streamer with every chunk a peer can serve read from a peer first."""
@@ -105,9 +109,17 @@ class PeerReads:
                 self._drop(holder, exc)
                 return store(file, offset, length, pieces, deliver)
             self._progress.add(from_peers=length)
+            with self._lock:
+                self._served[holder] += length
             return value
 
         return stream
+
+    def bytes_by_peer(self) -> list[PeerBytes]:
+        """What each holder served, most first, at most `MAX_PEERS_LISTED` (the summary's)."""
+        with self._lock:
+            served = self._served.most_common(MAX_PEERS_LISTED)
+        return [PeerBytes(node=h.node or f"{h.address}:{h.port}", bytes=n) for h, n in served]
 
     def _next(self) -> Holder | None:
         """The next healthy holder in turn; None once every one was dropped."""

@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 
 from dlo_contract import names
-from dlo_contract.documents import DocumentError, EntryDocument, FillStatus, FillSummary
+from dlo_contract.documents import (
+    MAX_PEERS_LISTED,
+    DocumentError,
+    EntryDocument,
+    FillStatus,
+    FillSummary,
+    GroupMember,
+    PeerBytes,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCT = ("contract", "cli", "runtime", "loader_image", "operator", "bench")
@@ -28,6 +36,44 @@ def test_fill_summary_round_trips_and_leaves_out_what_it_does_not_know() -> None
     assert FillSummary.from_json(ok.to_json()) == ok
     assert failed.to_dict() == {"status": "error", "rank": 0, "error": "listing s3://b/p/: denied"}
     assert (ok.ok, failed.ok) == (True, False)
+
+
+def test_the_members_lost_and_the_bytes_by_peer_round_trip_as_records() -> None:
+    survivor = FillSummary(status=FillStatus.OK, rank=0, world_size=3, without=[2],
+                           bytes_read_again=7, lost=[GroupMember(rank=2, pod="p-2", node="n2")])
+    refill = FillSummary(status=FillStatus.OK, world_size=1, bytes_from_peers=30,
+                         bytes_by_peer=[PeerBytes(node="n0", bytes=20), PeerBytes(node="n1",
+                                                                                  bytes=10)])
+    assert survivor.to_dict()["lost"] == [{"rank": 2, "pod": "p-2", "node": "n2"}]
+    assert FillSummary.from_json(survivor.to_json()) == survivor
+    assert FillSummary.from_json(refill.to_json()) == refill
+
+
+def test_the_largest_summary_fits_a_termination_message() -> None:
+    """Kubernetes keeps 4 KiB of a termination message: a summary with every figure, a lost
+    member and as many holders as it lists, each name as long as a node's may be, fits."""
+    name = "n" * 63
+    summary = FillSummary(
+        status=FillStatus.OK, rank=255, world_size=256, entry_id="e" * 64, mode="multi-reader",
+        bytes_from_store=1 << 50, bytes_from_peers=1 << 50, bytes_to_peers=1 << 50,
+        seconds=1e6, cached=False, store_checksums="some",
+        stage_seconds={k: 1e6 for k in ("get", "digest", "write", "exchange")},
+        wait_seconds={k: 1e6 for k in ("group", "turn", "publication", "room")},
+        without=[254], bytes_read_again=1 << 50,
+        lost=[GroupMember(rank=254, pod=name, node=name)],
+        bytes_by_peer=[PeerBytes(node=name, bytes=1 << 50)] * MAX_PEERS_LISTED)
+    assert len(summary.to_json().encode()) <= 4096
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"status": "ok", "lost": {"rank": 2}}', "fill summary's lost must be a list, got dict"),
+    ('{"status": "ok", "bytes_by_peer": [{"node": "n0"}]}',
+     "fill summary's bytes_by_peer lacks 'bytes'"),
+])
+def test_malformed_records_are_refused_naming_the_field(text: str, message: str) -> None:
+    with pytest.raises(DocumentError) as caught:
+        FillSummary.from_json(text)
+    assert str(caught.value) == message
 
 
 def test_a_newer_writer_s_extra_keys_are_ignored() -> None:

@@ -125,6 +125,8 @@ def test_a_wiped_node_refills_from_the_holders_without_a_store_read(
     assert first.object_bytes + second.object_bytes == total
     assert outcome.summary["bytes_from_peers"] == total
     assert outcome.summary["bytes_from_store"] == 0
+    assert sorted((p["node"], p["bytes"]) for p in outcome.summary["bytes_by_peer"]) == [
+        ("nodeA", first.object_bytes), ("nodeC", second.object_bytes)]
     assert entry_files(b.root) == entry_files(a.root) == included(checkpoint.files)
     assert json.loads(b.entry_file.read_text())["entry_id"] == json.loads(
         a.entry_file.read_text())["entry_id"]
