@@ -30,7 +30,7 @@ from typing import Any
 
 import kopf
 
-from dlo_operator import metrics, progress, provisioner
+from dlo_operator import fill_report, metrics, progress, provisioner
 from dlo_operator.conditions import post_event
 from dlo_operator.errors import KubeError, KubeTransientError, SpecError
 from dlo_operator.installation import InstallationConfig
@@ -149,7 +149,8 @@ def on_cache_volume(type: str, body: kopf.Body, name: str, memo: kopf.Memo, **_:
 def _keep_summaries(memo: kopf.Memo, body: kopf.Body, pods: Any, port: int,
                     logger: logging.Logger) -> None:
     """Copy each published sidecar loader's fill summary onto its pod, where the status reads it
-    (the pod event that follows reconciles); an Event says where one refilled from peers."""
+    (the pod event that follows reconciles); Events say where one finished without members of
+    its group, or refilled from peers (`fill_report`)."""
     namespace = body["metadata"]["namespace"]
     for pod in pods:
         pod_name = pod["metadata"]["name"]
@@ -162,8 +163,7 @@ def _keep_summaries(memo: kopf.Memo, body: kopf.Body, pods: Any, port: int,
             logger.warning("fill summary of pod %s/%s not kept, the next tick retries: %s",
                            namespace, pod_name, exc)
             continue
-        report = progress.refill_report(pod, line)
-        if report is not None:
+        for report in fill_report.summary_events(pod, line):
             post_event(body, report)
 
 

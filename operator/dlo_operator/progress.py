@@ -7,8 +7,8 @@ progress (`progressAt`: `prefill_watch` reports a prefill loader without progres
 one-line summary for the PROGRESS printer column. When no loader runs the field is removed: the termination message
 (the fill summary in `status.nodes`) holds the final figures; a sidecar loader that published
 stays up, so its summary is read once from its endpoint and kept on its pod
-(`published_without_summary`, `read_summary`), with an Event where the loader refilled its
-node from peers (`refill_report`). `read_loader` and `read_summary` do the HTTP;
+(`published_without_summary`, `read_summary`), with the Events its figures call for
+(`fill_report`). `read_loader` and `read_summary` do the HTTP;
 `progress_status` is pure. Called by the handlers' timer; must not patch anything itself.
 """
 
@@ -28,13 +28,11 @@ from dlo_contract.documents import DocumentError, FillSummary
 from dlo_contract.names import LOADER_SUMMARY_PATH
 from dlo_contract.units import human_bytes, human_eta
 from dlo_operator import metrics
-from dlo_operator.conditions import EventType, Report
 from dlo_operator.naming import ANNOTATION_FILL_SUMMARY, LOADER_CONTAINER
 
 log = logging.getLogger(__name__)
 
 READ_TIMEOUT_S = 2.0
-REFILLED_FROM_PEERS = "RefilledFromPeers"
 INTERVAL_S = 5.0
 """How often the operator reads the running loaders (the PROGRESS column's refresh)."""
 
@@ -89,23 +87,6 @@ def read_summary(address: str, port: int, timeout_s: float = READ_TIMEOUT_S) -> 
         log.debug("loader summary at %s:%d not usable: %s", address, port, exc)
         return None
     return line
-
-
-def refill_report(pod: Mapping[str, Any], line: str) -> Report | None:
-    """The Normal Event of a pod whose loader filled its node alone and read from the nodes
-    that hold the entry (`dlo_loader.peer_reads`), with the bytes from them and from the store;
-    None for any other fill (`line`: its summary)."""
-    try:
-        summary = FillSummary.from_json(line)
-    except DocumentError:
-        return None
-    if summary.world_size != 1 or not summary.bytes_from_peers or summary.cached:
-        return None
-    node = (pod.get("spec") or {}).get("nodeName") or "?"
-    return Report(type=EventType.NORMAL, reason=REFILLED_FROM_PEERS, message=(
-        f"pod {(pod.get('metadata') or {}).get('name', '?')} refilled node {node} from the "
-        f"nodes that hold its entry: {human_bytes(summary.bytes_from_peers or 0)} from peers, "
-        f"{human_bytes(summary.bytes_from_store or 0)} from the store"))
 
 
 def _get(address: str, port: int, path: str, timeout_s: float) -> str | None:

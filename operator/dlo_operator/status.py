@@ -31,6 +31,7 @@ from typing import Any
 
 from dlo_contract.documents import DocumentError, FillSummary
 from dlo_operator.conditions import FALSE, TRUE, Condition, merge_conditions
+from dlo_operator.fill_report import figures
 from dlo_operator.loader_image import live_image
 from dlo_operator.naming import (
     ANNOTATION_FILL_SUMMARY,
@@ -92,19 +93,8 @@ def node_entry(pod: Mapping[str, Any]) -> dict[str, Any]:
     }
     if message:
         entry["message"] = message
-    entry.update(_figures(summary))
+    entry.update(figures(summary))
     return entry
-
-
-def _figures(summary: FillSummary | None) -> dict[str, Any]:
-    """The loader summary's figures under their status names (absent ones left out)."""
-    if summary is None:
-        return {}
-    figures = {"entryId": summary.entry_id, "mode": summary.mode,
-               "bytesFromStore": summary.bytes_from_store,
-               "bytesFromPeers": summary.bytes_from_peers, "seconds": summary.seconds,
-               "cached": summary.cached}
-    return {name: value for name, value in figures.items() if value is not None}
 
 
 def prefill_node(pod: Mapping[str, Any]) -> dict[str, Any]:
@@ -120,7 +110,7 @@ def prefill_node(pod: Mapping[str, Any]) -> dict[str, Any]:
     }
     if message:
         row["message"] = message
-    row.update(_figures(summary))
+    row.update(figures(summary))
     return row
 
 
@@ -263,17 +253,18 @@ def _failure_text(term: Mapping[str, Any], summary: FillSummary | None) -> str:
 
 
 def _summary(message: Any) -> FillSummary | None:
-    """The loader's one-line fill summary; anything else (a log tail) is None."""
-    line = _last_line(message)
+    """The loader's one-line fill summary, whole (a survivor's or a refill's runs past
+    `_MESSAGE_LIMIT`); anything else (a log tail) is None."""
+    line = _last_line(message, limit=None)
     try:
         return FillSummary.from_json(line) if line else None
     except DocumentError:
         return None
 
 
-def _last_line(message: Any) -> str:
+def _last_line(message: Any, limit: int | None = _MESSAGE_LIMIT) -> str:
     lines = [line.strip() for line in str(message or "").splitlines() if line.strip()]
-    return lines[-1][:_MESSAGE_LIMIT] if lines else ""
+    return lines[-1][:limit] if lines else ""
 
 
 def _container_status(statuses: Any, name: str) -> Mapping[str, Any] | None:

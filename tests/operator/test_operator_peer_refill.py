@@ -24,7 +24,7 @@ from support.operator_harness import (
 )
 
 from dlo_contract.fill_group import FILL_GROUP_KEY, FillGroup, Holder
-from dlo_operator.progress import REFILLED_FROM_PEERS
+from dlo_operator.fill_report import REFILLED_FROM_PEERS
 
 MIB = 1 << 20
 SUMMARY = {"status": "ok", "entry_id": "e" * 64, "mode": "multi-reader", "rank": 0,
@@ -46,11 +46,12 @@ def group_document(cluster: ClusterEmulator) -> FillGroup:
     return FillGroup.from_json((found.get("data") or {}).get(FILL_GROUP_KEY, "{}"))
 
 
-def refill_events(cluster: ClusterEmulator) -> list[tuple[str, str]]:
+def events(cluster: ClusterEmulator, reason: str) -> list[tuple[str, str]]:
+    """(type, message) of the Events of `reason` posted on the DOD, in order."""
     return [(e["type"], e["message"]) for r in list(cluster) if r.resource is not None
             and r.resource.plural == "events" and r.method == "POST"
             and (e := r.data)["involvedObject"].get("kind") == "DiffusionOffloadDeployment"
-            and e["reason"] == REFILLED_FROM_PEERS]
+            and e["reason"] == reason]
 
 
 async def published(cluster: ClusterEmulator, index: int, node: str) -> None:
@@ -88,16 +89,18 @@ async def test_holders_reach_the_fill_group_document_and_a_refill_is_reported(
         return group_document(cluster).holders
 
     assert await eventually(holders) == (Holder("gpu-0", "127.0.0.1", port),)
-    assert refill_events(cluster) == []  # a fill from the store is no refill
+    assert events(cluster, REFILLED_FROM_PEERS) == []  # a fill from the store is no refill
 
     # flux-1, recreated alone on a wiped gpu-1, read its entry from gpu-0.
     loader_endpoint.publish_summary(json.dumps(SUMMARY | {
-        "bytes_from_peers": 60 * MIB, "bytes_from_store": 4 * MIB}))
+        "bytes_from_peers": 60 * MIB, "bytes_from_store": 4 * MIB,
+        "bytes_by_peer": [{"node": "gpu-0", "bytes": 60 * MIB}]}))
     await published(cluster, 1, "gpu-1")
     assert (await eventually(lambda: kept(cluster, 1)))["bytes_from_peers"] == 60 * MIB
-    events = await eventually(lambda: refill_events(cluster))
-    assert events == [("Normal", "pod flux-1 refilled node gpu-1 from the nodes that hold its "
-                                 "entry: 60.0 MiB from peers, 4.0 MiB from the store")]
+    posted = await eventually(lambda: events(cluster, REFILLED_FROM_PEERS))
+    assert posted == [("Normal", "pod flux-1 refilled node gpu-1 from the nodes that hold its "
+                                 "entry: 60.0 MiB from peers (gpu-0 60.0 MiB), 4.0 MiB from "
+                                 "the store")]
 
     def both() -> bool:
         """both nodes hold the entry now"""
@@ -105,10 +108,10 @@ async def test_holders_reach_the_fill_group_document_and_a_refill_is_reported(
 
     await eventually(both)
 
-    def row() -> tuple[int, int]:
+    def row() -> tuple[int, int, list[dict[str, Any]]]:
         """flux-1's status row has the refill's figures"""
         status = live(cluster, "dlo.dev/v1alpha1/diffusionoffloaddeployments", "flux")["status"]
         found = next(n for n in status["nodes"] if n["pod"] == "flux-1")
-        return found["bytesFromPeers"], found["bytesFromStore"]
+        return found["bytesFromPeers"], found["bytesFromStore"], found["bytesByPeer"]
 
-    assert await eventually(row) == (60 * MIB, 4 * MIB)
+    assert await eventually(row) == (60 * MIB, 4 * MIB, [{"node": "gpu-0", "bytes": 60 * MIB}])
