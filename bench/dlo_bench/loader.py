@@ -6,9 +6,10 @@ with the same number of concurrent ranged GETs of the same chunk size, discardin
 fill is `dlo cache fill`'s code path (one rank) into a fresh cache root, including hashing,
 positioned writes, header validation, fsync and publication. A node's other limit is its disk, so
 the same run also measures writing and fsyncing the same bytes where the cache goes, through the
-loader's own sink (so with the direct writes the loader uses). Correctness
-first (the published files equal the source, digests verified), one warm-up, then ceiling, disk
-and fill runs interleaved so drift hits all alike. The figure asked for is `fill_to_ceiling_ratio`
+loader's own sink (so with the direct writes the loader uses); the checkpoint and the three
+kinds of run are `loader_runs`', shared with `loader_schemes` (`--schemes`). Correctness first
+(the published files equal the source, digests verified), one warm-up, then ceiling, disk and
+fill runs interleaved so drift hits all alike. The figure asked for is `fill_to_ceiling_ratio`
 (median fill throughput / median GET ceiling); `fill_to_bound_ratio` divides by the slower of the
 GET ceiling and the disk instead. Each run also counts CPU-seconds, of this process (the
 ceiling's client, the fill's loader) and of the server, so what a fill costs beyond reading is
@@ -22,33 +23,27 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import shutil
 import statistics
-import struct
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import botocore.session
 import psutil
 from botocore.config import Config
-from dlo_loader.fetch import chunk_buffer
 from dlo_loader.fill import FillRequest, fill
-from dlo_loader.plan import Chunk
-from dlo_loader.sink import FileSink
-from dlo_contract.cache import ObjectIdentity, sha256_file, verify_entry
+from dlo_contract.cache import sha256_file, verify_entry
 from dlo_contract.settings import CacheConfig, LoaderConfig, Settings
 
 from dlo_bench import hostcpu, provenance
+from dlo_bench.loader_runs import MIB, ceiling_run, measure_disk, timed_fill, write_checkpoint
 from dlo_bench.s3server import DUMMY_CREDENTIALS, S3Server, start_ministack, upload_tree
 
-MIB = 1 << 20
 GIB = 1 << 30
 BUCKET = "bench"
 PREFIX = "ckpt"
@@ -204,44 +199,6 @@ def _median_host(readings: list[hostcpu.HostCpu | None]) -> dict[str, float] | N
     return {share: round(statistics.median(r[share] for r in read), 3) for share in read[0]}
 
 
-def write_checkpoint(directory: Path, total: int, files: int) -> dict[str, str]:
-    """`files` valid safetensors files of one U8 tensor each, `total` bytes in all, random
-    content; returns their SHA-256 digests."""
-    directory.mkdir(parents=True, exist_ok=True)
-    digests = {}
-    for index in range(files):
-        header, size = _header_for(total // files)
-        name = f"model-{index:05d}-of-{files:05d}.safetensors"
-        digest = hashlib.sha256()
-        with (directory / name).open("wb") as handle:
-            for piece in (struct.pack("<Q", len(header)) + header, *_random(size)):
-                handle.write(piece)
-                digest.update(piece)
-        digests[name] = digest.hexdigest()
-    return digests
-
-
-def _header_for(file_bytes: int) -> tuple[bytes, int]:
-    """A padded header and the tensor size that make a file of exactly `file_bytes`."""
-    size = file_bytes
-    while True:  # the header's length depends on the digits of the size: settle both
-        header = json.dumps({"data": {"dtype": "U8", "shape": [size],
-                                      "data_offsets": [0, size]}}).encode()
-        header += b" " * (-len(header) % 8)  # the format pads headers to 8-byte alignment
-        fitted = file_bytes - 8 - len(header)
-        if fitted == size:
-            return header, size
-        size = fitted
-
-
-def _random(size: int) -> list[bytes]:
-    block = 4 * MIB
-    noise = os.urandom(block)
-    # Each block starts with its offset: a server or cache that deduplicates cannot flatter us.
-    return [(struct.pack("<Q", offset) + noise[8:])[:min(block, size - offset)]
-            for offset in range(0, size, block)]
-
-
 def _ranges(server: S3Server, chunk_bytes: int) -> list[tuple[str, int, int]]:
     listing = server.client().list_objects_v2(Bucket=BUCKET, Prefix=PREFIX + "/")
     return [(item["Key"], start, min(chunk_bytes, item["Size"] - start))
@@ -271,39 +228,7 @@ def _ceiling(server: S3Server, ranges: list[tuple[str, int, int]], readers: int,
              meter: _Meter) -> float:
     """Seconds to GET every range with `readers` threads (`s3_get`), from creating the client on
     (the fill's time includes its client too)."""
-    with meter:
-        get = s3_get(server, readers)
-        with ThreadPoolExecutor(max_workers=readers) as pool:
-            got = sum(pool.map(lambda item: get(*item), ranges))
-    if got != sum(r[2] for r in ranges):
-        raise RuntimeError(f"ceiling run read {got} bytes, expected {sum(r[2] for r in ranges)}")
-    return meter.seconds
-
-
-def measure_disk(directory: Path, total: int, chunk_bytes: int, meter: Any) -> float:
-    """Seconds to write and fsync `total` bytes where the cache goes, chunk by chunk through the
-    loader's own sink (direct writes where the filesystem allows): the node's other limit."""
-    directory.mkdir(exist_ok=True)
-    block = chunk_buffer(chunk_bytes)  # the loader's own kind of buffer
-    block.write(os.urandom(chunk_bytes))
-    with meter:
-        sink = FileSink(directory, [ObjectIdentity("probe", total, "")])
-        try:
-            for number, offset in enumerate(range(0, total, chunk_bytes)):
-                length = min(chunk_bytes, total - offset)
-                chunk = Chunk(index=number, file=0, number=number, offset=offset, length=length,
-                              owner=0)
-                sink.write(chunk, memoryview(block)[:length])
-        finally:
-            sink.close()
-        fd = os.open(directory / "probe", os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    (directory / "probe").unlink()
-    settle_disk()
-    return meter.seconds
+    return ceiling_run(lambda: s3_get(server, readers), ranges, readers, meter, "ceiling run")
 
 
 def _settings(args: argparse.Namespace, server: S3Server, root: Path) -> Settings:
@@ -318,19 +243,8 @@ def _fill(args: argparse.Namespace, server: S3Server, root: Path,
           meter: _Meter) -> tuple[float, dict[str, float]]:
     """Seconds for one complete fill (list, read, hash, write, validate, publish), and where
     the loader's threads spent them."""
-    with meter:
-        result = fill(FillRequest(settings=_settings(args, server, root)))
-    shutil.rmtree(root)
-    settle_disk()
+    result = timed_fill(_settings(args, server, root), meter)
     return meter.seconds, {k: round(v, 3) for k, v in (result.stage_seconds or {}).items()}
-
-
-def settle_disk() -> None:
-    """After a run deleted what it wrote: commit the deletion before the next run starts. On a
-    filesystem mounted with online discard the freed blocks are trimmed at the next journal
-    commit, which would otherwise land inside the next measured run (a write-heavy fill after a
-    deleted disk probe, a disk probe after a deleted fill) and time the trim as well."""
-    os.sync()
 
 
 def _check_fill(args: argparse.Namespace, server: S3Server, root: Path,

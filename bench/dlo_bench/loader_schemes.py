@@ -2,7 +2,7 @@
 local server in one run, the fill against that server's own parallel-GET ceiling.
 
 Owns the per-scheme rows of the loader benchmark. Every scheme serves the same synthetic
-checkpoint (`loader.write_checkpoint`) from the server its tests use: ministack for `s3`, the
+checkpoint (`loader_runs.write_checkpoint`) from the server its tests use: ministack for `s3`, the
 directory itself for `file` (the page cache: the ceiling is `pread`), fake-gcs-server for `gs`
 and Azurite for `az` (`emulators`), and for `https` and `hf` the loopback servers of the source
 tests (`tests/support`: `range_server.DirectoryServer` with a listing file, `hub_server.HubServer`),
@@ -10,10 +10,11 @@ run in a child process of their own so that they share no interpreter lock with 
 ceiling is what this process pulls from the same server with the same number of concurrent ranged
 GETs of the same chunk size, discarding the bytes (urllib3; S3's through botocore, as
 `loader.measure` does; hf's at the storage URL each file's resolve URL redirects to, as the hf
-reader reads after its first range); the fill is `dlo cache fill`'s code path (one rank). Correctness first
-(the published files equal the source), one warm-up, then ceiling and fill runs interleaved. A
-Python server (https, hf) caps both at what it sends: its ratio says how much of that the fill
-gets, not what the scheme reaches against a real server. Must not be imported by the planes.
+reader reads after its first range); the fill is `dlo cache fill`'s code path (one rank); both
+are timed by `loader_runs`, as the S3 report's are. Correctness first (the published files equal
+the source), one warm-up, then ceiling and fill runs interleaved. A Python server (https, hf)
+caps both at what it sends: its ratio says how much of that the fill gets, not what the scheme
+reaches against a real server. Must not be imported by the planes.
 """
 
 from __future__ import annotations
@@ -26,10 +27,8 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 import urllib.parse
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,12 +39,13 @@ from dlo_loader.fill import FillRequest, fill
 
 from dlo_bench import provenance
 from dlo_bench.emulators import AZURITE_ACCOUNT, AZURITE_KEY, start_azurite, start_fake_gcs
-from dlo_bench.loader import measure_disk, s3_get, settle_disk, write_checkpoint
+from dlo_bench.loader import s3_get
+from dlo_bench.loader_runs import (MIB, Clock, Get, ceiling_run, measure_disk, timed_fill,
+                                     write_checkpoint)
 from dlo_bench.s3server import DUMMY_CREDENTIALS, start_ministack, upload_tree
 
 SCHEMES = ("s3", "file", "gs", "az", "https", "hf")
 BUCKET, PREFIX, HUB_REPO = "bench", "ckpt", "bench/ckpt"
-MIB = 1 << 20
 TESTS_DIR = Path(__file__).resolve().parents[2] / "tests"
 """Where `support.range_server` and `support.hub_server` live (the https and hf servers)."""
 
@@ -58,7 +58,7 @@ class Stand:
     scheme: str
     server: str
     source: str
-    get: Callable[[str, int, int], int]
+    get: Get
     endpoint_url: str | None = None
     path_style: bool = False
     env: dict[str, str] = field(default_factory=dict)
@@ -70,7 +70,7 @@ def run_schemes(args: argparse.Namespace, schemes: list[str], work: Path) -> dic
     sizes = {name: (source / name).stat().st_size for name in digests}
     total = sum(sizes.values())
     disk = total / statistics.median(
-        measure_disk(work / "disk", total, args.chunk_bytes, _Clock())
+        measure_disk(work / "disk", total, args.chunk_bytes, Clock())
         for _ in range(args.repeats))
     rows = []
     for scheme in schemes:
@@ -111,13 +111,11 @@ def _measure(args: argparse.Namespace, stand: Stand, root: Path, digests: dict[s
     total = sum(sizes.values())
     _ceiling(stand, ranges, args.readers)  # warm-up: connections, server caches
     ceiling_s, fill_s = [], []
+    clock = Clock()
     for _ in range(args.repeats):
         ceiling_s.append(_ceiling(stand, ranges, args.readers))
-        began = time.perf_counter()
-        fill(FillRequest(settings=settings))
-        fill_s.append(time.perf_counter() - began)
-        shutil.rmtree(root)
-        settle_disk()
+        timed_fill(settings, clock)
+        fill_s.append(clock.seconds)
     ceiling, filled = total / statistics.median(ceiling_s), total / statistics.median(fill_s)
     return {"scheme": stand.scheme, "server": stand.server, "correct": published == digests,
             "store_checksums": result.summary().store_checksums, "entry_id": result.entry_id,
@@ -127,28 +125,8 @@ def _measure(args: argparse.Namespace, stand: Stand, root: Path, digests: dict[s
             "fill_to_ceiling_ratio": round(filled / ceiling, 4)}
 
 
-class _Clock:
-    """Wall seconds over a `with` block (`loader.measure_disk`'s meter, without CPU counts)."""
-
-    seconds = 0.0
-
-    def __enter__(self) -> _Clock:
-        self._began = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.seconds = time.perf_counter() - self._began
-
-
 def _ceiling(stand: Stand, ranges: list[tuple[str, int, int]], readers: int) -> float:
-    began = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=readers) as pool:
-        got = sum(pool.map(lambda item: stand.get(*item), ranges))
-    seconds = time.perf_counter() - began
-    if got != sum(r[2] for r in ranges):
-        raise RuntimeError(f"{stand.scheme} ceiling read {got} bytes, expected "
-                           f"{sum(r[2] for r in ranges)}")
-    return seconds
+    return ceiling_run(lambda: stand.get, ranges, readers, Clock(), f"{stand.scheme} ceiling")
 
 
 @contextlib.contextmanager
@@ -167,7 +145,7 @@ def _environment(env: dict[str, str]) -> Iterator[None]:
 
 
 def _http_get(readers: int, url_of: Callable[[str], str],
-              headers: dict[str, str] | None = None) -> Callable[[str, int, int], int]:
+              headers: dict[str, str] | None = None) -> Get:
     """A ranged GET of `url_of(name)` through one pool of `readers` connections, each body
     read a MiB at a time and dropped (redirects followed, as the hf reader does)."""
     import urllib3
@@ -188,7 +166,7 @@ def _http_get(readers: int, url_of: Callable[[str], str],
     return get
 
 
-def _pread_get(directory: Path) -> Callable[[str, int, int], int]:
+def _pread_get(directory: Path) -> Get:
     def get(name: str, start: int, length: int) -> int:
         with open(directory / name, "rb", buffering=0) as handle:
             return len(os.pread(handle.fileno(), length, start))

@@ -10,6 +10,7 @@ import pytest
 
 from dlo_bench import loader, loader_schemes
 from dlo_bench.emulators import AZURITE_BLOB
+from dlo_bench.loader_runs import write_checkpoint
 
 pytestmark = pytest.mark.slow
 SCHEMES = ["file", "https", "hf", "gs"] + (["az"] if AZURITE_BLOB.exists() else [])
@@ -47,7 +48,7 @@ def test_stores_with_checksums_are_checked_and_a_share_has_none(report: dict) ->
 def test_the_https_server_serves_a_copy_with_its_listing_and_leaves_the_source_alone(
         tmp_path: Path) -> None:
     source = tmp_path / "source"
-    loader.write_checkpoint(source, 1 << 20, 1)
+    write_checkpoint(source, 1 << 20, 1)
     before = sorted(p.name for p in source.iterdir())
     with loader_schemes._child_server("https", source) as urls:
         assert urls["url"].startswith("http://127.0.0.1:")

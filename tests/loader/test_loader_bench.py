@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from dlo_bench import loader as bench
+from dlo_bench.loader_runs import write_checkpoint
 from dlo_bench.s3server import S3Server
 from dlo_contract.safetensors_header import read_header
 
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("aws_env")
 
 
 def test_synthetic_checkpoint_is_valid_safetensors(tmp_path: Path) -> None:
-    digests = bench.write_checkpoint(tmp_path, 3 << 20, 3)
+    digests = write_checkpoint(tmp_path, 3 << 20, 3)
     assert sorted(digests) == [f"model-0000{i}-of-00003.safetensors" for i in range(3)]
     for name in digests:
         header = read_header(tmp_path / name, name)
