@@ -10,7 +10,7 @@ SHELL := /bin/bash
 LAST_LINE_TO = | tee /dev/stderr | tail -n 1 | python3 -m json.tool >
 
 GPU_VENV := .venv-gpu
-.PHONY: demo test test-fast generate check-generated bench-loader bench-loader-schemes bench-runtime bench-serve bench-cluster bench-scale bench-coldstart gpu-check lock clean
+.PHONY: demo test test-fast generate check-generated bench-loader bench-loader-schemes bench-runtime bench-serve bench-cluster bench-cluster-fault bench-scale bench-coldstart gpu-check lock clean
 
 $(STAMP): requirements.lock pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -87,6 +87,12 @@ bench-loader-schemes: $(STAMP) $(MINISTACK_VENV)/.installed $(AZURITE)
 bench-cluster: $(STAMP) $(MINISTACK_VENV)/.installed
 	$(VENV)/bin/dlo bench cluster --json --ministack $(MINISTACK_VENV)/bin/ministack --modes multi-reader --head-dim 768 --out bench/results
 	$(MAKE) bench-scale
+
+# One of 8 loaders SIGKILLed at half of the fill (its progress read from the loaders' /metrics)
+# against a fill without fault in the same run: the survivors' publication time and the store's
+# bytes (peer/store 10x, the configuration clusters have).
+bench-cluster-fault: $(STAMP) $(MINISTACK_VENV)/.installed
+	$(VENV)/bin/dlo bench cluster --json --ministack $(MINISTACK_VENV)/bin/ministack --nodes 8 --peer-ratios 10 --head-dim 768 --kill-at 0.5 --kill-rank 3 --out bench/results
 
 bench-scale: $(STAMP)
 	$(VENV)/bin/python -m dlo_bench.scale_model --results bench/results

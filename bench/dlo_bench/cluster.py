@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from dlo_bench import cluster_refill, cluster_report, hostcpu, linkprobe, netns, provenance
+from dlo_bench import cluster_fault, cluster_refill, cluster_report, hostcpu, linkprobe, netns, provenance
 from dlo_bench.s3server import DUMMY_CREDENTIALS
 from dlo_contract.cache import sha256_file
 from dlo_contract.errors import PermanentError
@@ -80,6 +80,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--refill-readers", type=int, default=8,
                         help="concurrent chunk reads of the refilling loader (default: "
                              "%(default)s)")
+    parser.add_argument("--kill-at", type=float, default=None, metavar="F",
+                        help="instead of the group fills: at each node count, a fill without "
+                             "fault, then one whose --kill-rank loader is SIGKILLed once the "
+                             "loaders' progress reaches this fraction of the bytes they write "
+                             "(`cluster_fault`; writes cluster_fault.json)")
+    parser.add_argument("--kill-rank", type=int, default=1, metavar="R",
+                        help="the rank --kill-at kills (default: %(default)s)")
+    parser.add_argument("--peer-timeout", type=float, metavar="S",
+                        help="the loaders' --peer-timeout (default: the loader's own): how long "
+                             "a silent member goes before the others take it for lost")
+    parser.add_argument("--keep-logs", type=Path, metavar="DIR",
+                        help="copy each loader's stdout and stderr here, one folder per fill")
     parser.add_argument("--out", type=Path, help="write cluster.json and cluster.png here")
     parser.add_argument("--json", action="store_true", help="last line: the report as JSON")
 
@@ -102,8 +114,9 @@ def run(args: argparse.Namespace) -> int:
         for ratio in ratios:
             links = netns.LinkConfig(store_mbit=args.store_mbit,
                                      peer_mbit=args.store_mbit * float(ratio))
-            if args.refill_from:
-                reports[ratio] = cluster_refill.measure(args, links)
+            if args.refill_from or args.kill_at is not None:
+                reports[ratio] = (cluster_refill.measure(args, links) if args.refill_from
+                                  else cluster_fault.measure(args, nodes, links))
                 print(f"peer/store {ratio}x: {json.dumps(reports[ratio])}", flush=True)
                 continue
             reports[ratio] = _measure(args, nodes, modes, links)
@@ -112,12 +125,13 @@ def run(args: argparse.Namespace) -> int:
     except netns.NetnsUnavailable as exc:
         return _skip(str(exc), as_json=args.json)
     report = {"benchmark": "cluster", "peer_ratios": ratios, "by_peer_ratio": reports}
-    if args.refill_from:
-        report["benchmark"] = "cluster_refill"
+    if args.refill_from or args.kill_at is not None:
+        report["benchmark"] = "cluster_refill" if args.refill_from else "cluster_fault"
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "cluster_refill.json").write_text(json.dumps(report, indent=2) + "\n")
-            print(f"wrote {args.out / 'cluster_refill.json'}")
+            path = args.out / f"{report['benchmark']}.json"
+            path.write_text(json.dumps(report, indent=2) + "\n")
+            print(f"wrote {path}")
         if args.json:
             print(json.dumps(report, separators=(",", ":")))
         return 0
@@ -256,6 +270,7 @@ def _loader_argv(cluster: netns.Cluster, store: dict[str, Any], *, nodes: int, r
         "--master-addr", cluster.node_addrs[0], "--master-port", str(port),
         "--entry-file", str(root / "entry.json"), "--summary-file", str(root / "summary.json"),
         "--readers", str(args.readers),
+        *(["--peer-timeout", f"{args.peer_timeout:g}"] if args.peer_timeout else []),
     ])
 
 
@@ -277,22 +292,42 @@ def _start_together(procs: list[subprocess.Popen[bytes]], roots: list[Path],
     return started
 
 
+def launch(cluster: netns.Cluster, store: dict[str, Any], roots: list[Path], mode: str,
+           index: int, args: argparse.Namespace,
+           procs: list[subprocess.Popen[bytes]]) -> None:
+    """Start one loader per root (rank = position), importing, not yet released; appended to
+    `procs` as they start, so that the caller's cleanup finds every one."""
+    env = {**os.environ, **DUMMY_CREDENTIALS, "GLOO_SOCKET_IFNAME": netns.INTERFACE,
+           "OMP_NUM_THREADS": "1"}
+    for rank, root in enumerate(roots):
+        root.mkdir(parents=True)
+        argv = _loader_argv(cluster, store, nodes=len(roots), rank=rank, mode=mode, root=root,
+                            port=DEFAULT_RENDEZVOUS_PORT + index, args=args)
+        with (root / "stdout").open("wb") as out, (root / "stderr").open("wb") as err:
+            procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out,
+                                          stderr=err, env=env))
+
+
+def keep_logs(roots: list[Path], args: argparse.Namespace, name: str) -> None:
+    """With --keep-logs: each loader's stdout and stderr, as `name/node<r>.std{out,err}`."""
+    if args.keep_logs is None:
+        return
+    folder = args.keep_logs / name
+    folder.mkdir(parents=True, exist_ok=True)
+    for root in roots:
+        for stream in ("stdout", "stderr"):
+            if (root / stream).exists():
+                shutil.copyfile(root / stream, folder / f"{root.name}.{stream}")
+
+
 def _fill(cluster: netns.Cluster, store: dict[str, Any], nodes: int, mode: str, work: Path,
           index: int, digests: dict[str, str],
           args: argparse.Namespace) -> cluster_report.RunResult:
     """One fill by `nodes` loaders in `mode` on empty caches, checked, then removed."""
-    env = {**os.environ, **DUMMY_CREDENTIALS, "GLOO_SOCKET_IFNAME": netns.INTERFACE,
-           "OMP_NUM_THREADS": "1"}
     roots = [work / f"node{rank}" for rank in range(nodes)]
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        for rank, root in enumerate(roots):
-            root.mkdir(parents=True)
-            argv = _loader_argv(cluster, store, nodes=nodes, rank=rank, mode=mode, root=root,
-                                port=DEFAULT_RENDEZVOUS_PORT + index, args=args)
-            with (root / "stdout").open("wb") as out, (root / "stderr").open("wb") as err:
-                procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out,
-                                              stderr=err, env=env))
+        launch(cluster, store, roots, mode, index, args, procs)
         before = [netns.node_traffic(cluster, rank) for rank in range(nodes)]
         started = _start_together(procs, roots, args.fill_timeout_s)
         with hostcpu.HostCpuMeter() as host:
@@ -304,8 +339,9 @@ def _fill(cluster: netns.Cluster, store: dict[str, Any], nodes: int, mode: str, 
                 p.kill()
             p.wait()
     traffic = [netns.node_traffic(cluster, r).minus(before[r]) for r in range(nodes)]
+    keep_logs(roots, args, work.name)
     ranks = tuple(
-        _check_rank(root, rank, code, mode, digests, traffic[rank])
+        check_rank(root, rank, code, mode, digests, traffic[rank])
         for rank, (root, code) in enumerate(zip(roots, codes))
     )
     shutil.rmtree(work)
@@ -317,11 +353,16 @@ def _fill(cluster: netns.Cluster, store: dict[str, Any], nodes: int, mode: str, 
     return run
 
 
-def _check_rank(root: Path, rank: int, code: int, mode: str, digests: dict[str, str],
-                traffic: netns.NodeTraffic) -> cluster_report.RankResult:
-    """The rank's summary, after checking it succeeded in `mode` with a byte-identical entry."""
+def summary_of(root: Path) -> dict[str, Any]:
+    """The loader's one-line JSON summary, the last line of its stdout ({} where none)."""
     lines = (root / "stdout").read_text(errors="replace").strip().splitlines()
-    summary = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+    return json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+
+
+def check_rank(root: Path, rank: int, code: int, mode: str, digests: dict[str, str],
+               traffic: netns.NodeTraffic) -> cluster_report.RankResult:
+    """The rank's summary, after checking it succeeded in `mode` with a byte-identical entry."""
+    summary = summary_of(root)
     if (code != 0 or summary.get("status") != "ok" or summary.get("mode") != mode
             or summary.get("cached")):
         tail = (root / "stderr").read_text(errors="replace")[-1500:]
@@ -339,4 +380,5 @@ def _check_rank(root: Path, rank: int, code: int, mode: str, digests: dict[str, 
         bytes_to_peers=int(summary["bytes_to_peers"]),
         wire_from_store=traffic.from_store, wire_from_peers=traffic.from_peers,
         stage_seconds=dict(summary.get("stage_seconds", {})),
+        wait_seconds=dict(summary.get("wait_seconds") or {}),
     )

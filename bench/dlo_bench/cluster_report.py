@@ -47,6 +47,9 @@ class RankResult:
     wire_from_peers: int
     stage_seconds: dict[str, float] = field(default_factory=dict)
     """Where the rank's time went (the summary's `stage_seconds`: GET, digest, write, exchange)."""
+    wait_seconds: dict[str, float] = field(default_factory=dict)
+    """What the rank waited for before its transfer (the summary's `wait_seconds`: the group,
+    its turn in the node order, the publication, room)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,6 +22,7 @@ needs root and iproute2 (`ip`, `tc`): without them it raises `NetnsUnavailable` 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import logging
 import os
 import re
@@ -32,7 +33,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -138,6 +139,27 @@ def node_traffic(cluster: Cluster, node: int) -> NodeTraffic:
     sent = _class_bytes(cluster.node_ns[node], INTERFACE)
     return NodeTraffic(from_store=received["1:10"], from_peers=received["1:20"],
                        to_store=sent["1:10"], to_peers=sent["1:20"])
+
+
+_CLONE_NEWNET = 0x40000000
+_NETNS_DIR = "/var/run/netns"
+
+
+def thread_in(ns: str, target: Callable[[], None], *, name: str) -> threading.Thread:
+    """Start a daemon thread that enters namespace `ns` (setns(2) moves the calling thread
+    alone: this process's other threads and sockets stay where they are) and runs `target`
+    there: the benchmark reads a node's loopback services (its loader's /metrics) without a
+    process per node and without crossing a shaped link, so no counted byte is the bench's."""
+    def run() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        with open(os.path.join(_NETNS_DIR, ns)) as handle:
+            if libc.setns(handle.fileno(), _CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), f"setns into {ns}")
+        target()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
 
 
 def _ip(*args: str) -> None:

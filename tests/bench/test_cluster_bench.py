@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dlo_bench import cluster, cluster_report, hostcpu, linkprobe, netns
+from dlo_bench import cluster, cluster_fault, cluster_report, hostcpu, linkprobe, netns
 from dlo_bench.cluster_report import RankResult, RunResult
 from dlo_contract.cache import sha256_file
 
@@ -177,12 +177,12 @@ def test_a_fill_that_fell_back_to_another_mode_does_not_count(tmp_path: Path) ->
     traffic = netns.NodeTraffic(from_store=3, from_peers=0, to_store=0, to_peers=0)
     digests = {"a.safetensors": sha256_file(entry / "a.safetensors")}
     with pytest.raises(cluster.ClusterBenchError, match="rank 0 in multi-reader mode: exit 0"):
-        cluster._check_rank(tmp_path / "n0", 0, 0, "multi-reader", digests, traffic)
-    ok = cluster._check_rank(tmp_path / "n0", 0, 0, "independent", digests, traffic)
+        cluster.check_rank(tmp_path / "n0", 0, 0, "multi-reader", digests, traffic)
+    ok = cluster.check_rank(tmp_path / "n0", 0, 0, "independent", digests, traffic)
     assert ok.bytes_from_store == 3 and ok.wire_from_store == 3
     (entry / "a.safetensors").write_bytes(b"abd")
     with pytest.raises(cluster.ClusterBenchError) as info:
-        cluster._check_rank(tmp_path / "n0", 0, 0, "independent", digests, traffic)
+        cluster.check_rank(tmp_path / "n0", 0, 0, "independent", digests, traffic)
     assert str(info.value) == f"rank 0 in independent mode: {entry / 'a.safetensors'} differs from the source object"
 
 
@@ -216,3 +216,54 @@ def test_kernel_counters_tell_store_traffic_from_peer_traffic() -> None:
     assert 3_000_000 < seen.from_peers < 3_400_000
     assert seen.to_store < 200_000 and seen.to_peers < 200_000
     assert not set(made.namespaces) & set(netns.list_namespaces())
+
+
+def test_fault_progress_is_the_loaders_bytes_written_over_all_they_write() -> None:
+    page = ("# HELP dlo_loader_bytes_done_bytes Bytes of this node's entry written so far.\n"
+            "dlo_loader_bytes_done_bytes 3e+06\ndlo_loader_bytes_total_bytes 8000000.0\n"
+            'dlo_loader_store_retries_total{reason="throttled"} 2.0\n'
+            "dlo_loader_bytes_from_store_total 1000000.0\n")
+    seen = cluster_fault.parse_metrics(page)
+    assert seen == {"done": 3e6, "total": 8e6, "from_store": 1e6}
+    assert cluster_fault.fraction_done([seen, {}]) is None  # a loader not listed yet
+    assert cluster_fault.fraction_done([seen, {"done": 5e6, "total": 8e6}]) == 0.5
+
+
+def test_fault_figures_against_the_fill_without_fault() -> None:
+    kill = cluster_fault.Kill(rank=2, at_fraction=0.51, after_s=3.0, from_store_before=200)
+    figures = cluster_fault.judge(1000, 10.0, 1040, kill=kill, survivors=[_rank(0, 12.0),
+                                  _rank(1, 12.5)], wire_from_store=1250, survivor_exits=[0, 0])
+    assert figures["nodes"] == 3 and figures["survivors_publish_s"] == 12.5
+    assert figures["survivors_publish_over_no_fault"] == 1.25
+    assert figures["store_bytes_over_model"] == 1.25
+    assert figures["no_fault_store_bytes_over_model"] == 1.04
+    assert figures["store_payload_over_model"] == 0.4  # 100 + 100 + 200 of 1000
+    assert figures["goal"] == {"survivors_publish_over_no_fault_max": 1.3,
+                               "store_bytes_over_model_max": 1.2, "publish_met": True,
+                               "store_met": False}
+
+
+def test_fault_kill_arguments_are_checked() -> None:
+    with pytest.raises(cluster.ClusterBenchError) as info:
+        cluster_fault.measure(_args(kill_at=0.5, kill_rank=3), [3], netns.LinkConfig(
+            store_mbit=50, peer_mbit=500))
+    assert str(info.value) == "--kill-at 0.5 / --kill-rank 3 invalid"
+
+
+_MINISTACK = Path(__file__).resolve().parents[2] / ".venv-ministack" / "bin" / "ministack"
+
+
+@needs_netns
+@pytest.mark.skipif(not _MINISTACK.exists(), reason="ministack not installed "
+                    "(make .venv-ministack/.installed)")
+def test_a_group_that_loses_a_member_mid_fill_publishes_on_the_survivors(tmp_path: Path) -> None:
+    args = _args(nodes="3", kill_at=0.5, kill_rank=2, head_dim=128, store_mbit=20.0,
+                 peer_ratios="10", chunk_bytes=1 << 20, peer_timeout=2.0,
+                 ministack=str(_MINISTACK), out=tmp_path, json=False)
+    assert cluster.run(args) == 0
+    report = json.loads((tmp_path / "cluster_fault.json").read_text())
+    (figures,) = report["by_peer_ratio"]["10"]["results"]
+    assert figures["kill"]["rank"] == 2 and figures["kill"]["at_fraction"] >= 0.5
+    assert [rank["rank"] for rank in figures["survivors"]] == [0, 1]
+    assert figures["store_bytes_over_model"] >= 1.0  # every byte came from the store once
+    assert set(figures["goal"]) >= {"publish_met", "store_met"}
