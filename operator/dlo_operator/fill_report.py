@@ -8,8 +8,8 @@ hold its entry, the bytes each of them served (`bytesByPeer`). `fill_events(row)
 Events of one such row: `FilledWithoutMember` (Warning: its group lost members mid-fill and
 finished without them; their nodes fill later, from the nodes that hold the entry) and
 `RefilledFromPeers` (Normal). Pure; the handlers post the Events of a sidecar loader once, when
-they keep its summary (`summary_events`, `progress.published_without_summary`), and
-`prefill_stage` those of the prefill loaders when the prefill succeeds.
+they keep its summary (`summary_events`, `progress.published_without_summary`). A prefill
+loader's row carries the figures alone: a prefill Job whose pod failed fails as a whole.
 """
 
 from __future__ import annotations

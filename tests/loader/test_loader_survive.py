@@ -37,6 +37,8 @@ def test_the_survivors_of_a_lost_member_publish_the_entry_without_it(
     for outcome in outcomes:
         assert outcome.returncode == 0, outcome.stderr
         assert outcome.summary["status"] == "ok" and outcome.summary["without"] == [2]
+        assert outcome.summary["lost"] == [
+            {"rank": 2, "pod": fleet.pod(2), "node": fleet.node(2)}]
         assert entry_files(fleet.root(outcome.rank)) == included(checkpoint.files)
         assert entry_files(fleet.root(outcome.rank)) == entry_files(alone.root(0))
         assert "going on without loader rank 2" in outcome.stderr
