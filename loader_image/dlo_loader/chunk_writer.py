@@ -34,7 +34,7 @@ class ChunkWriter:
         self.written: dict[int, str] = {}
         """The chunks on disk, written whole, and their digests, by chunk index."""
         self.error: BaseException | None = None
-        self._sink, self._progress = sink, progress
+        self.sink, self._progress = sink, progress
         self._algorithms = plan.algorithms
         self._queue: queue.Queue[WriteTask | None] = queue.Queue()
         self._closed = False
@@ -70,9 +70,9 @@ class ChunkWriter:
                         digest = chunk_digest(view, self._algorithms[chunk.file])
                         self._progress.timed("digest", time.monotonic() - began)
                     self.digests[chunk.index] = digest
-                    if self._sink is not None:
+                    if self.sink is not None:
                         began = time.monotonic()
-                        self._sink.write(chunk, view)
+                        self.sink.write(chunk, view)
                         self._progress.timed("write", time.monotonic() - began)
                         self.written[chunk.index] = digest
                     self._progress.add(written=chunk.length)

@@ -156,8 +156,11 @@ class Exchange:
 
     def held(self) -> dict[int, str]:
         """Once `run` ended (a member was lost): the chunks this rank wrote whole, with their
-        digests, after the writes queued before the end are done (what `replan` keeps)."""
+        digests, after the writes queued before the end are done (what `replan` keeps); a rank
+        that serves its entry (no sink) writes nothing: every digest it learned."""
         self._writer.drain()
+        if self._writer.sink is None:
+            return {i: d for i, d in enumerate(self._writer.digests) if d is not None}
         return dict(self._writer.written)
 
     def run(self, group: Group | None = None) -> list[str]:

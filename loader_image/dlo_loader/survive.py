@@ -51,19 +51,20 @@ class Survived:
 
 
 def go_on(*, plan: Plan, group: Group, loss: Loss, first: Exchange, tmp_dir: Path,
-          store_read: Reader,
-          exchange_of: Callable[[Plan, int, Reader], Exchange]) -> Survived:
+          store_read: Reader, exchange_of: Callable[[Plan, int, Reader], Exchange],
+          whole: bool = False) -> Survived:
     """Finish the fill of `plan` in a group of the survivors of `group` (see the module
-    docstring); `first`: the exchange the loss cut short; `store_read`: reads from the store;
+    docstring); `first`: the exchange the loss cut short; `tmp_dir`: where this rank's chunks
+    lie (`whole`: its node's entry, which holds every chunk); `store_read`: reads from the store;
     `exchange_of(plan, rank, read)` starts an exchange. Raises the loss's error where the
     survivors cannot go on (rank 0 lost, this member dropped, a second loss)."""
     fetched = first.abandon()  # its reads stop; the chunks it read and never sent are kept
     index = {span_of(c): c.index for c in plan.chunks}
-    in_memory = {index[span]: found for span, (_, found) in fetched.items()}
+    in_memory = {} if whole else {index[span]: found for span, (_, found) in fetched.items()}
     held = first.held() | in_memory
     survivors = survivors_of(group, loss)
     try:
-        return _finish(plan, survivors, group, loss, (held, list(in_memory)),
+        return _finish(plan, survivors, group, loss, (held, list(in_memory), whole),
                        _reader_of(tmp_dir, store_read, fetched), exchange_of)
     except BaseException as exc:  # the other survivors name this one and why it left
         survivors.close(exc)
@@ -71,14 +72,15 @@ def go_on(*, plan: Plan, group: Group, loss: Loss, first: Exchange, tmp_dir: Pat
 
 
 def _finish(plan: Plan, survivors: Group, group: Group, loss: Loss,
-            holding: tuple[dict[int, str], list[int]], reader_of: Callable[[Replan, int], Reader],
+            holding: tuple[dict[int, str], list[int], bool],
+            reader_of: Callable[[Replan, int], Reader],
             exchange_of: Callable[[Plan, int, Reader], Exchange]) -> Survived:
     """The survivors' re-plan and exchange (see `go_on`)."""
     held = holding[0]
     gathered = survivors.all_gather_object(holding)
     try:
-        again = replan(plan, survivors.ranks, [h for h, _ in gathered],
-                       [m for _, m in gathered])
+        again = replan(plan, survivors.ranks, [h for h, _, _ in gathered],
+                       [m for _, m, _ in gathered], [w for _, _, w in gathered])
     except ValueError as exc:
         raise GroupError(f"the survivors cannot go on without {loss.member}: {exc}",
                          hint="rerun every loader of the group") from exc
@@ -96,7 +98,7 @@ def _finish(plan: Plan, survivors: Group, group: Group, loss: Loss,
         finally:
             exchange.abandon()
     try:
-        merged = again.merged(held, digests)
+        merged = again.merged(held, digests, whole=holding[2])
     except ValueError as exc:
         raise GroupError(f"the survivors' exchange without {loss.member} is incomplete: {exc}",
                          hint="rerun every loader of the group") from exc

@@ -124,11 +124,11 @@ class Transfer:
                     agree(group, plan.fingerprint)
                 return exchange.run(group)
             except MemberLost:
-                loss = group.watch.lost() if group is not None and pub.tmp_dir else None
+                loss = group.watch.lost() if group is not None else None
                 if loss is None:
                     raise
-            assert group is not None and pub.tmp_dir is not None
-            self.survived = self._go_on(plan, group, loss, exchange, pub.tmp_dir)
+            assert group is not None
+            self.survived = self._go_on(plan, group, loss, exchange, pub)
             return self.survived.digests
         finally:
             if exchange is not None:
@@ -136,8 +136,9 @@ class Transfer:
             self.progress.stop()
 
     def _go_on(self, plan: Plan, group: Group, loss: Loss, first: Exchange,
-               tmp_dir: Path) -> Survived:
-        """The exchange cut short by `loss`, finished by the survivors (`survive`)."""
+               pub: Publication) -> Survived:
+        """The exchange cut short by `loss`, finished by the survivors (`survive`): this rank's
+        chunks lie in its tmp dir, or in its node's entry where it holds one."""
         from dlo_loader.exchange import Exchange
         from dlo_loader.survive import go_on
 
@@ -148,8 +149,11 @@ class Transfer:
                             progress=self.progress, config=self.config,
                             deadline=self.deadline, stop=self.stop, names=self.names)
 
-        return go_on(plan=plan, group=group, loss=loss, first=first, tmp_dir=tmp_dir,
-                     store_read=self._reader(plan), exchange_of=exchange_of)
+        directory = pub.existing or pub.tmp_dir
+        assert directory is not None
+        return go_on(plan=plan, group=group, loss=loss, first=first, tmp_dir=directory,
+                     store_read=self._reader(plan), exchange_of=exchange_of,
+                     whole=pub.existing is not None)
 
     def _check(self, directory: Path | None, plan: Plan, digests: list[str],
                published: Future[dict[str, digests_of.StoreChecksum]],

@@ -114,6 +114,27 @@ class Outcome:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Hold:
+    """Where a loader of a group stops for good, its heartbeat still beating, so the others wait
+    for it there until the test kills it: its `number`-th call of `transport.Group.<method>`
+    (`support/hold/sitecustomize.py`), after it created `marker` (`wait` returns then)."""
+
+    method: str
+    number: int
+    marker: Path
+
+    def env(self, base: dict[str, str]) -> dict[str, str]:
+        return {"DLO_TEST_HOLD": f"{self.method}:{self.number}:{self.marker}",
+                "PYTHONPATH": os.pathsep.join((str(HOLD_HOOK), base["PYTHONPATH"]))}
+
+    def wait(self, timeout_s: float = 60.0) -> None:
+        wait_until(self.marker.exists, timeout_s)
+
+
+HOLD_HOOK = Path(__file__).resolve().parent / "hold"
+
+
 @dataclass
 class Fleet:
     """`world` loaders sharing one source; rank r talks to S3 through `endpoints[r]`."""
@@ -145,9 +166,12 @@ class Fleet:
             "--summary-file", str(self.tmp / f"node{rank}" / "termination-log"), *extra,
         ]
 
-    def start(self, rank: int, *extra: str) -> subprocess.Popen[str]:
+    def start(self, rank: int, *extra: str, hold: Hold | None = None) -> subprocess.Popen[str]:
+        """Start rank `rank`'s loader; `hold`: where it stops for good (see `Hold`)."""
         (self.tmp / f"node{rank}").mkdir(parents=True, exist_ok=True)
         env = checkout_env(DLO_POD_NAME=self.pod(rank), DLO_NODE_NAME=self.node(rank))
+        if hold is not None:
+            env |= hold.env(env)
         return subprocess.Popen(self.command(rank, *extra), env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
