@@ -9,7 +9,8 @@ not run collectives itself, read the object store or write the cache.
 [Note: heartbeat] gloo tells a survivor that a peer died (its sockets close) but not which one,
 and a stopped peer (SIGSTOP, a frozen node) keeps its sockets open, so a collective would wait
 for it until gloo's timeout. So every member's watch thread, on its own connection to the
-group's store (rank 0 hosts it), adds one to its own beat counter about once a second and reads
+group's store (rank 0 hosts it; in a group of survivors, rank 0 is the lowest rank left:
+see `regroup`), adds one to its own beat counter about once a second and reads
 the others'. A member whose counter has not moved for `peer_timeout_s` is lost; so is rank 0
 when the store has not answered for that long (with its host stopped a call to it hangs; with
 its host dead it fails at once). A member that ends posts that it left, and why: a loader that

@@ -8,19 +8,21 @@ the survivors still have to move is `replan`'s).
 
 [Note: regrouping] gloo's process groups cannot shrink, and the default group cannot be torn
 down while a collective cut short by the loss still waits in it (a stopped member's peers wait
-for it until the fill's deadline). So the survivors form a new group beside it over the same
-store (`dist.new_group` of their ranks with local synchronization: only they take part), each
-generation's heartbeat under a prefix of its own. Who is left is decided once, on the store:
-the first survivor to ask writes the lost member's rank under the generation's key (a
-compare-and-set), and every survivor takes the rank the store holds, so all form the same group
-whatever each one's own watch concluded. A survivor that does not arrive is found by the new
-generation's heartbeat within `loader.peer_timeout_s`, and everyone fails naming it (one loss
-is survived per generation; a second one in the regrouping fails the fill). The member that was
-dropped and comes back (SIGCONT after SIGSTOP) reads the verdict that names it in the old
-generation, which the survivors' old watches keep up, and fails saying it was dropped; its
-late sends in the old group land in buffers nobody reads again. Rank 0 hosts the store: when it
-is the one lost, there is no store to regroup over, and the survivors fail naming it, as
-before.
+for it until the fill's deadline). So the survivors form a new group beside it: a gloo process
+group made directly over the store of the lowest rank left (see [Note: a store for every
+generation] in `group_stores`: rank 0's while it lives, else the one the next rank opened as
+it joined), not `dist.new_group`, which needs the default group's store, gone with rank 0;
+each generation's heartbeat and process group keep their keys under a prefix of their own.
+Who is left is decided once, on that store: the first survivor to ask writes the lost member's
+rank under the generation's key (a compare-and-set), and every survivor takes the rank the
+store holds, so all form the same group whatever each one's own watch concluded. A survivor
+that does not arrive is found by the new generation's heartbeat within
+`loader.peer_timeout_s`, and everyone fails naming it; a second loss, in the survivors'
+group, fails the fill.
+The member that was dropped and comes back (SIGCONT after SIGSTOP) reads the verdict that
+names it in the old generation, which the survivors' old watches keep up (a stopped rank 0
+gets it in its own store once it runs again), and fails saying it was dropped; its late sends
+in the old group land in buffers nobody reads again.
 """
 
 from __future__ import annotations
@@ -46,43 +48,58 @@ _PREFIX = "dlo/gen/{generation}/"
 
 def survivors_of(group: Group, loss: Loss) -> Group:
     """The group of the members of `group` other than the one `loss` names, formed by each of
-    them (see [Note: regrouping]); raises the loss's error where that member is rank 0 (the
-    store's host) or this one, and a `GroupError` naming a survivor that does not arrive."""
+    them at the store of the lowest rank left (see [Note: regrouping]); raises the loss's
+    error where this member is the one dropped or no member is left but this one's, and a
+    `GroupError` naming a survivor that does not arrive."""
     watch = group.watch
-    if loss.member.rank == 0:
-        raise watch.error(loss)
     generation = group.generation + 1
-    dropped = _agreed_loss(group, loss, generation)
+    host = min(r for r in group.ranks if r != loss.member.rank)
+    store = _meeting(group, loss, host)
+    dropped = _agreed_loss(store, group, loss, generation)
     me = watch.member(group.rank)
     if dropped == me.rank:
         raise watch.error(Loss(me, loss.how))
     ranks = tuple(r for r in group.ranks if r != dropped)
+    if min(ranks) != host:
+        raise GroupError(f"the survivors of the loader group disagree on who is lost: this "
+                         f"loader found {loss.member}, another loader rank {dropped}",
+                         hint="see the survivors' loader logs, then rerun every loader")
     members = [watch.member(group.ranks.index(r)) for r in ranks]
     rank = ranks.index(me.rank)
-    log.warning("the group continues without %s: %d member(s) left (generation %d)",
-                watch.member(group.ranks.index(dropped)), len(ranks), generation)
+    log.warning("the group continues without %s: %d member(s) left (generation %d), meeting "
+                "at the store of loader rank %d", watch.member(group.ranks.index(dropped)),
+                len(ranks), generation, host)
     prefix = _PREFIX.format(generation=generation)
+    stores = group.stores
     new_watch = PeerWatch(rank=rank, members=members, timeout_s=watch.timeout_s,
                           names=watch.names,
-                          connect=lambda: dist.PrefixStore(prefix, watch.connect()))
+                          connect=lambda: dist.PrefixStore(prefix, stores.connect(host)))
+    timeout = datetime.timedelta(seconds=group.collective_timeout_s)
     try:
-        pg = new_watch.call(dist.new_group, list(ranks), use_local_synchronization=True,
-                            timeout=datetime.timedelta(seconds=group.collective_timeout_s))
+        pg = new_watch.call(dist.ProcessGroupGloo, dist.PrefixStore(prefix + "pg/", store), rank,
+                            len(ranks), timeout)
     except (RuntimeError, dist.DistError) as exc:
         raise GroupError(f"the survivors of the loader group did not form a group again: "
                          f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}",
                          hint="see the survivors' loader logs, then rerun every loader") from exc
-    return Group(rank=rank, world_size=len(ranks), backend=group.backend, store=group.store,
+    return Group(rank=rank, world_size=len(ranks), backend="gloo", store=store, stores=stores,
                  watch=new_watch, pg=pg, generation=generation, ranks=ranks,
                  collective_timeout_s=group.collective_timeout_s,
                  retired=(*group.retired, watch))
 
 
-def _agreed_loss(group: Group, loss: Loss, generation: int) -> int:
+def _meeting(group: Group, loss: Loss, host: int) -> Any:
+    """A connection of this call's own to the store the survivors meet at, the one member
+    `host` hosts (the watch's worker may be stuck in the collective the loss cut short)."""
+    try:
+        return group.stores.connect(host)
+    except (RuntimeError, dist.DistError, OSError) as exc:
+        raise group.watch.error(loss) from exc
+
+
+def _agreed_loss(store: Any, group: Group, loss: Loss, generation: int) -> int:
     """The rank every survivor drops: the first one posted for `generation` (compare-and-set
-    on the store, through a connection of this call's own: the watch's worker may be stuck in
-    the collective the loss cut short)."""
-    store: Any = group.watch.connect()
+    on the store the survivors meet at)."""
     key = _LOST_KEY.format(generation=generation)
     proposed = json.dumps({"rank": loss.member.rank})
     try:

@@ -13,8 +13,12 @@ pod and node (`peers.Member`) and from then on runs each store call and collecti
 `peers.PeerWatch`, so a member that dies or goes silent fails the others within
 `loader.peer_timeout_s`, naming it (see [Note: heartbeat] in `peers`); gloo's own timeout is only
 the fill's deadline. Backend `gloo` works on CPU buffers; `nccl` stages each chunk through the
-current CUDA device. Called by `fill` and `exchange`. Must not read the object store or write
-the cache.
+current CUDA device. As it joins, every member other than rank 0 opens a store of its own and
+posts its address, where survivors meet once rank 0 is lost (`group_stores`); a group of
+survivors runs the same collectives on a gloo process group made over such a store
+(`regroup`). A member lost while the process group forms leaves the others a group without
+one, whose first collective raises the loss (`survive` goes on from there). Called by `fill`
+and `exchange`. Must not read the object store or write the cache.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dlo_loader.errors import GroupError, RendezvousTimeout
+from dlo_loader.errors import GroupError, MemberLost, RendezvousTimeout
+from dlo_loader.group_stores import ADDRESS_KEY, Stores, open_store
 from dlo_loader.peers import MEMBER_KEY, Member, PeerWatch, interruptible
 from dlo_contract.field_names import Names, document_names
 
@@ -56,18 +62,20 @@ class Group:
     """An initialized process group of `world_size` loaders; `close()` tears it down."""
 
     def __init__(self, *, rank: int, world_size: int, backend: str, store: Any,
-                 watch: PeerWatch, pg: Any = None, generation: int = 0,
+                 watch: PeerWatch, stores: Stores, pg: Any = None, generation: int = 0,
                  ranks: tuple[int, ...] | None = None, collective_timeout_s: float = 0.0,
                  retired: tuple[PeerWatch, ...] = ()) -> None:
         self.rank = rank
         """This member's rank in this group (its index among `members`)."""
         self.world_size = world_size
         self.backend = backend
-        self._store = store  # rank 0 hosts the store: keep it alive as long as the group
+        self._store = store  # the connection the group formed over: kept as long as the group
+        self.stores = stores
+        """Every member's store (the one this member hosts kept open: see `group_stores`)."""
         self._watch = watch
         self.pg = pg
         """The process group the collectives run on: None for the first (the default group),
-        else the survivors' (`regroup`)."""
+        else the survivors' gloo process group, made directly over their store (`regroup`)."""
         self.generation = generation
         """0 for the group every member formed, one more for each group of survivors."""
         self.ranks = ranks if ranks is not None else tuple(range(world_size))
@@ -86,7 +94,10 @@ class Group:
         flags = torch.zeros(2 * self.world_size, dtype=torch.int64, device=self.device)
         flags[self.rank] = int(failed)
         flags[self.world_size + self.rank] = int(ready)
-        self._call("a status exchange", dist.all_reduce, flags, group=self.pg)
+        if self.pg is None:
+            self._call("a status exchange", dist.all_reduce, flags)
+        else:
+            self._call("a status exchange", lambda: self.pg.allreduce([flags]).wait())
         values = flags.tolist()
         failed_ranks = tuple(r for r in range(self.world_size) if values[r])
         all_ready = sum(values[self.world_size:]) == self.world_size
@@ -101,12 +112,10 @@ class Group:
         outgoing = torch.frombuffer(send, dtype=torch.uint8)
         incoming = torch.frombuffer(receive, dtype=torch.uint8)
         if self.device.type == "cpu":
-            work = self._call(what, dist.all_gather_single, incoming, outgoing,
-                              group=self.pg, async_op=True)
+            work = self._call(what, self._all_gather, incoming, outgoing)
             return lambda: self._call(what, work.wait)
         staged = torch.empty_like(incoming, device=self.device)
-        work = self._call(what, dist.all_gather_single, staged, outgoing.to(self.device),
-                          group=self.pg, async_op=True)
+        work = self._call(what, self._all_gather, staged, outgoing.to(self.device))
 
         def wait() -> None:
             self._call(what, work.wait)
@@ -116,8 +125,28 @@ class Group:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
-        self._call("an all-gather", dist.all_gather_object, gathered, obj, group=self.pg)
-        return gathered
+        if self.pg is None:
+            self._call("an all-gather", dist.all_gather_object, gathered, obj)
+            return gathered
+        # A process group made directly is in none of torch's maps, which its object
+        # collectives look it up in: the pickles go as one all-gather of their lengths and one
+        # of the bytes, each padded to the longest.
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        lengths = torch.zeros(self.world_size, dtype=torch.int64)
+        self._call("an all-gather", lambda: self._all_gather(
+            lengths, torch.tensor([len(data)], dtype=torch.int64)).wait())
+        width = int(lengths.max())
+        padded = torch.zeros(self.world_size * width, dtype=torch.uint8)
+        self._call("an all-gather", lambda: self._all_gather(
+            padded, torch.cat([data, torch.zeros(width - len(data), dtype=torch.uint8)])).wait())
+        return [pickle.loads(padded[r * width:r * width + int(n)].numpy().tobytes())
+                for r, n in enumerate(lengths.tolist())]
+
+    def _all_gather(self, incoming: torch.Tensor, outgoing: torch.Tensor) -> Any:
+        """Start gathering every rank's `outgoing` into `incoming`; the work to wait for."""
+        if self.pg is None:
+            return dist.all_gather_single(incoming, outgoing, async_op=True)
+        return self.pg._allgather_base(incoming, outgoing)  # noqa: SLF001 (gloo's own)
 
     def member(self, rank: int) -> Member:
         """Rank `rank` as a person finds it (its pod and node)."""
@@ -143,6 +172,7 @@ class Group:
         if dist.is_initialized() and self._watch.idle and not self.retired:
             dist.destroy_process_group()
         self._store = None
+        self.stores.close()
 
     def _call(self, what: str, function: Any, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -191,10 +221,12 @@ class Rendezvous:
     `form` the process group. Rank 0 hosts the store: it must outlive every member's use."""
 
     def __init__(self, store: Any, *, rank: int, world_size: int, where: str,
-                 watch: PeerWatch) -> None:
+                 watch: PeerWatch, stores: Stores) -> None:
         self.rank, self.world_size, self.where = rank, world_size, where
         self._store = store
         self._watch = watch
+        self.stores = stores
+        """Every member's store, for the survivors of a lost one (`regroup`)."""
 
     def member(self, rank: int) -> Member:
         """Rank `rank` as a person finds it (its pod and node)."""
@@ -225,27 +257,36 @@ class Rendezvous:
                 hint="see the log of those loaders; a loader that died stops the group") from exc
 
     def form(self, *, backend: str, collective_timeout_s: float) -> Group:
-        """The process group of every member (each one calls it)."""
+        """The process group of every member (each one calls it). Where a member is lost
+        while it forms, the group returned has none: its first collective raises that loss,
+        which the fill survives like one in the exchange (`survive`)."""
+        group = Group(rank=self.rank, world_size=self.world_size, backend=backend,
+                      store=self._store, watch=self._watch, stores=self.stores,
+                      collective_timeout_s=collective_timeout_s)
         try:
             self._watch.call(
                 dist.init_process_group, backend, store=self._store, rank=self.rank,
                 world_size=self.world_size,
                 timeout=datetime.timedelta(seconds=collective_timeout_s))
             self._watch.call(self._store.add, FORMED_KEY, 1)
+        except MemberLost:
+            log.warning("the loader group at %s lost a member while it formed", self.where)
+            return group
         except (RuntimeError, dist.DistError, OSError) as exc:
             log.info("forming the group failed: %s", _first_line(exc))
             loss = self._watch.wait_lost()
             if loss is not None:
-                raise self._watch.error(loss) from exc
+                error = self._watch.error(loss)
+                if isinstance(error, MemberLost):
+                    return group
+                raise error from exc
             raise GroupError(
                 f"the loader group at {self.where} did not form: {_first_line(exc)}",
                 hint="another loader died or cannot be reached; see its log, then rerun every "
                      "loader") from exc
         log.info("formed the loader group of %d at %s (%s)", self.world_size, self.where,
                  backend)
-        return Group(rank=self.rank, world_size=self.world_size, backend=backend,
-                     store=self._store, watch=self._watch,
-                     collective_timeout_s=collective_timeout_s)
+        return group
 
     def leave(self, exc_type: type[BaseException] | None = None,
               exc: BaseException | None = None, traceback: object = None) -> None:
@@ -272,12 +313,16 @@ def join(
     deadline = time.monotonic() + timeout_s
     where = f"{master_addr}:{master_port}"
     store = listening
+    own = None
     try:
         # Blocking calls into torch's store run where SIGTERM can still end the wait.
         store = listening if listening is not None else interruptible(lambda: _store(
             master_addr, master_port, world_size, is_master=rank == 0, timeout_s=timeout_s))
         store.set(f"{_NODE_KEY}/{rank}", node_key)  # before it counts as joined
         store.set(f"{MEMBER_KEY}/{rank}", (member or Member(rank)).to_json())
+        if rank != 0:  # a store for the survivors of rank 0 (see `group_stores`)
+            own, address = open_store(master_addr, master_port, world_size, peer_timeout_s)
+            store.set(f"{ADDRESS_KEY}/{rank}", address)
         if store.add(_JOINED_KEY, 1) == world_size:
             store.set(_ALL_JOINED_KEY, "1")
         # Every rank waits here until all have joined, so a late loader is found out at once.
@@ -286,6 +331,8 @@ def join(
                                          datetime.timedelta(seconds=remaining)))
         members = [Member.from_json(r, value.decode()) for r, value in enumerate(
             store.multi_get([f"{MEMBER_KEY}/{r}" for r in range(world_size)]))]
+        addresses = (where, *(value.decode() for value in store.multi_get(
+            [f"{ADDRESS_KEY}/{r}" for r in range(1, world_size)])))
     except (RuntimeError, dist.DistError, OSError) as exc:
         if store is not None and leaving is not None:
             with contextlib.suppress(RuntimeError, dist.DistError, OSError):
@@ -300,7 +347,10 @@ def join(
     watch = PeerWatch(rank=rank, members=members, timeout_s=peer_timeout_s, names=names,
                       connect=lambda: _store(master_addr, master_port, world_size,
                                              is_master=False, timeout_s=peer_timeout_s))
-    return Rendezvous(store, rank=rank, world_size=world_size, where=where, watch=watch)
+    stores = Stores(addresses=addresses, own=store if rank == 0 else own,
+                    world_size=world_size, timeout_s=peer_timeout_s)
+    return Rendezvous(store, rank=rank, world_size=world_size, where=where, watch=watch,
+                      stores=stores)
 
 
 def _first_line(exc: BaseException) -> str:

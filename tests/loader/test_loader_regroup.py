@@ -64,51 +64,53 @@ def release(process: subprocess.Popen[str]) -> int:
     return process.wait(timeout=HANG_GUARD_S)
 
 
-def survivors_agree(results: list[dict[str, Any]], lost: str) -> None:
-    for rank, result in enumerate(results):
-        assert result == {"lost": lost, "ranks": [0, 1], "rank": rank, "generation": 1,
-                          "gathered": [{"rank": 0}, {"rank": 1}], "all_ready": True,
-                          "chunks": [1] * 8 + [2] * 8}
+def survivors_agree(processes: dict[int, subprocess.Popen[str]], victim: int) -> None:
+    """The members other than `victim` formed a group of two without it and ran every kind of
+    collective in it."""
+    left = [rank for rank in processes if rank != victim]
+    for new_rank, rank in enumerate(left):
+        assert line_of(processes[rank]) == {
+            "lost": f"loader rank {victim} (pod pod-{victim}, node node-{victim})",
+            "ranks": left, "rank": new_rank, "generation": 1,
+            "gathered": [{"rank": r} for r in left], "all_ready": True,
+            "chunks": [left[0] + 1] * 8 + [left[1] + 1] * 8}
+
+
+def comes_back_dropped(process: subprocess.Popen[str], victim: int, found: str) -> None:
+    """The stopped `victim` runs again, and fails saying the others dropped it for `found`."""
+    assert process.stdin is not None
+    process.stdin.write("go\n")
+    process.stdin.flush()
+    os.kill(process.pid, signal.SIGCONT)
+    error = line_of(process)["error"]
+    assert error.startswith(f"this loader (loader rank {victim} (pod pod-{victim}, node "
+                            f"node-{victim})) was dropped from its group: the others found "
+                            f"that it {found}"), error
+    assert process.wait(timeout=HANG_GUARD_S) == 1
 
 
 def test_the_survivors_of_a_killed_member_form_a_group_and_finish_in_it() -> None:
     with members(victim=2) as processes:
         os.kill(processes[2].pid, signal.SIGKILL)
-        survivors_agree([line_of(processes[rank]) for rank in (0, 1)],
-                        "loader rank 2 (pod pod-2, node node-2)")
+        survivors_agree(processes, 2)
         assert [release(processes[rank]) for rank in (1, 0)] == [0, 0]
 
 
 def test_a_stopped_member_is_dropped_and_fails_saying_so_when_it_comes_back() -> None:
     with members(victim=1) as processes:
         os.kill(processes[1].pid, signal.SIGSTOP)
-        results = [line_of(processes[rank]) for rank in (0, 2)]
-        for new_rank, result in enumerate(results):
-            assert result == {"lost": "loader rank 1 (pod pod-1, node node-1)", "ranks": [0, 2],
-                              "rank": new_rank, "generation": 1,
-                              "gathered": [{"rank": 0}, {"rank": 2}], "all_ready": True,
-                              "chunks": [1] * 8 + [3] * 8}
-        assert processes[1].stdin is not None
-        processes[1].stdin.write("go\n")
-        processes[1].stdin.flush()
-        os.kill(processes[1].pid, signal.SIGCONT)
-        error = line_of(processes[1])["error"]
-        assert error.startswith("this loader (loader rank 1 (pod pod-1, node node-1)) was "
-                                "dropped from its group: the others found that it sent no "
-                                "heartbeat for 2 s"), error
-        assert processes[1].wait(timeout=HANG_GUARD_S) == 1
+        survivors_agree(processes, 1)
+        comes_back_dropped(processes[1], 1, "sent no heartbeat for 2 s")
         assert [release(processes[rank]) for rank in (2, 0)] == [0, 0]
 
 
-
-
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
-def test_the_store_host_lost_still_fails_every_survivor_naming_it(signum: int) -> None:
-    """Rank 0 hosts the store the survivors would regroup over: they fail, naming it."""
+def test_the_survivors_of_the_store_host_meet_at_the_next_ranks_store(signum: int) -> None:
+    """Rank 0 hosts the store every member joined: the others form their group at rank 1's
+    (`group_stores`); a stopped rank 0 that comes back finds it was dropped."""
     with members(victim=0) as processes:
         os.kill(processes[0].pid, signum)
-        for rank in (1, 2):
-            error = line_of(processes[rank])["error"]
-            assert error.startswith("loader rank 0 (pod pod-0, node node-0) "), error
-            assert error.endswith("; this loader stops too and publishes nothing"), error
-            assert processes[rank].wait(timeout=HANG_GUARD_S) == 1
+        survivors_agree(processes, 0)
+        if signum == signal.SIGSTOP:
+            comes_back_dropped(processes[0], 0, "stopped answering")
+        assert [release(processes[rank]) for rank in (2, 1)] == [0, 0]

@@ -5,8 +5,8 @@ victim then waits for a line on stdin (the test stops or kills it meanwhile) and
 runs collectives of the old group until one fails, printing the error. The others start a
 collective the victim never joins; when the heartbeat finds it lost they form the survivors'
 group (`regroup`), run each kind of collective in it, print what they got, and wait for a line
-on stdin before they leave (so a returning victim finds the store up); where they cannot
-regroup (the victim hosted the store), they print the error.
+on stdin before they leave (so a returning victim finds the stores up); where they cannot
+regroup, they print the error.
 Usage: regroup_member RANK PORT VICTIM PEER_TIMEOUT_S
 """
 
