@@ -6,7 +6,7 @@ store and from peers, the members of its group the fill finished without (`fille
 what it read again for them (`bytesReadAgain`), and, for a node refilled from the nodes that
 hold its entry, the bytes each of them served (`bytesByPeer`). `fill_events(row)` words the
 Events of one such row: `FilledWithoutMember` (Warning: its group lost members mid-fill and
-finished without them; their nodes fill later, from the nodes that hold the entry) and
+finished without them; their nodes fill later, when their loaders run again) and
 `RefilledFromPeers` (Normal). Pure; the handlers post the Events of a sidecar loader once, when
 they keep its summary (`summary_events`, `progress.published_without_summary`). A prefill
 loader's row carries the figures alone: a prefill Job whose pod failed fails as a whole.
@@ -76,15 +76,18 @@ def _without_report(row: Mapping[str, Any]) -> Report:
         f"{', '.join(_member(m) for m in lost)}, lost mid-fill: it read "
         f"{human_bytes(row.get('bytesReadAgain') or 0)} again from the store for {them} "
         f"({human_bytes(row.get('bytesFromStore') or 0)} from the store in all); "
-        f"{_later(lost)} later, from the nodes that hold the entry"))
+        f"{_later(lost)}"))
 
 
 def _later(lost: list[Mapping[str, Any]]) -> str:
-    """Whose node fills later: the lost members' nodes, by name where the group knew them."""
+    """Whose node fills later: the lost members' nodes, by name where the group knew them
+    (from the nodes that hold the entry where they serve it, else from the store)."""
     nodes = [m["node"] for m in lost if m.get("node")]
-    if len(lost) == 1:
-        return f"node {nodes[0]} fills" if nodes else "its node fills"
-    return f"nodes {', '.join(nodes)} fill" if nodes else "their nodes fill"
+    one = len(lost) == 1
+    whose = (f"node{'' if len(nodes) == 1 else 's'} {', '.join(nodes)}" if nodes
+             else "its node" if one else "their nodes")
+    return (f"{whose} fills later, when its loader runs again" if one
+            else f"{whose} fill later, when their loaders run again")
 
 
 def _refill_report(row: Mapping[str, Any]) -> Report:

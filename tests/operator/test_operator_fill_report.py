@@ -59,7 +59,7 @@ def test_a_survivor_gets_a_warning_naming_the_lost_member_and_its_node_that_fill
     assert report.message == (
         "pod flux-0 (node gpu-0) finished its group's fill without loader rank 2 (pod flux-2, "
         "node gpu-2), lost mid-fill: it read 8.0 MiB again from the store for it (40.0 MiB "
-        "from the store in all); node gpu-2 fills later, from the nodes that hold the entry")
+        "from the store in all); node gpu-2 fills later, when its loader runs again")
 
 
 def test_members_lost_whose_nodes_are_unknown_are_named_by_rank() -> None:
@@ -68,7 +68,16 @@ def test_members_lost_whose_nodes_are_unknown_are_named_by_rank() -> None:
     assert report.message == (
         "pod flux-0 (node gpu-0) finished its group's fill without loader rank 2, loader rank "
         "3, lost mid-fill: it read 8.0 MiB again from the store for them (40.0 MiB from the "
-        "store in all); their nodes fill later, from the nodes that hold the entry")
+        "store in all); their nodes fill later, when their loaders run again")
+
+
+def test_members_lost_on_named_nodes_name_each_node() -> None:
+    two = SURVIVOR | {"without": [2, 3], "lost": [
+        {"rank": 2, "pod": "flux-2", "node": "gpu-2"},
+        {"rank": 3, "pod": "flux-3", "node": "gpu-3"}]}
+    [report] = fill_events(row(two))
+    assert report.message.endswith(
+        "nodes gpu-2, gpu-3 fill later, when their loaders run again")
 
 
 def test_a_refill_gets_a_normal_event_with_the_bytes_from_each_peer() -> None:

@@ -74,7 +74,7 @@ async def test_survivors_report_the_member_they_lost_and_its_node_refills_from_t
     assert warnings[0] == ("Warning", (
         "pod flux-0 (node gpu-0) finished its group's fill without loader rank 2 (pod flux-2, "
         "node gpu-2), lost mid-fill: it read 8.0 MiB again from the store for it (40.0 MiB "
-        "from the store in all); node gpu-2 fills later, from the nodes that hold the entry"))
+        "from the store in all); node gpu-2 fills later, when its loader runs again"))
     assert warnings[1][1].startswith("pod flux-1 (node gpu-1) finished its group's fill "
                                      "without loader rank 2 (pod flux-2, node gpu-2)")
     assert events(cluster, REFILLED_FROM_PEERS) == []
