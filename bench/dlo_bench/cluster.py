@@ -245,13 +245,18 @@ def _store(cluster: netns.Cluster, ministack: str, model_dir: Path) -> Iterator[
                 proc.kill()
 
 
-# One loader, `dlo cache fill` in-process, started in two steps: imports first (torch, boto3:
-# seconds of CPU that four loaders sharing this machine's cores would otherwise spend inside the
-# timed fill, in some modes only), then a `ready` file, then the fill once a line arrives on
-# stdin. All loaders of a fill thus start their clocks together, as on separate nodes.
+# One loader, `dlo cache fill` in-process, started in two steps: imports first (torch, botocore
+# and the loader's modules that a fill imports when it needs them, the object store's client
+# and the transfer's: seconds of CPU that eight loaders sharing this machine's cores would
+# otherwise spend inside the timed fill, where each node spends a fraction of a second on its
+# own cores), then a `ready` file, then the fill once a line arrives on stdin. All loaders of a
+# fill thus start their clocks together, as on separate nodes.
 _LOADER = """
-import pathlib, sys
-import torch.distributed, dlo_loader.cli, dlo_loader.transport
+import importlib, pathlib, sys
+import torch.distributed, dlo_loader.cli, dlo_loader.transport, dlo_loader.source
+from dlo_loader.fill import TRANSFER_MODULES
+for name in TRANSFER_MODULES:
+    importlib.import_module(name)
 from dlo_cli.main import main
 pathlib.Path(sys.argv[1]).touch()
 sys.stdin.readline()
