@@ -23,13 +23,12 @@ from support.operator_harness import (
     operator_beside,
     request,
 )
+from support.rollout_specs import STORE, V1, V2
 
 from dlo_operator.handlers import PREFILL_BACKOFF_ENV
 
 pytestmark = pytest.mark.slow  # each test runs the operator through a whole rollout
 
-V1, V2 = "s3://models/flux-v1/", "s3://models/flux-v2/"
-STORE = {V1: 1000, V2: 1200}
 STS_PATH = f"/apis/apps/v1/namespaces/{NAMESPACE}/statefulsets"
 TIMEOUT = 40.0
 

@@ -26,6 +26,7 @@ from support.operator_harness import (
     eventually,
     request,
 )
+from support.rollout_specs import V1, V2
 
 from dlo_operator import progress
 from dlo_operator.handlers import PREFILL_BACKOFF_ENV
@@ -33,7 +34,6 @@ from dlo_operator.prefill_watch import no_progress
 
 pytestmark = pytest.mark.slow  # the operator through a create and a model change
 
-V1, V2 = "s3://models/flux-v1/", "s3://models/flux-v2/"
 DEADLINE_S = 300
 TIMEOUT = 40.0
 

@@ -23,26 +23,16 @@ from support.operator_harness import (
     operator_beside,
     request,
 )
+from support.rollout_specs import NEW, NODES, NOW, OLD, OWNER, STORE, V1, V2
 
 from dlo_contract.documents import FillStatus, FillSummary
 from dlo_operator.configmap import revision
 from dlo_operator.decision import Observed, Stage
 from dlo_operator.handlers import PREFILL_BACKOFF_ENV
 from dlo_operator.manifests import build_children
-from dlo_operator.naming import LABEL_JOB_INDEX, LABEL_REVISION, LOADER_CONTAINER, Owner
+from dlo_operator.naming import LABEL_JOB_INDEX, LABEL_REVISION, LOADER_CONTAINER
 from dlo_operator.prefill_stage import SUMMARY_GRACE_S, BackoffConfig
 from dlo_operator.rollout import decide
-from dlo_operator.spec import parse_spec
-
-OWNER = Owner(name="flux", namespace="ml", uid="uid-1")
-OLD = parse_spec({"model": {"source": "s3://models/flux-v1/"}, "inference": {"image": "s:1"},
-                  "replicas": 2})
-NEW = parse_spec({"model": {"source": "s3://models/flux-v2/"}, "inference": {"image": "s:1"},
-                  "replicas": 2})
-NOW = datetime.datetime(2026, 12, 1, 9, 0, tzinfo=datetime.timezone.utc)
-NODES = ("gpu-0", "gpu-1")
-V1, V2 = "s3://models/flux-v1/", "s3://models/flux-v2/"
-STORE = {V1: 1000, V2: 1200}
 
 
 def _job_pod(index: int, state: dict[str, Any]) -> dict[str, Any]:

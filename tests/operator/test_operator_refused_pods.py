@@ -21,13 +21,13 @@ from support.operator_harness import (
     eventually,
     request,
 )
+from support.rollout_specs import V1, V2
 
 from dlo_operator.handlers import PREFILL_BACKOFF_ENV
 from dlo_operator.pod_refusals import refusal
 
 pytestmark = pytest.mark.slow  # each test runs the operator through a create
 
-V1, V2 = "s3://models/flux-v1/", "s3://models/flux-v2/"
 TIMEOUT = 40.0
 POD_SECURITY = ('violates PodSecurity "restricted:latest": allowPrivilegeEscalation != false '
                 '(container "inference" must set securityContext.allowPrivilegeEscalation=false)')

@@ -8,26 +8,19 @@ import datetime
 from typing import Any
 
 import pytest
+from support.rollout_specs import NEW, NODES, NOW, OLD, OWNER
 
 from dlo_contract.documents import FillStatus, FillSummary
 from dlo_contract.fill_group import FILL_GROUP_KEY, FillGroup
 from dlo_operator.configmap import entry_key, revision
 from dlo_operator.decision import Observed, Stage
 from dlo_operator.manifests import build_children, fill_group
-from dlo_operator.naming import LABEL_JOB_INDEX, LABEL_REVISION, LOADER_CONTAINER, Owner
+from dlo_operator.naming import LABEL_JOB_INDEX, LABEL_REVISION, LOADER_CONTAINER
 from dlo_operator.prefill import build_prefill_job, pinned_nodes
 from dlo_operator.prefill_stage import SUMMARY_GRACE_S, BackoffConfig
 from dlo_operator.rollout import decide
 from dlo_operator.spec import DeploymentSpec, parse_spec
 from dlo_operator.statefulset import build_statefulset
-
-OWNER = Owner(name="flux", namespace="ml", uid="uid-1")
-OLD = parse_spec({"model": {"source": "s3://models/flux-v1/"}, "inference": {"image": "s:1"},
-                  "replicas": 2})
-NEW = parse_spec({"model": {"source": "s3://models/flux-v2/"}, "inference": {"image": "s:1"},
-                  "replicas": 2})
-NOW = datetime.datetime(2026, 12, 1, 9, 0, tzinfo=datetime.timezone.utc)
-NODES = ("gpu-0", "gpu-1")
 
 
 def serving_pod(index: int) -> dict[str, Any]:
