@@ -7,13 +7,34 @@ without."""
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import hashlib
+import os
 import signal
 from pathlib import Path
 
 import pytest
 from dlo_bench.faultproxy import FaultPlan
 from dlo_bench.s3server import S3Server
-from support.loader_fleet import Checkpoint, Fleet, Outcome, entry_files, included
+from dlo_contract.cache import (
+    CacheRoot,
+    ObjectIdentity,
+    begin_publication,
+    checkpoint_identity,
+    entry_id,
+    locks,
+)
+from support.loader_fleet import (
+    Checkpoint,
+    Fleet,
+    Outcome,
+    ended,
+    entry_files,
+    finish,
+    included,
+    wait_until,
+)
 from test_loader_group import LOST, proxies, signalled_mid_fill
 
 pytestmark = pytest.mark.slow
@@ -51,3 +72,46 @@ def test_the_survivors_of_rank_zero_publish_the_entry_at_rank_ones_store(
             outcome.stderr
         assert "meeting at the store of loader rank 1" in outcome.stderr
         assert "going on without loader rank 0" in outcome.stderr
+
+
+def posted(port: int, key: str) -> bool:
+    """Whether `key` is on the store of the group whose rank 0 listens on `port`."""
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                              timeout=datetime.timedelta(seconds=1))
+        return bool(store.check([key]))
+    except (RuntimeError, dist.DistError):
+        return False
+
+
+def test_the_survivors_of_a_member_lost_while_the_group_forms_publish_the_entry(
+    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """Members take their nodes' publications in node order (`claim`): the last node's is held
+    here, so the others have posted their claims and wait for its one; one of them is killed
+    then, and the lock let go. The others form the process group without it: it never comes,
+    the heartbeat finds it lost, and they go on with the reads their exchange had started."""
+    files = included(checkpoint.files)
+    objects = [ObjectIdentity(k, len(v), hashlib.md5(v).hexdigest()) for k, v in files.items()]
+    eid = entry_id(checkpoint_identity("s3://models/tiny/", objects))
+    fleet = Fleet(tmp_path, checkpoint.source, 3, [s3.endpoint_url] * 3,
+                  settings={"timeout_s": 3600.0, "peer_timeout_s": 10.0})
+    roots = [CacheRoot(fleet.root(rank)) for rank in range(3)]
+    for root in roots:
+        root.ensure()
+    order = sorted(range(3), key=lambda rank: locks.node_key(roots[rank].locks))
+    last = order[-1]
+    victim = max(rank for rank in order if rank != last)
+    with contextlib.ExitStack() as stack:
+        with begin_publication(fleet.root(last), eid, expected_bytes=0, lock_timeout_s=60):
+            processes = {rank: fleet.start(rank) for rank in range(3)}
+            stack.enter_context(ended(*processes.values()))
+            wait_until(lambda: posted(fleet.master_port, f"dlo/claim/{victim}"))
+            os.kill(processes[victim].pid, signal.SIGKILL)
+        outcomes = [finish(rank, processes[rank]) for rank in range(3) if rank != victim]
+    published_as_alone(fleet, outcomes, [victim], checkpoint, s3)
+    for outcome in outcomes:
+        assert "lost a member while it formed" in outcome.stderr
+        assert f"going on without loader rank {victim}" in outcome.stderr
