@@ -2,15 +2,18 @@
 safetensors header, the manifest records, and every rank's chunk digests equal.
 
 Owns the decisions that keep a bad byte out of an entry: `agree` (every rank listed the same
-objects and built the same plan), `conclude` (each rank's own checks, then every rank's outcome
-and digests compared, so no rank publishes unless all agree byte for byte), `check_files` and
-`record` (headers read, manifest records built from the chunk digests). Called by `transfer`.
+objects and built the same plan), `conclude` (each rank's own checks, `own_checks`, then every
+rank's outcome and digests compared, `compare`, so no rank publishes unless all agree byte for
+byte; where a member is lost meanwhile, the survivors compare them again: `transfer`),
+`check_files` and `record` (headers read, manifest records built from the chunk digests).
+Called by `transfer`.
 Must not move bytes or commit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,16 +39,36 @@ def agree(group: Group, fingerprint: str) -> None:
         )
 
 
-def conclude(group: Group | None, digests: list[str], check: Callable[[], Any]) -> Any:
-    """Run this rank's final checks, then (with a group) learn every rank's outcome and compare
-    chunk digests, so no rank publishes unless all agree byte for byte."""
+@dataclass(frozen=True)
+class Checked:
+    """This rank's own final checks: their value, or the error they raised, and the digests
+    every rank's must equal (`compare`)."""
+
+    value: Any
+    error: DloError | None
+    digests: list[str]
+
+    def shared(self) -> dict[str, Any]:
+        """What the other ranks learn of it."""
+        return {"error": str(self.error)} if self.error is not None else {"digests": self.digests}
+
+
+def own_checks(digests: list[str], check: Callable[[], Any]) -> Checked:
+    """Run this rank's final checks (`check`), keeping the error they raise for `compare`."""
     try:
-        value, mine = check(), {"digests": digests}
+        return Checked(check(), None, digests)
     except DloError as exc:
-        value, mine = exc, {"error": str(exc)}
-    gathered = group.all_gather_object(mine) if group is not None else [mine]
-    if isinstance(value, BaseException):
-        raise value
+        return Checked(None, exc, digests)
+
+
+def compare(group: Group | None, checked: Checked) -> Any:
+    """Learn every rank's outcome (with a group) and compare chunk digests, so no rank
+    publishes unless all agree byte for byte; the checks' value, or their error."""
+    gathered = (group.all_gather_object(checked.shared()) if group is not None
+                else [checked.shared()])
+    if checked.error is not None:
+        raise checked.error
+    digests = checked.digests
     for rank, other in enumerate(gathered):
         if "error" in other:
             raise GroupError(f"loader rank {rank} failed: {other['error']}",
@@ -54,7 +77,13 @@ def conclude(group: Group | None, digests: list[str], check: Callable[[], Any]) 
             chunk = next(i for i, (a, b) in enumerate(zip(digests, other["digests"])) if a != b)
             raise GroupError(f"chunk {chunk} differs between this loader and rank {rank} "
                              "(corrupted in transfer or on disk)", hint="rerun the fill")
-    return value
+    return checked.value
+
+
+def conclude(group: Group | None, digests: list[str], check: Callable[[], Any]) -> Any:
+    """Run this rank's final checks, then (with a group) learn every rank's outcome and compare
+    chunk digests (`own_checks`, then `compare`)."""
+    return compare(group, own_checks(digests, check))
 
 
 def require_every_chunk(digests: list[str]) -> None:

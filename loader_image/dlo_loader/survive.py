@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from dlo_loader import digest
 from dlo_loader.checks import agree
-from dlo_loader.errors import GroupError
+from dlo_loader.errors import GroupError, MemberLost
 from dlo_loader.fetch import span_of
 from dlo_loader.regroup import survivors_of
 from dlo_loader.replan import Replan, replan
@@ -47,37 +47,81 @@ class Survived:
     without: tuple[int, ...]
     """The ranks (of the group every member formed) the fill finished without."""
     read_again: int
-    """Bytes this rank read again from the store for the lost member."""
+    """Bytes this rank read again from the store for the lost members."""
+
+
+@dataclass
+class _Holding:
+    """What this survivor holds, by first-plan chunk index, carried from one generation of
+    survivors to the next: the chunks it wrote whole, those it read and never sent (in
+    memory, their buffers by span in `fetched`), and what it read again so far."""
+
+    written: dict[int, str]
+    in_memory: dict[int, str]
+    fetched: dict[Span, tuple[mmap.mmap, str]]
+    whole: bool
+    """Its node's entry holds every chunk (`go_on`)."""
+    read_again: int = 0
+
+    def shared(self) -> tuple[dict[int, str], list[int], bool]:
+        """What the survivors gather from each (`replan`'s inputs)."""
+        return (self.written | self.in_memory,
+                [i for i in self.in_memory if i not in self.written], self.whole)
+
+    def keep(self, exchange: Exchange, again: Replan, index: dict[Span, int]) -> None:
+        """Take in what a survivors' exchange cut short by a further loss left this one: the
+        chunks it wrote, and those it read and never sent."""
+        fetched = exchange.abandon()
+        self.written |= {again.original[i]: d for i, d in exchange.held().items()}
+        if not self.whole:
+            self.fetched |= fetched
+            self.in_memory |= {index[span]: found for span, (_, found) in fetched.items()}
 
 
 def go_on(*, plan: Plan, group: Group, loss: Loss, first: Exchange, tmp_dir: Path,
           store_read: Reader, exchange_of: Callable[[Plan, int, Reader], Exchange],
-          whole: bool = False) -> Survived:
+          whole: bool = False, done: list[str] | None = None) -> Survived:
     """Finish the fill of `plan` in a group of the survivors of `group` (see the module
     docstring); `first`: the exchange the loss cut short; `tmp_dir`: where this rank's chunks
     lie (`whole`: its node's entry, which holds every chunk); `store_read`: reads from the store;
-    `exchange_of(plan, rank, read)` starts an exchange. Raises the loss's error where the
-    survivors cannot go on (rank 0 lost, this member dropped, a second loss)."""
+    `exchange_of(plan, rank, read)` starts an exchange; `done`: every chunk's digest where the
+    loss came once `first` was over (nothing is left in memory). A further loss in the
+    survivors' exchange starts the next generation with what each holds then. Raises the
+    loss's error where the survivors cannot go on (this member dropped, no other left)."""
     fetched = first.abandon()  # its reads stop; the chunks it read and never sent are kept
     index = {span_of(c): c.index for c in plan.chunks}
     in_memory = {} if whole else {index[span]: found for span, (_, found) in fetched.items()}
-    held = first.held() | in_memory
-    survivors = survivors_of(group, loss)
-    try:
-        return _finish(plan, survivors, group, loss, (held, list(in_memory), whole),
-                       _reader_of(tmp_dir, store_read, fetched), exchange_of)
-    except BaseException as exc:  # the other survivors name this one and why it left
-        survivors.close(exc)
-        raise
+    written = ({i: d for i, d in enumerate(done) if d} if done is not None else first.held())
+    holding = _Holding(written, in_memory, fetched, whole)
+    reader_of = _reader_of(tmp_dir, store_read, holding.fetched)
+    lost = group
+    while True:
+        try:
+            survivors = survivors_of(lost, loss)
+        except BaseException as exc:
+            if lost is not group:  # a group of survivors is this fill's to end
+                lost.close(exc)
+            raise
+        try:
+            return _finish(plan, survivors, group, loss, holding, reader_of, exchange_of)
+        except MemberLost as exc:
+            again = survivors.watch.lost()
+            if again is None:
+                survivors.close(exc)
+                raise
+            lost, loss = survivors, again
+        except BaseException as exc:  # the other survivors name this one and why it left
+            survivors.close(exc)
+            raise
 
 
-def _finish(plan: Plan, survivors: Group, group: Group, loss: Loss,
-            holding: tuple[dict[int, str], list[int], bool],
+def _finish(plan: Plan, survivors: Group, group: Group, loss: Loss, holding: _Holding,
             reader_of: Callable[[Replan, int], Reader],
             exchange_of: Callable[[Plan, int, Reader], Exchange]) -> Survived:
-    """The survivors' re-plan and exchange (see `go_on`)."""
-    held = holding[0]
-    gathered = survivors.all_gather_object(holding)
+    """One generation's re-plan and exchange (see `go_on`); on a further loss, what this
+    survivor holds then is in `holding`."""
+    shared = holding.shared()
+    gathered = survivors.all_gather_object(shared)
     try:
         again = replan(plan, survivors.ranks, [h for h, _, _ in gathered],
                        [m for _, m, _ in gathered], [w for _, _, w in gathered])
@@ -89,22 +133,26 @@ def _finish(plan: Plan, survivors: Group, group: Group, loss: Loss,
     log.warning("going on without %s: %d chunk(s) move again, %s of them from the store "
                 "(this loader reads %s)", loss.member, len(again.plan.chunks),
                 human_bytes(again.store_bytes), human_bytes(sum(c.length for c in mine)))
+    holding.read_again += sum(c.length for c in mine)
     digests: list[str] = []
     if again.plan.chunks:
         exchange = exchange_of(again.plan, survivors.rank, reader_of(again, survivors.rank))
         try:
             agree(survivors, again.plan.fingerprint)
             digests = exchange.run(survivors)
+        except MemberLost:
+            holding.keep(exchange, again, {span_of(c): c.index for c in plan.chunks})
+            raise
         finally:
             exchange.abandon()
     try:
-        merged = again.merged(held, digests, whole=holding[2])
+        merged = again.merged(shared[0], digests, whole=holding.whole)
     except ValueError as exc:
         raise GroupError(f"the survivors' exchange without {loss.member} is incomplete: {exc}",
                          hint="rerun every loader of the group") from exc
     return Survived(digests=merged, group=survivors,
                     without=tuple(r for r in group.ranks if r not in survivors.ranks),
-                    read_again=sum(c.length for c in mine))
+                    read_again=holding.read_again)
 
 
 def _reader_of(tmp_dir: Path, store_read: Reader, fetched: dict[Span, tuple[mmap.mmap, str]],

@@ -5,7 +5,8 @@ Owns how a fill reads (from the store, streamed alone or chunk by chunk in a gro
 the peers that hold the entry first (`peer_reads`), or from this node's entry where it holds
 one), the store's whole-object checksums asked for while the bytes
 move, and the order of the last steps: exchange, headers and store checksums (`checks`), every
-rank's digests compared, then (unless this node holds the entry already) the commit. Called by
+rank's digests compared, then (unless this node holds the entry already) the commit. A member
+lost during the exchange or the comparison, the survivors go on (`survive`). Called by
 `fill`. Must not take locks, join a group or decide the plan.
 """
 
@@ -14,11 +15,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dlo_loader import digest as digests_of
-from dlo_loader.checks import agree, check_files, checked_files, conclude
+from dlo_loader.checks import Checked, agree, check_files, checked_files, compare, own_checks
 from dlo_loader.errors import MemberLost
 from dlo_loader.plan import Plan
 from dlo_loader.progress import Progress
@@ -63,6 +65,8 @@ class Transfer:
         self.survived: Survived | None = None
         """A group that lost a member mid-exchange and went on without it (`survive`): its
         survivors' group, what the loss cost."""
+        self._first: Exchange | None = None
+        """The exchange of the plan every member agreed on, once it ended."""
 
     def start(self, pub: Publication, plan: Plan, *, grouped: bool) -> Exchange:
         """The plan's data path, its reads started: from the store, or from this node's entry."""
@@ -102,11 +106,12 @@ class Transfer:
             if self.survived is not None:
                 group = self.survived.group
             self.progress.phase = "checking"  # metrics: phase
+            checked = own_checks(digests, (lambda: None) if published is None else (
+                lambda: self._check(pub.tmp_dir, plan, digests, published)))
             if published is None:
-                conclude(group, digests, lambda: None)
+                self._compare(pub, plan, group, checked)
                 return
-            records, tensors = conclude(group, digests, lambda: self._check(
-                pub.tmp_dir, plan, digests, published))
+            records, tensors = self._compare(pub, plan, group, checked)
         finally:  # a failed fill does not wait for a HEAD in flight
             beside.shutdown(wait=False, cancel_futures=True)
             if self._hashes is not None:
@@ -133,12 +138,29 @@ class Transfer:
         finally:
             if exchange is not None:
                 exchange.abandon()
+            self._first = exchange
             self.progress.stop()
 
+    def _compare(self, pub: Publication, plan: Plan, group: Group | None,
+                 checked: Checked) -> Any:
+        """Every rank's checks compared (`checks.compare`). A member lost meanwhile leaves every
+        survivor with every chunk written (each one's exchange ended with all of them ready):
+        the survivors form their group (`survive`, nothing moves again) and compare there."""
+        try:
+            return compare(group, checked)
+        except MemberLost:
+            loss = group.watch.lost() if group is not None else None
+            if loss is None or self._first is None:
+                raise
+        assert group is not None
+        self.survived = self._go_on(plan, group, loss, self._first, pub, done=checked.digests)
+        return compare(self.survived.group, replace(checked, digests=self.survived.digests))
+
     def _go_on(self, plan: Plan, group: Group, loss: Loss, first: Exchange,
-               pub: Publication) -> Survived:
+               pub: Publication, done: list[str] | None = None) -> Survived:
         """The exchange cut short by `loss`, finished by the survivors (`survive`): this rank's
-        chunks lie in its tmp dir, or in its node's entry where it holds one."""
+        chunks lie in its tmp dir, or in its node's entry where it holds one; `done`: every
+        chunk's digest, where the loss came once the exchange was over."""
         from dlo_loader.exchange import Exchange
         from dlo_loader.survive import go_on
 
@@ -153,7 +175,7 @@ class Transfer:
         assert directory is not None
         return go_on(plan=plan, group=group, loss=loss, first=first, tmp_dir=directory,
                      store_read=self._reader(plan), exchange_of=exchange_of,
-                     whole=pub.existing is not None)
+                     whole=pub.existing is not None, done=done)
 
     def _check(self, directory: Path | None, plan: Plan, digests: list[str],
                published: Future[dict[str, digests_of.StoreChecksum]],
