@@ -175,9 +175,10 @@ class LoaderConfig(Section):
         10.0, crd="loader.peerTimeoutSeconds", cli="--peer-timeout", above=0,
         description="Seconds a loader of a fill group may send no heartbeat (it sends about one "
         "a second, on its own connection to the group's store) before the others take it for "
-        "lost (killed, stopped, frozen or cut off), naming its rank, pod and node: lost "
-        "mid-exchange, they finish the fill without it; else (rank 0, which hosts the store, "
-        "or a second loss) they stop. A wait on the group for a silent loader ends within it.")
+        "lost (killed, stopped, frozen or cut off), naming its rank, pod and node: lost once "
+        "the process group forms, they finish the fill without it (loss after loss, while one "
+        "is left); lost before, while the members take their nodes' publications, they stop. "
+        "A wait on the group for a silent loader ends within it.")
     timeout_s: float = setting(
         3600.0, crd="loader.timeoutSeconds", above=0,
         description="Whole-fill deadline in seconds; any rank past it fails every rank.")

@@ -17,8 +17,9 @@ Who is left is decided once, on that store: the first survivor to ask writes the
 rank under the generation's key (a compare-and-set), and every survivor takes the rank the
 store holds, so all form the same group whatever each one's own watch concluded. A survivor
 that does not arrive is found by the new generation's heartbeat within
-`loader.peer_timeout_s`, and everyone fails naming it; a second loss, in the survivors'
-group, fails the fill.
+`loader.peer_timeout_s`, and everyone fails naming it. A loss in a group of survivors is
+survived the same way, generation after generation, while one member is left (`survive`):
+losing the host of the survivors' store moves the next generation to the next rank's.
 The member that was dropped and comes back (SIGCONT after SIGSTOP) reads the verdict that
 names it in the old generation, which the survivors' old watches keep up (a stopped rank 0
 gets it in its own store once it runs again), and fails saying it was dropped; its late sends

@@ -32,10 +32,11 @@ from support.loader_fleet import (
     ended,
     entry_files,
     finish,
+    formed,
     included,
     wait_until,
 )
-from test_loader_group import LOST, proxies, signalled_mid_fill
+from test_loader_group import LOST, PATIENT, Watched, proxies, signalled_mid_fill
 
 pytestmark = pytest.mark.slow
 
@@ -115,3 +116,32 @@ def test_the_survivors_of_a_member_lost_while_the_group_forms_publish_the_entry(
     for outcome in outcomes:
         assert "lost a member while it formed" in outcome.stderr
         assert f"going on without loader rank {victim}" in outcome.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_a_member_left_alone_by_two_losses_publishes_the_entry(
+    signum: signal.Signals, s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """Rank 0 is killed mid-fill; once ranks 1 and 2 go on without it (rank 1 hosting their
+    store), rank 1, which reads nothing from the store, is killed or stopped in their exchange:
+    rank 2 goes on alone at its own store with what it holds, and publishes."""
+    with proxies(s3, *[FaultPlan()] * 3) as held:
+        held[0].reads_open.clear()
+        held[1].reads_open.clear()
+        fleet = Fleet(tmp_path, checkpoint.source, 3, [p.url for p in held], settings=PATIENT)
+        loaders = [Watched(rank, fleet.start(rank)) for rank in range(3)]
+        try:
+            wait_until(lambda: formed(fleet.master_port) == 3 and held[0].object_requests >= 1)
+            os.kill(loaders[0].process.pid, signal.SIGKILL)
+            loaders[1].wait_for("going on without loader rank 0")
+            os.kill(loaders[1].process.pid, signum)
+            [outcome] = [loaders[2].finish()]
+        finally:
+            for loader in loaders[:2]:
+                if loader.process.poll() is None:
+                    os.kill(loader.process.pid, signal.SIGCONT)
+                    loader.process.kill()
+                loader.finish()
+    published_as_alone(fleet, [outcome], [0, 1], checkpoint, s3)
+    assert "going on without loader rank 1" in outcome.stderr
+    assert "meeting at the store of loader rank 2" in outcome.stderr
