@@ -250,7 +250,10 @@ def _store(cluster: netns.Cluster, ministack: str, model_dir: Path) -> Iterator[
 # and the transfer's: seconds of CPU that eight loaders sharing this machine's cores would
 # otherwise spend inside the timed fill, where each node spends a fraction of a second on its
 # own cores), then a `ready` file, then the fill once a line arrives on stdin. All loaders of a
-# fill thus start their clocks together, as on separate nodes.
+# fill thus start their clocks together, as on separate nodes. The fill runs as the `dlo`
+# command does (its arguments in sys.argv), so it ends as the command does: at once after its
+# summary, without the interpreter's teardown, in which a loader that went on without a lost
+# member aborts (the retired process group's threads).
 _LOADER = """
 import importlib, pathlib, sys
 import torch.distributed, dlo_loader.cli, dlo_loader.transport, dlo_loader.source
@@ -260,7 +263,8 @@ for name in TRANSFER_MODULES:
 from dlo_cli.main import main
 pathlib.Path(sys.argv[1]).touch()
 sys.stdin.readline()
-sys.exit(main(sys.argv[2:]))
+sys.argv = ["dlo", *sys.argv[2:]]
+sys.exit(main())
 """
 
 

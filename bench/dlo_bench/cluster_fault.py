@@ -167,8 +167,7 @@ def measure(args: argparse.Namespace, nodes: list[int], links: netns.LinkConfig,
 
 
 def judge(model_bytes: int, no_fault_s: float, no_fault_wire: int, *, kill: Kill,
-          survivors: list[RankResult], wire_from_store: int,
-          survivor_exits: list[int]) -> dict[str, Any]:
+          survivors: list[RankResult], wire_from_store: int) -> dict[str, Any]:
     """The figures of one fault fill against its baseline and the goals."""
     publish_s = max(rank.seconds for rank in survivors)
     to_baseline = round(publish_s / no_fault_s, 3)
@@ -183,8 +182,6 @@ def judge(model_bytes: int, no_fault_s: float, no_fault_wire: int, *, kill: Kill
             (sum(rank.bytes_from_store for rank in survivors) + kill.from_store_before)
             / model_bytes, 3),
         "kill": asdict(kill),
-        # 0 each; -6 where a survivor aborted after publishing (its entry is checked)
-        "survivor_exits": survivor_exits,
         "goal": {"survivors_publish_over_no_fault_max": GOAL_PUBLISH_OVER_NO_FAULT,
                  "store_bytes_over_model_max": GOAL_STORE_OVER_MODEL,
                  "publish_met": to_baseline <= GOAL_PUBLISH_OVER_NO_FAULT,
@@ -217,26 +214,23 @@ def _fault_fill(made: netns.Cluster, store: dict[str, Any], nodes: int, work: Pa
     cluster.keep_logs(roots, args, work.name)
     survivors = _check_survivors(roots, codes, kill.rank, digests, traffic)
     shutil.rmtree(work)
-    exits = [code for rank, code in enumerate(codes) if rank != kill.rank]
     print(f"N={nodes} rank {kill.rank} killed at {kill.at_fraction:.0%} ({kill.after_s:.2f} s): "
-          f"survivors published in {max(r.seconds for r in survivors):.2f} s, exit statuses "
-          f"{exits}; store wire bytes {sum(t.from_store for t in traffic)}", flush=True)
-    return {"kill": kill, "survivors": survivors, "survivor_exits": exits,
+          f"survivors published in {max(r.seconds for r in survivors):.2f} s; store wire bytes "
+          f"{sum(t.from_store for t in traffic)}", flush=True)
+    return {"kill": kill, "survivors": survivors,
             "wire_from_store": sum(t.from_store for t in traffic)}
 
 
 def _check_survivors(roots: list[Path], codes: list[int], killed: int,
                      digests: dict[str, str], traffic: list[netns.NodeTraffic],
                      ) -> list[RankResult]:
-    """Every other rank published a byte-identical entry, finished without `killed` (its
-    summary says so), and `killed`'s node holds no entry. A survivor is judged by its summary
-    and its entry, not by its exit status: its process may end abnormally after it published
-    (the caller reports the statuses)."""
+    """Every other rank published a byte-identical entry, exited 0 and finished without
+    `killed` (its summary says so), and `killed`'s node holds no entry."""
     survivors = []
-    for rank, root in enumerate(roots):
+    for rank, (root, code) in enumerate(zip(roots, codes)):
         if rank == killed:
             continue
-        survivors.append(cluster.check_rank(root, rank, 0, "multi-reader", digests,
+        survivors.append(cluster.check_rank(root, rank, code, "multi-reader", digests,
                                             traffic[rank]))
         without = cluster.summary_of(root).get("without")
         if without != [killed]:

@@ -232,7 +232,7 @@ def test_fault_progress_is_the_loaders_bytes_written_over_all_they_write() -> No
 def test_fault_figures_against_the_fill_without_fault() -> None:
     kill = cluster_fault.Kill(rank=2, at_fraction=0.51, after_s=3.0, from_store_before=200)
     figures = cluster_fault.judge(1000, 10.0, 1040, kill=kill, survivors=[_rank(0, 12.0),
-                                  _rank(1, 12.5)], wire_from_store=1250, survivor_exits=[0, 0])
+                                  _rank(1, 12.5)], wire_from_store=1250)
     assert figures["nodes"] == 3 and figures["survivors_publish_s"] == 12.5
     assert figures["survivors_publish_over_no_fault"] == 1.25
     assert figures["store_bytes_over_model"] == 1.25
