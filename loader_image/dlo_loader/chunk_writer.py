@@ -57,6 +57,14 @@ class ChunkWriter:
         `release` (its buffer may be reused)."""
         self._queue.put((chunk, view, release, digest))
 
+    def write_here(self, chunk: Chunk, view: memoryview, digest: str) -> None:
+        """Write a chunk whose digest is known on the caller's thread (the writers may be
+        done), and record it like theirs."""
+        self.digests[chunk.index] = digest
+        if self.sink is not None:
+            self.sink.write(chunk, view)
+            self.written[chunk.index] = digest
+
     def drain(self) -> None:
         self._queue.join()
 

@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING
 
 from dlo_loader.chunk_writer import ChunkWriter
 from dlo_loader.errors import GroupError, LoaderError
-from dlo_loader.exchange_budget import ROUNDS_IN_FLIGHT, Budget, memory_budget
+from dlo_loader.exchange_budget import BUFFERS, ROUNDS_IN_FLIGHT, Budget, memory_budget
 from dlo_loader.fetch import POLL_S, BufferPool, Fetcher, Reader, Span, chunk_buffer, span_of
 from dlo_loader.plan import Chunk, Plan
 from dlo_loader.progress import Progress
@@ -106,13 +106,13 @@ class Exchange:
         self.deadline, self.stop, self.timeout_s = deadline, stop, config.timeout_s
         self._fetch_stop = threading.Event()
         """Stops this exchange's readers alone (`abandon`); `stop` also ends the store's retries."""
-        budget = memory_budget(plan, config, grouped=grouped, names=names)
+        budget = memory_budget(plan, config, grouped=grouped, names=names, held=BUFFERS.held)
         self._slot, self._in_flight = budget.slot, budget.in_flight
         if grouped:
             log.info("exchange: %d round(s) in flight, %d chunk buffers of %d bytes",
                      budget.in_flight, budget.buffers, budget.slot)
         self._rounds = BufferPool(budget.in_flight + 1 if grouped else 0,
-                                  plan.world_size * budget.slot)
+                                  plan.world_size * budget.slot, BUFFERS)
         self._paddings: dict[int, mmap.mmap] = {}
         """What a rank without a chunk in a round sends, one per round in flight (made on first
         need): the page after it carries that round's state."""
@@ -141,9 +141,9 @@ class Exchange:
         fetch_buffers = budget.fetch_buffers(len(self._fetched))
         shape = fetch_shape(chunk_bytes=self.plan.chunk_bytes, readers=config.readers,
                             buffers=fetch_buffers)
+        self._fetch_pool = BufferPool(fetch_buffers, budget.slot, BUFFERS)
         self._fetcher = Fetcher(to_read, read, shape=shape, stop=self._fetch_stop,
-                                algorithms=self.plan.algorithms,
-                                pool=BufferPool(fetch_buffers, budget.slot),
+                                algorithms=self.plan.algorithms, pool=self._fetch_pool,
                                 timed=self.progress.timed)
 
     def abandon(self) -> dict[Span, tuple[mmap.mmap, str]]:
@@ -153,6 +153,23 @@ class Exchange:
         self._fetch_stop.set()
         self._writer.close()
         return self._fetcher.take_all_ready()
+
+    def settle(self) -> dict[int, str]:
+        """Once `run` ended for good (a member was lost): stop reading, write the chunks read
+        and never sent (with no sink, this rank serves its entry: their digests only), free
+        every buffer but those a collective cut short still holds, and return what this rank
+        holds (`held`), so the exchange that follows has the memory budget (see [Note: memory
+        bound] in `exchange_budget`)."""
+        kept = self.abandon()
+        self._writer.drain()
+        for chunk in self.plan.owned(self.rank):
+            found = kept.pop(span_of(chunk), None)
+            if found is not None:
+                self._writer.write_here(chunk, memoryview(found[0])[:chunk.length], found[1])
+        self._fetched, self._paddings = [], {}
+        self._rounds.release()
+        self._fetch_pool.release()
+        return self.held()
 
     def held(self) -> dict[int, str]:
         """Once `run` ended (a member was lost): the chunks this rank wrote whole, with their

@@ -24,10 +24,14 @@ import mmap
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from dlo_loader import digest
 from dlo_loader.plan import Chunk
 from dlo_loader.schedule import FetchOrder, FetchShape, Part
+
+if TYPE_CHECKING:
+    from dlo_loader.exchange_budget import BufferAccount
 
 Reader = Callable[[int, int, memoryview], int]
 """`read(file, offset, into)` fills `into` with bytes `[offset, offset + len(into))` of the plan's
@@ -55,13 +59,22 @@ def span_of(chunk: Chunk) -> Span:
 
 
 class BufferPool:
-    """At most `limit` page-aligned buffers of `size` bytes (see [Note: chunk buffers])."""
+    """At most `limit` page-aligned buffers of `size` bytes (see [Note: chunk buffers]), each
+    counted in `account` while it lives."""
 
-    def __init__(self, limit: int, size: int) -> None:
+    def __init__(self, limit: int, size: int, account: BufferAccount | None = None) -> None:
         self.limit, self.size = limit, size
+        self._account = account
         self._free: list[mmap.mmap] = []
         self._made = 0
+        self._released = False
         self._cond = threading.Condition()
+
+    def release(self) -> None:
+        """Free the idle buffers, and each one given back from now on: the pool is done."""
+        with self._cond:
+            self._released, self.limit = True, 0
+            self._free.clear()
 
     def available(self) -> bool:
         with self._cond:
@@ -74,7 +87,10 @@ class BufferPool:
                 return self._free.pop()
             if self._made < self.limit:
                 self._made += 1
-                return chunk_buffer(self.size)
+                buffer = chunk_buffer(self.size)
+                if self._account is not None:
+                    self._account.charge(buffer, self.size)
+                return buffer
             return None
 
     def wait(self, timeout: float) -> mmap.mmap | None:
@@ -85,7 +101,8 @@ class BufferPool:
 
     def give_back(self, buffer: mmap.mmap) -> None:
         with self._cond:
-            self._free.append(buffer)
+            if not self._released:
+                self._free.append(buffer)
             self._cond.notify_all()
 
 

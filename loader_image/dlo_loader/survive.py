@@ -88,11 +88,11 @@ def go_on(*, plan: Plan, group: Group, loss: Loss, first: Exchange, tmp_dir: Pat
     loss came once `first` was over (nothing is left in memory). A further loss in the
     survivors' exchange starts the next generation with what each holds then. Raises the
     loss's error where the survivors cannot go on (this member dropped, no other left)."""
-    fetched = first.abandon()  # its reads stop; the chunks it read and never sent are kept
-    index = {span_of(c): c.index for c in plan.chunks}
-    in_memory = {} if whole else {index[span]: found for span, (_, found) in fetched.items()}
-    written = ({i: d for i, d in enumerate(done) if d} if done is not None else first.held())
-    holding = _Holding(written, in_memory, fetched, whole)
+    # Its reads stop; the chunks it read and never sent are written to `tmp_dir` and every idle
+    # buffer is freed, so the survivors' exchange has the memory budget (`Exchange.settle`).
+    settled = first.settle()
+    written = {i: d for i, d in enumerate(done) if d} if done is not None else settled
+    holding = _Holding(written, {}, {}, whole)
     reader_of = _reader_of(tmp_dir, store_read, holding.fetched)
     lost = group
     while True:

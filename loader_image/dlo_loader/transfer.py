@@ -116,7 +116,16 @@ class Transfer:
             beside.shutdown(wait=False, cancel_futures=True)
             if self._hashes is not None:
                 self._hashes.close()
+            if group is not None:
+                self._log_buffers()
         pub.commit("checkpoint", identity, records, tensor_count=tensors, producer=PRODUCER)
+
+    def _log_buffers(self) -> None:
+        from dlo_loader.exchange_budget import BUFFERS
+
+        name = self.names("loader.memory_limit_bytes")
+        log.info("exchange: chunk buffers held at most %d bytes at once (%s=%d)", BUFFERS.peak,
+                 name, self.config.memory_limit_bytes)
 
     def _exchange(self, pub: Publication, plan: Plan, group: Group | None,
                   exchange: Exchange | None) -> list[str]:
