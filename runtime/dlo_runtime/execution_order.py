@@ -17,7 +17,7 @@ first runs the ranks compare which block it is, and a difference stops every ran
 naming both blocks. After the first forward the order is the same on every rank by construction.
 
 Owns `StepHooks` too: one forward hook on the DiT itself, which tells the order and the run
-statistics where a forward ends. Called by the backend (attach,
+statistics where a forward ends. Called by the backend (built once), `installed_hooks` (attach,
 detach) and by the hook scheduler (`observe`, `next_after`); it must not issue transfers.
 """
 

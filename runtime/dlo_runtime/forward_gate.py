@@ -16,8 +16,8 @@ overwrite each other's slots and compute with another block's weights, or with p
 - a forward of a DiT disabled with `restore=False` (`OffloadHandle.close()`) is refused with
   `OffloadError` (`refuse_released`): its streamed tensors are empty placeholders, and torch
   would fail in the first block with a shape error (`mat2 must be a matrix`).
-Called by the backend (attach, detach, refuse_released); it must not touch slots, tensors or
-process groups.
+Called by `installed_hooks` (attach, detach) and `teardown` (refuse_released); it must not touch
+slots, tensors or process groups.
 
 [Note: forward lock] The lock is taken by the DiT's first forward pre-hook and released by its
 forward hook registered with `always_call=True`, which torch calls when the forward returns and

@@ -4,8 +4,8 @@ Owns the table that picks the host source of the streamed blocks from the host p
 placement and the device (`source_kind`), and the building of that source with the device slots
 it fills (`build_feed`): a mapped entry used in place needs slots only for the views it must
 copy ([Note: compute alignment] in `transfer`), every other source fills whole-block slots.
-Called by `backend.enable`; it starts no transfer and must not read the settings (the placement
-decided the group).
+Called by `offload_setup.build_setup` (the backend's `enable`); it starts no transfer and must
+not read the settings (the placement decided the group).
 """
 
 from __future__ import annotations
