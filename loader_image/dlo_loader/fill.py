@@ -252,15 +252,28 @@ class _Fill:
             raise
         try:
             if everywhere:
-                from dlo_loader.checks import agree
-
-                agree(group, plan.fingerprint)
+                self._agree_held(group, plan)
             else:
                 self.transfer.run(pub, plan, group, identity, exchange)
         except BaseException as exc:  # the others name this loader and why it left
             self._last_group(group).close(exc)
             raise
         self._last_group(group).close()
+
+    def _agree_held(self, group: Group, plan: Plan) -> None:
+        """Every member's node holds the entry: the members only agree on the plan, and a member
+        lost meanwhile costs the others nothing (nothing moves, nobody publishes)."""
+        from dlo_loader.checks import agree
+        from dlo_loader.errors import MemberLost
+
+        try:
+            agree(group, plan.fingerprint)
+        except MemberLost:
+            loss = group.watch.lost()
+            if loss is None:
+                raise
+            log.warning("%s was lost while the group agreed on the plan; every node holds the "
+                        "entry already, so this loader finishes", loss.member)
 
     def _last_group(self, group: Group) -> Group:
         """The group the fill ends in: its survivors' where it lost a member (`survive`)."""

@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from dlo_bench.faultproxy import FaultPlan, FaultProxy
+from dlo_bench.faultproxy import FaultPlan
 from dlo_bench.s3server import S3Server
 from dlo_contract.cache import ObjectIdentity, begin_publication, checkpoint_identity, entry_id
 from support.loader_fleet import (
@@ -38,13 +38,18 @@ HOLDER = 1
 (rank 0 hosts the group's store, whose loss no group survives)."""
 
 
+def entry_of(checkpoint: Checkpoint) -> tuple[dict[str, bytes], list[ObjectIdentity], str]:
+    """The included files, their identities and the entry id of the test checkpoint."""
+    files = included(checkpoint.files)
+    objects = [ObjectIdentity(k, len(v), hashlib.md5(v).hexdigest()) for k, v in files.items()]
+    return files, objects, entry_id(checkpoint_identity("s3://models/tiny/", objects))
+
+
 def lost_mid_exchange(fleet: Fleet, checkpoint: Checkpoint, victim: int, hold: Hold,
                       ) -> list[Outcome]:
     """Start three loaders, rank `HOLDER` finding the entry the test publishes while it waits
     for its lock; `victim` stops at `hold` and is SIGKILLed there. The others' outcomes."""
-    files = included(checkpoint.files)
-    objects = [ObjectIdentity(k, len(v), hashlib.md5(v).hexdigest()) for k, v in files.items()]
-    eid = entry_id(checkpoint_identity("s3://models/tiny/", objects))
+    files, objects, eid = entry_of(checkpoint)
     fleet.settings |= PATIENT
     root = fleet.root(HOLDER)
     processes: dict[int, subprocess.Popen[str]] = {}
@@ -99,3 +104,25 @@ def test_when_the_member_that_holds_the_entry_is_lost_the_others_read_its_share_
         read_again += outcome.summary["bytes_read_again"]
     # What the holder never sent (all but its first rounds) comes from the store, once.
     assert 0 < read_again == sum(store_bytes) < sum(map(len, included(checkpoint.files).values()))
+
+
+def test_where_every_node_holds_the_entry_a_member_lost_costs_the_others_nothing(
+    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    files, objects, eid = entry_of(checkpoint)
+    hold = Hold("all_gather_object", 1, tmp_path / "held")  # the plan's agreement
+    with proxies(s3, *[FaultPlan()] * 3) as counting:
+        fleet = Fleet(tmp_path, checkpoint.source, 3, [p.url for p in counting],
+                      settings=PATIENT)
+        for rank in range(3):
+            with begin_publication(fleet.root(rank), eid, expected_bytes=0,
+                                   lock_timeout_s=60) as pub:
+                _publish_copy(pub, files, objects)
+        outcomes = fleet.held_and_killed(2, hold)
+        assert [p.object_bytes for p in counting] == [0, 0, 0]
+    for outcome in outcomes:
+        assert outcome.returncode == 0, outcome.stderr[-3000:]
+        assert outcome.summary["cached"] is True
+        # Rank 1 may find rank 0 gone first: it finished, and its store with it.
+        assert "was lost while the group agreed on the plan" in outcome.stderr
+        assert entry_files(fleet.root(outcome.rank)) == files

@@ -7,14 +7,12 @@ plan's agreement), so the others wait for it in that comparison for certain."""
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 
 import pytest
 from dlo_bench.faultproxy import FaultPlan
 from dlo_bench.s3server import S3Server
-from support.loader_fleet import Checkpoint, Fleet, Hold, ended, entry_files, finish, included
+from support.loader_fleet import Checkpoint, Fleet, Hold, entry_files, included
 from test_loader_group import PATIENT, proxies
 from test_loader_survive_holder import HOLDER, lost_mid_exchange
 
@@ -30,12 +28,7 @@ def test_the_survivors_of_a_member_lost_while_the_checks_are_compared_publish(
     with proxies(s3, *[FaultPlan()] * 3) as counting:
         fleet = Fleet(tmp_path, checkpoint.source, 3, [p.url for p in counting],
                       settings=PATIENT)
-        processes = {rank: fleet.start(rank, hold=hold if rank == 2 else None)
-                     for rank in range(3)}
-        with ended(*processes.values()):
-            hold.wait()
-            os.kill(processes[2].pid, signal.SIGKILL)
-            outcomes = [finish(rank, processes[rank]) for rank in (0, 1)]
+        outcomes = fleet.held_and_killed(2, hold)
     for outcome in outcomes:
         assert outcome.returncode == 0, outcome.stderr[-3000:]
         assert outcome.summary["without"] == [2]

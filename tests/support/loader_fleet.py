@@ -12,6 +12,7 @@ import ctypes
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -184,6 +185,16 @@ class Fleet:
     def node(rank: int) -> str:
         """The node name rank `rank` is told it runs on."""
         return f"node{rank}"
+
+    def held_and_killed(self, victim: int, hold: Hold) -> list[Outcome]:
+        """Start every rank, `victim` stopping at `hold`; SIGKILL it there and return the
+        others' outcomes."""
+        processes = {rank: self.start(rank, hold=hold if rank == victim else None)
+                     for rank in range(self.world)}
+        with ended(*processes.values()):
+            hold.wait()
+            os.kill(processes[victim].pid, signal.SIGKILL)
+            return [finish(rank, processes[rank]) for rank in processes if rank != victim]
 
     def run(self, *extra: str, ranks: list[int] | None = None) -> list[Outcome]:
         chosen = ranks if ranks is not None else range(self.world)
