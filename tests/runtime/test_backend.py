@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.runtime_helpers import forward, offload_settings, run_case
+from support.runtime_helpers import RANK_LOCAL, forward, offload_settings, run_case
 from support.runtime_models import DeclaredDiT, UndeclaredDiT, seeded
 
 from dlo_bench.models import example_inputs, tiny_model
@@ -19,8 +19,6 @@ from dlo_contract.settings import Settings, SettingsError
 from dlo_contract.validation import names_for
 from dlo_runtime.tensors import OffloadError
 from dlo_runtime.transfer import ShardStore
-
-RANK_LOCAL = offload_settings(use_allgather=False)
 
 
 @pytest.mark.parametrize("kind", ["flux", "sd3", "wan"])

@@ -11,13 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 from support.compiled_helpers import COMPILES, CompiledOutcome, build, compiled_case, output
-from support.runtime_helpers import offload_settings
+from support.runtime_helpers import RANK_LOCAL
 
 from dlo_runtime.backend import DistributedLayerwiseOffloadBackend
 from dlo_runtime.compiled import HOOK_REASON
 from dlo_runtime.discovery import ModuleDiscovery, find_dits
-
-RANK_LOCAL = offload_settings(use_allgather=False)
 
 
 def _assert_exact_without_recompiles(outcome: CompiledOutcome, *, compiles: bool = True) -> None:

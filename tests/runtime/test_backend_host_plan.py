@@ -6,21 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.runtime_helpers import (
-    forward,
-    mapped_plan,
-    offload_settings,
-    run_case,
-    strip_parameters,
-)
+from support.runtime_helpers import RANK_LOCAL, forward, mapped_plan, run_case, strip_parameters
 
 from dlo_bench.models import example_inputs, tiny_model
 from dlo_runtime.backend import DistributedLayerwiseOffloadBackend, host_bytes
 from dlo_runtime.host_weight_plan import HostPlanError, HostWeightPlan, runtime_tensors
 from dlo_runtime.tensors import OffloadError
 from dlo_runtime.transfer import MappedSource
-
-RANK_LOCAL = offload_settings(use_allgather=False)
 
 
 def test_mapped_plan_is_used_in_place_on_the_cpu_and_released_at_disable() -> None:

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.runtime_helpers import forward, mapped_plan, offload_settings, strip_parameters
+from support.runtime_helpers import RANK_LOCAL, forward, mapped_plan, strip_parameters
 from support.runtime_models import OnDemandDiT, on_demand_inputs, seeded
 from torch import nn
 
 from dlo_runtime.backend import DistributedLayerwiseOffloadBackend, host_bytes
 from dlo_runtime.tensors import OffloadError
 
-RANK_LOCAL = offload_settings(use_allgather=False)
 TOKENS = on_demand_inputs()
 
 

@@ -15,20 +15,12 @@ from typing import Any
 import pytest
 import torch
 from support.async_streams import AsyncStreamSet, RaceError, Schedule
-from support.runtime_helpers import (
-    forward,
-    mapped_plan,
-    offload_settings,
-    run_case,
-    strip_parameters,
-)
+from support.runtime_helpers import RANK_LOCAL, forward, mapped_plan, run_case, strip_parameters
 
 from dlo_bench.models import example_inputs, tiny_model
 from dlo_runtime.backend import DistributedLayerwiseOffloadBackend
 from dlo_runtime.streams import StreamSet
 from dlo_runtime.transfer import DirectSource, MappedSource, StagedSource
-
-RANK_LOCAL = offload_settings(use_allgather=False)
 
 
 class Registration:

@@ -9,13 +9,11 @@ from typing import Any
 
 import pytest
 import torch
-from support.runtime_helpers import forward, offload_settings
+from support.runtime_helpers import RANK_LOCAL, forward
 
 from dlo_bench.models import example_inputs, tiny_model
 from dlo_runtime.backend import DistributedLayerwiseOffloadBackend
 from dlo_runtime.tensors import OffloadError
-
-RANK_LOCAL = offload_settings(use_allgather=False)
 
 
 class AnnouncingLock:

@@ -8,14 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers.hooks import apply_group_offloading
-from support.runtime_helpers import forward, offload_settings, strip_parameters
+from support.runtime_helpers import RANK_LOCAL, forward, strip_parameters
 
 import dlo_runtime
 from dlo_bench.models import example_inputs, tiny_model
 from dlo_runtime.backend import DistributedLayerwiseOffloadBackend
 from dlo_runtime.tensors import OffloadError
-
-RANK_LOCAL = offload_settings(use_allgather=False)
 
 
 def backend(model: torch.nn.Module) -> DistributedLayerwiseOffloadBackend:

@@ -11,15 +11,13 @@ import logging
 
 import pytest
 import torch
-from support.runtime_helpers import forward, offload_settings
+from support.runtime_helpers import RANK_LOCAL, forward
 from support.stack_models import STACK_MODELS, run_order, stack_inputs, stack_model
 
 from dlo_bench.models import KINDS, example_inputs, tiny_model
 from dlo_runtime.backend import DistributedLayerwiseOffloadBackend
 from dlo_runtime.execution_order import OrderState
 from dlo_runtime.offload_plan import block_lists, weight_bytes
-
-RANK_LOCAL = offload_settings(use_allgather=False)
 
 
 @pytest.mark.parametrize("name", sorted(STACK_MODELS))

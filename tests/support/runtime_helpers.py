@@ -32,6 +32,10 @@ def offload_settings(
     )
 
 
+RANK_LOCAL = offload_settings(use_allgather=False)
+"""Rank-local mode: every rank streams whole blocks, no group (the single-process tests)."""
+
+
 def forward(model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
     with torch.no_grad():
         return model(**inputs)[0]

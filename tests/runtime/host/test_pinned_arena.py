@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 from support.fake_cudart import FakeCudart
-from support.runtime_helpers import forward, mapped_plan, offload_settings, strip_parameters
+from support.runtime_helpers import RANK_LOCAL, forward, mapped_plan, strip_parameters
 
 from dlo_bench.models import example_inputs, tiny_model
 from dlo_runtime.backend import DistributedLayerwiseOffloadBackend, host_bytes
@@ -18,8 +18,6 @@ from dlo_runtime.cuda_registration import HOST_REGISTER_PORTABLE, CudaRegistrati
 from dlo_runtime.host_registration import PAGE
 from dlo_runtime.pinned_arena import PinnedHostMemory, PinnedMemoryError, page_round
 from dlo_runtime.transfer import ShardStore, StagedSource
-
-RANK_LOCAL = offload_settings(use_allgather=False)
 
 
 def pinned(fake: FakeCudart) -> PinnedHostMemory:
