@@ -15,6 +15,7 @@ model's bytes. Called by `cluster.run`; removes everything it made, as `cluster`
 from __future__ import annotations
 
 import argparse
+import datetime
 import http.client
 import shlex
 import shutil
@@ -40,6 +41,8 @@ GOAL_STORE_OVER_MODEL = 1.2
 _METRICS = {"done": "dlo_loader_bytes_done_bytes", "total": "dlo_loader_bytes_total_bytes",
             "from_store": "dlo_loader_bytes_from_store_total"}
 _POLL_S = 0.1
+_REGROUPED = "the group continues without"
+"""The survivors' log line once they agreed on who is left (`dlo_loader.regroup`)."""
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -105,6 +108,8 @@ class Kill:
     """Seconds from the loaders' release to the kill."""
     from_store_before: int
     """Bytes the killed loader had read from the store, as its last /metrics said."""
+    at_unix: float
+    """When the kill was sent (the clock of the loaders' log lines)."""
 
 
 def _kill_when(procs: list[subprocess.Popen[bytes]], watch: ProgressWatch, *, at: float,
@@ -118,7 +123,8 @@ def _kill_when(procs: list[subprocess.Popen[bytes]], watch: ProgressWatch, *, at
             procs[rank].send_signal(signal.SIGKILL)
             return Kill(rank=rank, at_fraction=round(done, 3),
                         after_s=round(time.perf_counter() - started, 3),
-                        from_store_before=int(latest[rank].get("from_store", 0)))
+                        from_store_before=int(latest[rank].get("from_store", 0)),
+                        at_unix=time.time())
         ended = [r for r, p in enumerate(procs) if p.poll() is not None]
         if ended or time.monotonic() > deadline:
             raise cluster.ClusterBenchError(
@@ -167,7 +173,8 @@ def measure(args: argparse.Namespace, nodes: list[int], links: netns.LinkConfig,
 
 
 def judge(model_bytes: int, no_fault_s: float, no_fault_wire: int, *, kill: Kill,
-          survivors: list[RankResult], wire_from_store: int) -> dict[str, Any]:
+          survivors: list[RankResult], wire_from_store: int,
+          regrouped_after_s: float | None) -> dict[str, Any]:
     """The figures of one fault fill against its baseline and the goals."""
     publish_s = max(rank.seconds for rank in survivors)
     to_baseline = round(publish_s / no_fault_s, 3)
@@ -182,6 +189,7 @@ def judge(model_bytes: int, no_fault_s: float, no_fault_wire: int, *, kill: Kill
             (sum(rank.bytes_from_store for rank in survivors) + kill.from_store_before)
             / model_bytes, 3),
         "kill": asdict(kill),
+        "regrouped_after_kill_s": regrouped_after_s,
         "goal": {"survivors_publish_over_no_fault_max": GOAL_PUBLISH_OVER_NO_FAULT,
                  "store_bytes_over_model_max": GOAL_STORE_OVER_MODEL,
                  "publish_met": to_baseline <= GOAL_PUBLISH_OVER_NO_FAULT,
@@ -213,12 +221,31 @@ def _fault_fill(made: netns.Cluster, store: dict[str, Any], nodes: int, work: Pa
     traffic = [netns.node_traffic(made, r).minus(before[r]) for r in range(nodes)]
     cluster.keep_logs(roots, args, work.name)
     survivors = _check_survivors(roots, codes, kill.rank, digests, traffic)
+    regrouped = regrouped_after(roots, kill)
     shutil.rmtree(work)
     print(f"N={nodes} rank {kill.rank} killed at {kill.at_fraction:.0%} ({kill.after_s:.2f} s): "
-          f"survivors published in {max(r.seconds for r in survivors):.2f} s; store wire bytes "
+          f"survivors regrouped {regrouped} s after it and published in "
+          f"{max(r.seconds for r in survivors):.2f} s; store wire bytes "
           f"{sum(t.from_store for t in traffic)}", flush=True)
     return {"kill": kill, "survivors": survivors,
-            "wire_from_store": sum(t.from_store for t in traffic)}
+            "wire_from_store": sum(t.from_store for t in traffic),
+            "regrouped_after_s": regrouped}
+
+
+def regrouped_after(roots: list[Path], kill: Kill) -> float | None:
+    """Seconds from the kill to the last survivor's line saying the group goes on without the
+    lost member (how long finding the loss took); None where a survivor has no such line."""
+    seen = []
+    for rank, root in enumerate(roots):
+        if rank == kill.rank:
+            continue
+        lines = [line for line in (root / "stderr").read_text(errors="replace").splitlines()
+                 if _REGROUPED in line]
+        if not lines:
+            return None
+        stamp = datetime.datetime.strptime(lines[0][:23], "%Y-%m-%d %H:%M:%S,%f")
+        seen.append(stamp.timestamp() - kill.at_unix)
+    return round(max(seen), 3)
 
 
 def _check_survivors(roots: list[Path], codes: list[int], killed: int,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import shutil
@@ -230,9 +231,11 @@ def test_fault_progress_is_the_loaders_bytes_written_over_all_they_write() -> No
 
 
 def test_fault_figures_against_the_fill_without_fault() -> None:
-    kill = cluster_fault.Kill(rank=2, at_fraction=0.51, after_s=3.0, from_store_before=200)
+    kill = cluster_fault.Kill(rank=2, at_fraction=0.51, after_s=3.0, from_store_before=200,
+                              at_unix=0.0)
     figures = cluster_fault.judge(1000, 10.0, 1040, kill=kill, survivors=[_rank(0, 12.0),
-                                  _rank(1, 12.5)], wire_from_store=1250)
+                                  _rank(1, 12.5)], wire_from_store=1250, regrouped_after_s=2.5)
+    assert figures["regrouped_after_kill_s"] == 2.5
     assert figures["nodes"] == 3 and figures["survivors_publish_s"] == 12.5
     assert figures["survivors_publish_over_no_fault"] == 1.25
     assert figures["store_bytes_over_model"] == 1.25
@@ -241,6 +244,22 @@ def test_fault_figures_against_the_fill_without_fault() -> None:
     assert figures["goal"] == {"survivors_publish_over_no_fault_max": 1.3,
                                "store_bytes_over_model_max": 1.2, "publish_met": True,
                                "store_met": False}
+
+
+def test_fault_regroup_delay_is_read_from_the_survivors_logs(tmp_path: Path) -> None:
+    roots = [tmp_path / f"node{rank}" for rank in range(3)]
+    for root in roots:
+        root.mkdir()
+    line = "WARNING dlo_loader.regroup: [rank {r}/3] the group continues without loader rank 1"
+    (roots[0] / "stderr").write_text(f"2026-12-03 10:00:01,000 INFO x: plan\n"
+                                     f"2026-12-03 10:00:04,250 {line.format(r=0)}\n")
+    (roots[2] / "stderr").write_text(f"2026-12-03 10:00:05,500 {line.format(r=2)}\n")
+    at = datetime.datetime(2026, 12, 3, 10, 0, 2).timestamp()
+    kill = cluster_fault.Kill(rank=1, at_fraction=0.5, after_s=1.0, from_store_before=0,
+                              at_unix=at)
+    assert cluster_fault.regrouped_after(roots, kill) == 3.5  # the later survivor's
+    (roots[2] / "stderr").write_text("2026-12-03 10:00:05,500 INFO x: published\n")
+    assert cluster_fault.regrouped_after(roots, kill) is None
 
 
 def test_fault_kill_arguments_are_checked() -> None:
@@ -265,5 +284,6 @@ def test_a_group_that_loses_a_member_mid_fill_publishes_on_the_survivors(tmp_pat
     (figures,) = report["by_peer_ratio"]["10"]["results"]
     assert figures["kill"]["rank"] == 2 and figures["kill"]["at_fraction"] >= 0.5
     assert [rank["rank"] for rank in figures["survivors"]] == [0, 1]
+    assert figures["regrouped_after_kill_s"] is not None
     assert figures["store_bytes_over_model"] >= 1.0  # every byte came from the store once
     assert set(figures["goal"]) >= {"publish_met", "store_met"}
