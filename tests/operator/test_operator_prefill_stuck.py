@@ -26,7 +26,7 @@ from support.operator_harness import (
     eventually,
     request,
 )
-from support.rollout_specs import V1, V2
+from support.rollout_specs import STORE, V1, V2
 
 from dlo_operator import progress
 from dlo_operator.handlers import PREFILL_BACKOFF_ENV
@@ -55,7 +55,7 @@ def loader() -> Iterator[tuple[int, Progress]]:
 async def standin(cluster: ClusterEmulator, clock: ShiftedClock,
                   monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KubeStandIn]:
     monkeypatch.setenv(PREFILL_BACKOFF_ENV, "600")
-    async with standin_and_operator(cluster, {V1: 1000, V2: 1200}, clock) as fake:
+    async with standin_and_operator(cluster, STORE, clock) as fake:
         yield fake
 
 

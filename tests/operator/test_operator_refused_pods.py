@@ -21,7 +21,7 @@ from support.operator_harness import (
     eventually,
     request,
 )
-from support.rollout_specs import V1, V2
+from support.rollout_specs import STORE, V1, V2
 
 from dlo_operator.handlers import PREFILL_BACKOFF_ENV
 from dlo_operator.pod_refusals import refusal
@@ -39,7 +39,7 @@ QUOTA = ("exceeded quota: gpu-team, requested: requests.cpu=1, used: requests.cp
 async def standin(cluster: ClusterEmulator,
                   monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KubeStandIn]:
     monkeypatch.setenv(PREFILL_BACKOFF_ENV, "1")
-    async with standin_and_operator(cluster, {V1: 1000, V2: 1200}) as fake:
+    async with standin_and_operator(cluster, STORE) as fake:
         yield fake
 
 
