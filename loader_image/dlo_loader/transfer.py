@@ -162,8 +162,13 @@ class Transfer:
             if loss is None or self._first is None:
                 raise
         assert group is not None
-        self.survived = self._go_on(plan, group, loss, self._first, pub, done=checked.digests)
-        return compare(self.survived.group, replace(checked, digests=self.survived.digests))
+        earlier, survived = self.survived, self._go_on(plan, group, loss, self._first, pub,
+                                                       done=checked.digests)
+        if earlier is not None:  # lost in the comparison of survivors: both losses count
+            survived = replace(survived, without=earlier.without + survived.without,
+                               read_again=earlier.read_again + survived.read_again)
+        self.survived = survived
+        return compare(survived.group, replace(checked, digests=survived.digests))
 
     def _go_on(self, plan: Plan, group: Group, loss: Loss, first: Exchange,
                pub: Publication, done: list[str] | None = None) -> Survived:

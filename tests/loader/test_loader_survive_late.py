@@ -7,12 +7,14 @@ plan's agreement), so the others wait for it in that comparison for certain."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
 from dlo_bench.faultproxy import FaultPlan
 from dlo_bench.s3server import S3Server
-from support.loader_fleet import Checkpoint, Fleet, Hold, entry_files, included
+from support.loader_fleet import Checkpoint, Fleet, Hold, ended, entry_files, finish, included
 from test_loader_group import PATIENT, proxies
 from test_loader_survive_holder import HOLDER, lost_mid_exchange
 
@@ -53,3 +55,25 @@ def test_a_member_that_holds_the_entry_finishes_with_the_survivors_of_a_late_los
     assert holder.summary["cached"] is True
     assert entry_files(fleet.root(0)) == included(checkpoint.files)
     assert entry_files(fleet.root(HOLDER)) == included(checkpoint.files)
+
+
+def test_a_member_lost_while_the_survivors_compare_their_checks_counts_too(
+    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """Rank 2 is lost mid-exchange; rank 1 then while the survivors compare their checks (its
+    fourth `all_gather_object`: the plan's agreement, the survivors' holdings, their plan's
+    agreement, the comparison): rank 0 publishes alone, without both."""
+    with proxies(s3, *[FaultPlan()] * 3) as counting:
+        fleet = Fleet(tmp_path, checkpoint.source, 3, [p.url for p in counting],
+                      settings=PATIENT)
+        holds = {1: Hold("all_gather_object", 4, tmp_path / "held-1"),
+                 2: Hold("all_gather_into", 3, tmp_path / "held-2")}
+        processes = {rank: fleet.start(rank, hold=holds.get(rank)) for rank in range(3)}
+        with ended(*processes.values()):
+            for rank in (2, 1):
+                holds[rank].wait()
+                os.kill(processes[rank].pid, signal.SIGKILL)
+            [alone] = [finish(0, processes[0])]
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert sorted(alone.summary["without"]) == [1, 2]
+    assert entry_files(fleet.root(0)) == included(checkpoint.files)
