@@ -161,9 +161,7 @@ def _measure(args: argparse.Namespace, nodes: list[int], modes: list[str],
     with tempfile.TemporaryDirectory(prefix="dlo-cluster-bench-") as tmp:
         work = Path(tmp)
         model_dir = _write_model(work / "model", args.head_dim)
-        # Entry file names are object keys relative to the source prefix: `transformer/...`.
-        digests = {p.relative_to(model_dir.parent).as_posix(): sha256_file(p)
-                   for p in sorted(model_dir.rglob("*")) if p.is_file()}
+        digests = model_digests(model_dir)
         with netns.cluster(max(nodes), links) as cluster:
             probe = _probe(cluster)
             with _store(cluster, args.ministack, model_dir) as store:
@@ -185,6 +183,13 @@ def _measure(args: argparse.Namespace, nodes: list[int], modes: list[str],
         model_bytes=store["bytes"], files=len(store["keys"]), runs=runs, parameters=parameters,
         probe=probe, commit=provenance.commit(), machine=provenance.machine(),
     )
+
+
+def model_digests(model_dir: Path) -> dict[str, str]:
+    """Each file's SHA-256 by its name in an entry: the object key relative to the source
+    prefix (`transformer/...`), what every node's entry must match."""
+    return {p.relative_to(model_dir.parent).as_posix(): sha256_file(p)
+            for p in sorted(model_dir.rglob("*")) if p.is_file()}
 
 
 def _write_model(directory: Path, head_dim: int) -> Path:

@@ -31,7 +31,7 @@ from typing import Any
 
 from dlo_bench import cluster, netns, provenance
 from dlo_bench.cluster_report import RankResult
-from dlo_contract.cache import find_entry, sha256_file
+from dlo_contract.cache import find_entry
 from dlo_contract.settings import Settings
 
 GOAL_PUBLISH_OVER_NO_FAULT = 1.3
@@ -101,6 +101,8 @@ class ProgressWatch:
 
 @dataclass(frozen=True, kw_only=True)
 class Kill:
+    """One loader's SIGKILL mid-fill, as the benchmark sent it."""
+
     rank: int
     at_fraction: float
     """The loaders' progress when the kill was sent."""
@@ -146,8 +148,7 @@ def measure(args: argparse.Namespace, nodes: list[int], links: netns.LinkConfig,
     with tempfile.TemporaryDirectory(prefix="dlo-cluster-fault-") as tmp:
         work = Path(tmp)
         model_dir = cluster._write_model(work / "model", args.head_dim)
-        digests = {p.relative_to(model_dir.parent).as_posix(): sha256_file(p)
-                   for p in sorted(model_dir.rglob("*")) if p.is_file()}
+        digests = cluster.model_digests(model_dir)
         with netns.cluster(max(nodes), links) as made, \
                 cluster._store(made, args.ministack, model_dir) as store:
             probe = cluster._probe(made)

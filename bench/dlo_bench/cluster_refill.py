@@ -39,8 +39,7 @@ def measure(args: argparse.Namespace, links: netns.LinkConfig) -> dict[str, Any]
     with tempfile.TemporaryDirectory(prefix="dlo-cluster-refill-") as tmp:
         work = Path(tmp)
         model_dir = cluster._write_model(work / "model", args.head_dim)
-        digests = {p.relative_to(model_dir.parent).as_posix(): sha256_file(p)
-                   for p in sorted(model_dir.rglob("*")) if p.is_file()}
+        digests = cluster.model_digests(model_dir)
         with netns.cluster(holders + 1, links) as nodes, \
                 cluster._store(nodes, args.ministack, model_dir) as store:
             serving = _start_holders(nodes, store, work, args)
