@@ -8,5 +8,6 @@ Layers, imports only going down:
     spec, naming, errors       CR spec parsing (-> `dlo_contract.settings.Settings`), names, errors
 
 Importing this package imports neither torch nor kopf nor the Kubernetes client: the builders and
-`dlo render` work on a machine with only the standard library, PyYAML and `dlo_runtime`.
+`dlo render` need the contract package (`dlo_contract`), PyYAML and the validators the
+operator extra pins (jsonschema, cel-python, kubernetes-validate), never the runtime or torch.
 """
