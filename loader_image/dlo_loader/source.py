@@ -42,6 +42,14 @@ CREDENTIALS_HINT = (f"check the loader's S3 credentials ({AWS_ACCESS_KEY_ID_ENV}
                     "(service account)) and the bucket policy")
 
 
+LISTING_HEADS = 16
+"""HEADs the listing may send at once, whatever `readers` is: a checkpoint's large objects are a
+handful to a few tens, each HEAD is a round trip before the plan and the first read, and with
+the pool at `readers + 1` a loader of few readers sent them in waves (2 readers: 10 objects in 4
+round trips). The pool only caps connections open at once; the transfer's reads stay at
+`readers`."""
+
+
 class ObjectStore(RangedReads):
     """One S3 client shared by the reader threads (botocore clients are thread-safe)."""
 
@@ -63,7 +71,7 @@ class ObjectStore(RangedReads):
             s3={"addressing_style": "path" if path_style else "auto"},
             # Our own retry loop knows about short bodies and the fill deadline: one attempt here.
             retries={"total_max_attempts": 1},
-            max_pool_connections=self.connections,
+            max_pool_connections=max(self.connections, LISTING_HEADS),
             connect_timeout=10,
             read_timeout=stall_timeout_s,  # per socket read: no byte for this long is a stall
         )
@@ -72,7 +80,8 @@ class ObjectStore(RangedReads):
         self._client = botocore.session.get_session().create_client(
             "s3", endpoint_url=endpoint_url, region_name=region, config=config
         )
-        self._listing = Listing(self._client, uri, self.retry, self.connections)
+        self._listing = Listing(self._client, uri, self.retry,
+                                max(self.connections, LISTING_HEADS))
 
     def close(self) -> None:
         """Close the client's pooled connections."""
