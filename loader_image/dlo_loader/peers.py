@@ -131,8 +131,12 @@ class PeerWatch:
 
     def __init__(self, *, rank: int, members: list[Member], timeout_s: float,
                  connect: Callable[[], Any], names: Names = document_names,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, arrival_s: float = 0.0) -> None:
         self.rank, self.members, self.timeout_s = rank, members, timeout_s
+        self._arrival_s = arrival_s
+        """Seconds more a member that has not beaten yet is given: a group of survivors waits
+        for those that notice the loss later (see [Note: regrouping] in `regroup`)."""
+        self._arrived: set[int] = set()
         self._names, self._clock, self._connect = names, clock, connect
         self.interval_s = min(1.0, timeout_s / BEATS_PER_TIMEOUT)
         self._lock = threading.Condition()
@@ -265,7 +269,8 @@ class PeerWatch:
         # Silence is measured up to this watch's last round, not up to now: a watch that could
         # not look (its own process starved or stopped) takes no one for lost.
         stale = [r for r, changed in self._changed.items()
-                 if r not in self._left and self._answered - changed > timeout]
+                 if r not in self._left and self._answered - changed > timeout + (
+                     0.0 if r in self._arrived else self._arrival_s)]
         failed = [r for r, left in self._left.items() if not left["ok"]]
         if self.rank != 0 and self._store_error is not None:
             return Loss(self.member(0), "died: the group's store it hosts closed this loader's "
@@ -321,6 +326,7 @@ class PeerWatch:
             now = self._clock()
             self._posted += len(posts)
             self._answered, self._asking = now, None
+            self._arrived.update(r for r, count in counts.items() if count)
             for r, count in counts.items():
                 if self._counts.get(r) != count:
                     self._counts[r], self._changed[r] = count, now

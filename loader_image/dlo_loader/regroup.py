@@ -15,11 +15,16 @@ it joined), not `dist.new_group`, which needs the default group's store, gone wi
 each generation's heartbeat and process group keep their keys under a prefix of their own.
 Who is left is decided once, on that store: the first survivor to ask writes the lost member's
 rank under the generation's key (a compare-and-set), and every survivor takes the rank the
-store holds, so all form the same group whatever each one's own watch concluded. A survivor
-that does not arrive is found by the new generation's heartbeat within
-`loader.peer_timeout_s`, and everyone fails naming it. A loss in a group of survivors is
-survived the same way, generation after generation, while one member is left (`survive`):
-losing the host of the survivors' store moves the next generation to the next rank's.
+store holds, so all form the same group whatever each one's own watch concluded. Survivors
+notice a loss at different times (one may be waiting on its own reads, not on the group), so
+the new generation's heartbeat gives a survivor that has not beaten in it yet twice
+`loader.peer_timeout_s` to arrive. One that does not is found lost: the group returned has no process group, and its first call raises
+that loss, like a group every member formed where one was lost while it formed (`transport`).
+A loss in a group of survivors is survived the same way, generation after generation, while
+one member is left (`survive`): losing the host of the survivors' store moves the next
+generation to the next rank's. Not survived: the next host lost before the survivors reach its
+store (two members lost at once, the lower of them the store's host): each fails naming the
+loss it found.
 The member that was dropped and comes back (SIGCONT after SIGSTOP) reads the verdict that
 names it in the old generation, which the survivors' old watches keep up (a stopped rank 0
 gets it in its own store once it runs again), and fails saying it was dropped; its late sends
@@ -35,14 +40,15 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dlo_loader.errors import GroupError
+from dlo_loader.errors import GroupError, MemberLost
 from dlo_loader.peers import Loss, PeerWatch
 from dlo_loader.transport import Group
 
 log = logging.getLogger(__name__)
 
 _LOST_KEY = "dlo/regroup/{generation}/lost"
-"""The rank (in the default group) of the member the survivors of `generation` drop."""
+"""The rank (in the group every member formed) of the member the survivors of `generation`
+drop."""
 _PREFIX = "dlo/gen/{generation}/"
 """Where the heartbeat of a group of survivors keeps its keys."""
 
@@ -73,12 +79,15 @@ def survivors_of(group: Group, loss: Loss) -> Group:
     prefix = _PREFIX.format(generation=generation)
     stores = group.stores
     new_watch = PeerWatch(rank=rank, members=members, timeout_s=watch.timeout_s,
-                          names=watch.names,
+                          names=watch.names, arrival_s=watch.timeout_s,
                           connect=lambda: dist.PrefixStore(prefix, stores.connect(host)))
     timeout = datetime.timedelta(seconds=group.collective_timeout_s)
     try:
         pg = new_watch.call(dist.ProcessGroupGloo, dist.PrefixStore(prefix + "pg/", store), rank,
                             len(ranks), timeout)
+    except MemberLost:  # the group returned raises it at its first call, survived as any
+        log.warning("the survivors lost another member while they formed their group")
+        pg = None
     except (RuntimeError, dist.DistError) as exc:
         raise GroupError(f"the survivors of the loader group did not form a group again: "
                          f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}",

@@ -75,7 +75,9 @@ class Group:
         self._watch = watch
         self.pg = pg
         """The process group the collectives run on: None for the first (the default group),
-        else the survivors' gloo process group, made directly over their store (`regroup`)."""
+        else the survivors' gloo process group, made directly over their store (`regroup`).
+        None also where a member was lost while it formed: then every call raises that loss
+        (the watch's verdict) before it could reach a process group."""
         self.generation = generation
         """0 for the group every member formed, one more for each group of survivors."""
         self.ranks = ranks if ranks is not None else tuple(range(world_size))

@@ -39,6 +39,9 @@ from support.loader_fleet import (
 from test_loader_group import LOST, PATIENT, Watched, proxies, signalled_mid_fill
 
 pytestmark = pytest.mark.slow
+HELD = PATIENT | {"stall_timeout_s": 3600.0, "peer_timeout_s": 5.0}
+"""`PATIENT`, but reads a test holds wait as long as the fill may (no store read gives up),
+and a member waiting on its own held reads notices a loss within the heartbeat bound."""
 
 
 def published_as_alone(fleet: Fleet, outcomes: list[Outcome], without: list[int],
@@ -128,7 +131,7 @@ def test_a_member_left_alone_by_two_losses_publishes_the_entry(
     with proxies(s3, *[FaultPlan()] * 3) as held:
         held[0].reads_open.clear()
         held[1].reads_open.clear()
-        fleet = Fleet(tmp_path, checkpoint.source, 3, [p.url for p in held], settings=PATIENT)
+        fleet = Fleet(tmp_path, checkpoint.source, 3, [p.url for p in held], settings=HELD)
         loaders = [Watched(rank, fleet.start(rank)) for rank in range(3)]
         try:
             wait_until(lambda: formed(fleet.master_port) == 3 and held[0].object_requests >= 1)
@@ -145,3 +148,23 @@ def test_a_member_left_alone_by_two_losses_publishes_the_entry(
     published_as_alone(fleet, [outcome], [0, 1], checkpoint, s3)
     assert "going on without loader rank 1" in outcome.stderr
     assert "meeting at the store of loader rank 2" in outcome.stderr
+
+
+def test_a_member_whose_two_peers_die_at_once_publishes_the_entry_alone(
+    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """Ranks 1 and 2 are killed together mid-fill: rank 0 drops the one its heartbeat names
+    first, finds the other missing while their group of two forms, and goes on alone."""
+    with proxies(s3, *[FaultPlan()] * 3) as held:
+        held[1].reads_open.clear()
+        held[2].reads_open.clear()
+        fleet = Fleet(tmp_path, checkpoint.source, 3, [p.url for p in held], settings=HELD)
+        processes = {rank: fleet.start(rank) for rank in range(3)}
+        with ended(*processes.values()):
+            wait_until(lambda: formed(fleet.master_port) == 3
+                       and held[1].object_requests >= 1 and held[2].object_requests >= 1)
+            for rank in (1, 2):
+                os.kill(processes[rank].pid, signal.SIGKILL)
+            outcome = finish(0, processes[0])
+    published_as_alone(fleet, [outcome], [1, 2], checkpoint, s3)
+    assert "the survivors lost another member while they formed their group" in outcome.stderr
