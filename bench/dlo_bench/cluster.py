@@ -7,7 +7,9 @@ mode, each on empty caches. Every fill is checked before it counts: every rank r
 the requested mode and every node's entry is byte-identical to the source. The kernel's own
 counters of the shaped links give each node's wire bytes from the store and from its peers, and
 the machine's CPU counters how busy the host that simulates them was (`hostcpu`).
-Figures, bounds and the plot come from `dlo_bench.cluster_report`.
+Figures, bounds and the plot come from `dlo_bench.cluster_report`. With `--refill-from` or
+`--kill-at` it runs `dlo_bench.cluster_refill` (a lone node refilling from holders) or
+`dlo_bench.cluster_fault` (a group losing a member mid-fill) instead, on the same helpers.
 
 Without root or iproute2 it says why and exits 0 with no figures. It must not leave namespaces,
 servers or cache directories behind: each is removed by the block that made it.
