@@ -4,9 +4,12 @@ Owns the steps after the heartbeat found a member lost mid-exchange: the survivo
 again (`regroup`), gather what each holds (the chunks it wrote whole, and those it read but
 never sent, still in memory), re-plan what is still missing (`replan`), and run that plan's
 exchange in the survivors' group, each reading what it holds from memory or its own tmp dir
-and from the store what no survivor holds. Returns every chunk's digest in the first
-plan's order, for the usual checks and the commit (`transfer`). Called by `transfer`. Must not
-commit, take locks or decide the first plan.
+and from the store what no survivor holds. A further loss in that exchange starts the next
+generation of survivors the same way, with what each holds by then (the chunks it wrote, those
+it read and never sent written first), until the fill finishes or one member is left to finish
+it.
+Returns every chunk's digest in the first plan's order, for the usual checks and the commit
+(`transfer`). Called by `transfer`. Must not commit, take locks or decide the first plan.
 """
 
 from __future__ import annotations
@@ -68,14 +71,11 @@ class _Holding:
         return (self.written | self.in_memory,
                 [i for i in self.in_memory if i not in self.written], self.whole)
 
-    def keep(self, exchange: Exchange, again: Replan, index: dict[Span, int]) -> None:
+    def keep(self, exchange: Exchange, again: Replan) -> None:
         """Take in what a survivors' exchange cut short by a further loss left this one: the
-        chunks it wrote, and those it read and never sent."""
-        fetched = exchange.abandon()
-        self.written |= {again.original[i]: d for i, d in exchange.held().items()}
-        if not self.whole:
-            self.fetched |= fetched
-            self.in_memory |= {index[span]: found for span, (_, found) in fetched.items()}
+        chunks it wrote, and those it read and never sent (written now, their buffers freed,
+        as the first exchange's: `Exchange.settle`)."""
+        self.written |= {again.original[i]: d for i, d in exchange.settle().items()}
 
 
 def go_on(*, plan: Plan, group: Group, loss: Loss, first: Exchange, tmp_dir: Path,
@@ -141,7 +141,7 @@ def _finish(plan: Plan, survivors: Group, group: Group, loss: Loss, holding: _Ho
             agree(survivors, again.plan.fingerprint)
             digests = exchange.run(survivors)
         except MemberLost:
-            holding.keep(exchange, again, {span_of(c): c.index for c in plan.chunks})
+            holding.keep(exchange, again)
             raise
         finally:
             exchange.abandon()
