@@ -23,7 +23,7 @@ Compile = Callable[[nn.Module], Callable[..., Any]]
 
 def regional(model: nn.Module) -> nn.Module:
     """diffusers' regional compilation, or each block's own `compile()` for a DiT without
-    `_repeated_blocks` (SD3 in this diffusers release, the two-stack DiT)."""
+    `_repeated_blocks` (the two-stack DiT)."""
     if getattr(model, "_repeated_blocks", None):
         model.compile_repeated_blocks()
     else:
