@@ -4,6 +4,10 @@ Usage: runtime_cache_worker.py CACHE_ROOT. Loads twice: once at start, and again
 stdin (the test may damage the entry in between). After each load it prints one JSON line: the
 entry id, whether this process published, the fallback reason, whether the plan's tensors equal
 the ordinary ones, and whether the entry's files are mapped into this process.
+
+The DiT is the hand-written one of `support.runtime_models` (two block classes, a float64
+buffer): the cache sees only tensors, and a process that imports no diffusers starts seconds
+sooner.
 """
 
 from __future__ import annotations
@@ -12,8 +16,8 @@ import json
 import sys
 
 import torch
+from support.runtime_models import DeclaredDiT, seeded
 
-from dlo_bench.models import tiny_model
 from dlo_runtime.runtime_weight_cache import RuntimeLayout, load_runtime_plan
 from dlo_contract.settings import Settings, replace_path
 
@@ -23,7 +27,7 @@ def main(root: str) -> None:
     for dotted, value in (("offload.use_allgather", False), ("offload.enable_runtime_cache", True),
                           ("cache.root", root)):
         settings = replace_path(settings, dotted, value)
-    model = tiny_model("flux")
+    model = seeded(DeclaredDiT)
     report(model, settings)
     sys.stdin.readline()
     report(model, settings)
