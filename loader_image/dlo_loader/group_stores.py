@@ -12,7 +12,7 @@ as it joins, on a port the system picks, and posts its address (`host:port`) on 
 it counts as joined, so every member knows every address before any can be lost. The host is
 the address this member reaches rank 0 from: the source address of a UDP socket connected to
 the master address (no packet is sent), which is the pod's own address in a Kubernetes pod and
-the namespace's on a loopback test; only one member's address is ever needed at a time.
+the network namespace's own elsewhere (loopback where the master is on loopback).
 """
 
 from __future__ import annotations
