@@ -42,19 +42,34 @@ def serve_concurrently(server: RunningServer, wanted: list[dict]) -> list[bytes]
         return [png for answer in answers for png in answer.result()]
 
 
+def wanted_jobs() -> list[dict]:
+    """Ten jobs, and an eleventh like the tenth but its seed: the 10th request has n=2."""
+    wanted = jobs(10)
+    wanted.append({**wanted[-1], "seed": wanted[-1]["seed"] + 1})
+    return wanted
+
+
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
+    """The resident pipeline's images of `wanted_jobs()`, made once: both modes serve the same
+    seeded model folder (`pod_files` builds it alike every time)."""
+    directory = tmp_path_factory.mktemp("reference")
+    files = pod_files(directory, ranks=1, publish=False)
+    return references(files, wanted_jobs(), directory / "jobs.json")
+
+
 @pytest.mark.parametrize("allgather", [True, False], ids=["allgather", "rank-local"])
 def test_concurrent_requests_of_mixed_steps_equal_their_resident_reference(
-        tmp_path: Path, servers: list[RunningServer], allgather: bool) -> None:
+        tmp_path: Path, servers: list[RunningServer], expected: list[bytes],
+        allgather: bool) -> None:
     files = pod_files(tmp_path, ranks=2, allgather=allgather)
     server = start_server(files, tmp_path / "server.log")
     servers.append(server)
     server.wait_ready()
     assert server.get("/health/ready").json()["detail"] == (
         f"2 rank(s), {'allgather' if allgather else 'rank-local'} mode")
-    wanted = jobs(10)
-    wanted.append({**wanted[-1], "seed": wanted[-1]["seed"] + 1})  # the 10th request has n=2
+    wanted = wanted_jobs()
     served = serve_concurrently(server, wanted)
-    expected = references(files, wanted, tmp_path / "jobs.json")
     mismatched = [index for index, (got, want) in enumerate(zip(served, expected)) if got != want]
     assert mismatched == [], server.log_tail()
     assert len(set(served)) == len(served)
