@@ -66,5 +66,19 @@ class Stores:
                              timeout=datetime.timedelta(seconds=self.timeout_s),
                              wait_for_workers=False)
 
+    def gone(self, rank: int, timeout_s: float) -> bool:
+        """Whether member `rank`'s process is gone for certain: its store's port refuses a
+        connection, which a live process (even a stopped one: the kernel accepts for it) never
+        does. A host that does not answer within `timeout_s` is no answer (the heartbeat
+        decides): see [Note: a closed connection] in `peers`."""
+        host, _, port = self.addresses[rank].rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+                return False
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+
     def close(self) -> None:
         self.own = None

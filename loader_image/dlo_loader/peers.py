@@ -20,6 +20,15 @@ same member; rank 0, whose store carries the verdicts, keeps it up after a failu
 member has left or is lost (at most `peer_timeout_s`). Blocking calls run on one worker thread,
 in order, while the caller polls: after a loss that thread may never return, so it is a daemon
 and the group is never torn down (`Group.close`); the process ends without waiting for it.
+
+[Note: a closed connection] A member killed (SIGKILL, OOM) on a node that stays up need not be
+waited for: once a collective failed because a peer's sockets closed, the watch asks, on its
+next round (at once), whether each member's process is still there: every member listens on
+its store's port (see `group_stores`), and a port that refuses a connection means the process
+that held it is gone, so that member is lost now, not after `peer_timeout_s`. A stopped member
+(its kernel still accepts) or a lost node (no answer) is left to the heartbeat. A member that
+posted that it left is never taken for lost this way: the round reads the posts after the
+probe.
 """
 
 from __future__ import annotations
@@ -131,6 +140,7 @@ class PeerWatch:
 
     def __init__(self, *, rank: int, members: list[Member], timeout_s: float,
                  connect: Callable[[], Any], names: Names = document_names,
+                 gone: Callable[[int, float], bool] | None = None,
                  clock: Callable[[], float] = time.monotonic, arrival_s: float = 0.0) -> None:
         self.rank, self.members, self.timeout_s = rank, members, timeout_s
         self._arrival_s = arrival_s
@@ -155,6 +165,11 @@ class PeerWatch:
         self._verdict: Loss | None = None
         self._closed = False
         """A collective failed: a peer's sockets closed (a silent member then died)."""
+        self._gone = gone
+        """`gone(rank, timeout_s)`: whether member `rank`'s process is gone for certain (see
+        [Note: a closed connection]); None: only the heartbeat tells."""
+        self._refused: set[int] = set()
+        """Members whose process was found gone after a collective failed."""
         self._posts: list[tuple[str, str]] = []
         self._posted = 0
         self._stop = threading.Event()
@@ -208,6 +223,7 @@ class PeerWatch:
         the watch knows (within `peer_timeout_s`), else None."""
         with self._lock:
             self._closed = True
+        self._wake.set()  # a round now: it asks who is gone (see [Note: a closed connection])
         until = self._clock() + self.timeout_s + 2 * self.interval_s
         while (loss := self.lost()) is None and self._clock() < until:
             with self._lock:
@@ -281,6 +297,11 @@ class PeerWatch:
                                         f"({self._names('loader.peer_timeout_s')}); it was "
                                         "stopped, frozen or cut off")
         bound = f"{timeout:g} s ({self._names('loader.peer_timeout_s')})"
+        gone = sorted(r for r in self._refused if r not in self._left)
+        if gone:
+            return Loss(self.member(gone[0]), "died: its connections to the group closed and "
+                                              "its process is gone (its port refuses "
+                                              "connections)")
         if stale and self._closed:
             return Loss(self.member(stale[0]), f"died: its connections to the group closed and "
                                                f"it sent no heartbeat for {bound}")
@@ -318,6 +339,7 @@ class PeerWatch:
             store.set(key, value)
         size = len(self.members)
         store.add(f"{_BEAT}/{self.rank}", 1)
+        refused = self._probe()  # before the posts are read: one that left is no loss
         counts = {r: store.add(f"{_BEAT}/{r}", 0) for r in self._changed}
         left = {r: json.loads(store.get(f"{_LEFT}/{r}")) for r in range(size)
                 if r != self.rank and store.check([f"{_LEFT}/{r}"])}
@@ -331,6 +353,16 @@ class PeerWatch:
                 if self._counts.get(r) != count:
                     self._counts[r], self._changed[r] = count, now
             self._left.update(left)
+            self._refused |= refused
             if verdict is not None and self._verdict is None:
                 self._verdict = Loss(self.member(int(verdict["rank"])), str(verdict["how"]))
             self._lock.notify_all()
+
+    def _probe(self) -> set[int]:
+        """The members whose process is gone, asked only once a collective failed (see [Note:
+        a closed connection])."""
+        with self._lock:
+            asking = [r for r in self._changed if r not in self._left and r not in self._refused]
+            if self._gone is None or not self._closed:
+                return set()
+        return {r for r in asking if self._gone(r, self.interval_s)}

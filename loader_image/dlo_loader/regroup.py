@@ -80,7 +80,8 @@ def survivors_of(group: Group, loss: Loss) -> Group:
     stores = group.stores
     new_watch = PeerWatch(rank=rank, members=members, timeout_s=watch.timeout_s,
                           names=watch.names, arrival_s=watch.timeout_s,
-                          connect=lambda: dist.PrefixStore(prefix, stores.connect(host)))
+                          connect=lambda: dist.PrefixStore(prefix, stores.connect(host)),
+                          gone=lambda r, timeout_s: stores.gone(ranks[r], timeout_s))
     timeout = datetime.timedelta(seconds=group.collective_timeout_s)
     try:
         pg = new_watch.call(dist.ProcessGroupGloo, dist.PrefixStore(prefix + "pg/", store), rank,

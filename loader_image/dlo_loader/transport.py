@@ -346,11 +346,12 @@ def join(
                  f"size, or set {names('loader.on_rendezvous_timeout')}=independent",
         ) from exc
     log.info("joined the loader group of %d at %s", world_size, where)
-    watch = PeerWatch(rank=rank, members=members, timeout_s=peer_timeout_s, names=names,
-                      connect=lambda: _store(master_addr, master_port, world_size,
-                                             is_master=False, timeout_s=peer_timeout_s))
     stores = Stores(addresses=addresses, own=store if rank == 0 else own,
                     world_size=world_size, timeout_s=peer_timeout_s)
+    watch = PeerWatch(rank=rank, members=members, timeout_s=peer_timeout_s, names=names,
+                      connect=lambda: _store(master_addr, master_port, world_size,
+                                             is_master=False, timeout_s=peer_timeout_s),
+                      gone=stores.gone)
     return Rendezvous(store, rank=rank, world_size=world_size, where=where, watch=watch,
                       stores=stores)
 

@@ -5,13 +5,15 @@ say whom they finished without and what they read again."""
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
 import pytest
 from dlo_bench.faultproxy import FaultPlan
 from dlo_bench.s3server import S3Server
-from support.loader_fleet import Checkpoint, Fleet, entry_files, included, no_entry
+from support.loader_fleet import (Checkpoint, Fleet, ended, entry_files, finish, formed,
+                                  included, no_entry, wait_until)
 from test_loader_group import proxies, signalled_mid_fill
 
 pytestmark = pytest.mark.slow
@@ -45,3 +47,27 @@ def test_the_survivors_of_a_lost_member_publish_the_entry_without_it(
     assert read_again > 0
     assert sum(store_bytes) >= sum(map(len, included(checkpoint.files).values()))
     assert no_entry(fleet.root(2)) or not any((fleet.root(2) / "v1" / "entries").iterdir())
+
+
+def test_a_killed_member_is_found_by_its_closed_port_not_by_the_heartbeat_bound(
+    s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    """A member killed on a node that stays up is lost as soon as a collective fails (its
+    store's port refuses connections: [Note: a closed connection] in `peers`): with a heartbeat
+    bound past the process guard, only that can let the survivors finish."""
+    with proxies(s3, *[FaultPlan()] * 3) as held:
+        held[2].reads_open.clear()
+        fleet = Fleet(tmp_path, checkpoint.source, 3, [p.url for p in held],
+                      settings={"timeout_s": 3600.0, "peer_timeout_s": 3600.0})
+        processes = {rank: fleet.start(rank) for rank in range(3)}
+        with ended(*processes.values()):
+            wait_until(lambda: formed(fleet.master_port) == 3 and held[2].object_requests >= 1)
+            os.kill(processes[2].pid, signal.SIGKILL)
+            outcomes = [finish(rank, processes[rank]) for rank in (0, 1)]
+    for outcome in outcomes:
+        assert outcome.returncode == 0, outcome.stderr[-3000:]
+        assert outcome.summary["without"] == [2]
+        assert entry_files(fleet.root(outcome.rank)) == included(checkpoint.files)
+    # The survivor that found it says how; the other adopts its verdict.
+    assert any("loader rank 2 (pod loader-2, node node2) died: its connections to the group "
+               "closed and its process is gone" in outcome.stderr for outcome in outcomes)
