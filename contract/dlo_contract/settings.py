@@ -178,7 +178,8 @@ class LoaderConfig(Section):
         "lost (killed, stopped, frozen or cut off), naming its rank, pod and node: lost once "
         "the process group forms, they finish the fill without it (loss after loss, while one "
         "is left); lost before, while the members take their nodes' publications, they stop. "
-        "A wait on the group for a silent loader ends within it.")
+        "A wait on the group for a silent loader ends within it; a loader killed on a node that "
+        "stays up is found at once (its port refuses connections).")
     timeout_s: float = setting(
         3600.0, crd="loader.timeoutSeconds", above=0,
         description="Whole-fill deadline in seconds; any rank past it fails every rank.")
