@@ -3,9 +3,10 @@ world, port, out_dir)` and writes `rank<r>.json`; the results come back in rank 
 `main` hands its cases to `in_gloo_rank`, which owns the rank's process group.
 
 Ranks are forked from one fork server per test session that has imported torch, dynamo, inductor,
-the runtime and the diffusers DiTs once (`PRELOAD`): a freshly spawned rank spent most of its
-setup importing them again. Each rank is still its own process with its own gloo group; the
-server has run no torch op, so no thread pool or process group crosses the fork."""
+the runtime and the diffusers DiTs once and frozen their objects out of garbage collection
+(`support.frozen_imports`): a freshly spawned rank spent most of its setup importing them again,
+and every enable and disable walking them. Each rank is still its own process with its own gloo
+group; the server has run no torch op, so no thread pool or process group crosses the fork."""
 
 from __future__ import annotations
 
@@ -21,22 +22,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from dlo_bench.s3server import free_port
 
-PRELOAD = [
-    "support.runtime_helpers",
-    "support.compiled_helpers",
-    "torch._inductor.compile_fx",
-    "diffusers.models.transformers.transformer_flux",
-    "diffusers.models.transformers.transformer_sd3",
-    "diffusers.models.transformers.transformer_wan",
-]
-"""Modules the fork server imports before it forks any rank (every world's heavy imports)."""
-
 
 def run_world(main: Callable[..., None], world: int, out_dir: Path) -> list[dict[str, Any]]:
     """Run `main` on `world` ranks forked from the session's fork server (their failure fails
     the caller) and read each rank's JSON result."""
     # Takes effect when the first world starts the server; later calls change nothing.
-    multiprocessing.set_forkserver_preload(PRELOAD)
+    multiprocessing.set_forkserver_preload(["support.frozen_imports"])
     mp.start_processes(main, args=(world, free_port(), str(out_dir)), nprocs=world,
                        start_method="forkserver")
     return [json.loads(Path(out_dir, f"rank{rank}.json").read_text()) for rank in range(world)]
