@@ -10,8 +10,8 @@ plan's fingerprint. Called once a group of survivors formed. Must not do I/O.
 received before the loss). A chunk every survivor holds is done. Any other chunk, whether the
 lost member's unread ones, ones it alone had received, or ones a survivor missed because the
 round that carried them was cut short, goes round the survivors' ring once more: read by a
-survivor that holds it (from its disk, or from memory: one it read but never sent) (the least loaded of its holders, its digest checked against the
-one it recorded), or, where no survivor holds it, from the store by the least loaded survivor.
+survivor that holds it (from its disk: the least loaded of its holders, its digest checked
+against the one it recorded), or, where no survivor holds it, from the store by the least loaded survivor.
 Only those are `store_bytes`: what the loss costs the store. A survivor whose node holds the
 entry already (`whole`: it joined the group to serve its ranges) holds every chunk on disk, its
 entry, whatever it read or received: it serves any chunk from there, publishes nothing, and
@@ -25,7 +25,7 @@ exchanges in the first plan's order, for the checks and the commit.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from dlo_loader.plan import Chunk, Plan
@@ -72,20 +72,17 @@ class Replan:
 
 
 def replan(plan: Plan, survivors: Sequence[int], held: Sequence[Mapping[int, str]],
-           in_memory: Sequence[Collection[int]] = (), whole: Sequence[bool] = ()) -> Replan:
+           whole: Sequence[bool] = ()) -> Replan:
     """The survivors' plan (see [Note: re-planning]): `survivors` by their rank in the group
     every member formed, in their order in the survivors' group; `held[k]`: what survivor `k`
-    holds, first-plan chunk index to digest; `in_memory[k]`: those of them it holds in memory
-    only (read, never sent, not written: they move even where every survivor holds them);
-    `whole[k]`: survivor `k`'s node holds the entry (every chunk, on disk).
+    holds written, first-plan chunk index to digest; `whole[k]`: survivor `k`'s node holds the entry (every chunk, on disk).
     Raises ValueError where two survivors hold one chunk with different digests (the store's
     object changed under the fill)."""
     if len(held) != len(survivors) or not survivors:
         raise ValueError(f"{len(held)} holdings for {len(survivors)} survivors")
     every = range(len(plan.chunks))
     entries = list(whole) or [False] * len(held)
-    written = [set(every) if entry else set(h) - set(m) for h, m, entry in
-               zip(held, in_memory or [()] * len(held), entries, strict=True)]
+    written = [set(every) if entry else set(h) for h, entry in zip(held, entries, strict=True)]
     known = {i: d for holding in held for i, d in holding.items()}
     everywhere = set(every).intersection(*written)
     load, count = [0] * len(survivors), [0] * len(survivors)
@@ -95,8 +92,7 @@ def replan(plan: Plan, survivors: Sequence[int], held: Sequence[Mapping[int, str
     for chunk in sorted(plan.chunks, key=lambda c: (-c.length, c.index)):
         _same_digest(chunk, [k for k, holding in enumerate(held) if chunk.index in holding],
                      held)
-        holders = [k for k in range(len(held)) if chunk.index in written[k]
-                   or chunk.index in held[k]]
+        holders = [k for k in range(len(held)) if chunk.index in written[k]]
         if chunk.index in everywhere:
             continue
         owner = min(holders or range(len(survivors)), key=lambda k: (load[k], count[k], k))

@@ -1,13 +1,12 @@
 """A fill that goes on without a member its group lost.
 
 Owns the steps after the heartbeat found a member lost mid-exchange: the survivors form a group
-again (`regroup`), gather what each holds (the chunks it wrote whole, and those it read but
-never sent, still in memory), re-plan what is still missing (`replan`), and run that plan's
-exchange in the survivors' group, each reading what it holds from memory or its own tmp dir
+again (`regroup`), gather what each holds (the chunks it wrote whole: those it read and never
+sent are written first, `Exchange.settle`), re-plan what is still missing (`replan`), and run
+that plan's exchange in the survivors' group, each reading what it holds from its own tmp dir
 and from the store what no survivor holds. A further loss in that exchange starts the next
-generation of survivors the same way, with what each holds by then (the chunks it wrote, those
-it read and never sent written first), until the fill finishes or one member is left to finish
-it.
+generation of survivors the same way, with what each holds by then, until the fill finishes or
+one member is left to finish it.
 Returns every chunk's digest in the first plan's order, for the usual checks and the commit
 (`transfer`). Called by `transfer`. Must not commit, take locks or decide the first plan.
 """
@@ -20,19 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dlo_loader import digest
 from dlo_loader.checks import agree
 from dlo_loader.errors import GroupError, MemberLost
-from dlo_loader.fetch import span_of
 from dlo_loader.regroup import survivors_of
 from dlo_loader.replan import Replan, replan
 from dlo_contract.units import human_bytes
 
 if TYPE_CHECKING:
-    import mmap
-
     from dlo_loader.exchange import Exchange, Reader
-    from dlo_loader.fetch import Span
     from dlo_loader.peers import Loss
     from dlo_loader.plan import Plan
     from dlo_loader.transport import Group
@@ -55,21 +49,17 @@ class Survived:
 
 @dataclass
 class _Holding:
-    """What this survivor holds, by first-plan chunk index, carried from one generation of
-    survivors to the next: the chunks it wrote whole, those it read and never sent (in
-    memory, their buffers by span in `fetched`), and what it read again so far."""
+    """What this survivor holds, carried from one generation of survivors to the next: the
+    chunks it wrote whole, by first-plan chunk index, and what it read again so far."""
 
     written: dict[int, str]
-    in_memory: dict[int, str]
-    fetched: dict[Span, tuple[mmap.mmap, str]]
     whole: bool
     """Its node's entry holds every chunk (`go_on`)."""
     read_again: int = 0
 
-    def shared(self) -> tuple[dict[int, str], list[int], bool]:
+    def shared(self) -> tuple[dict[int, str], bool]:
         """What the survivors gather from each (`replan`'s inputs)."""
-        return (self.written | self.in_memory,
-                [i for i in self.in_memory if i not in self.written], self.whole)
+        return self.written, self.whole
 
     def keep(self, exchange: Exchange, again: Replan) -> None:
         """Take in what a survivors' exchange cut short by a further loss left this one: the
@@ -85,15 +75,15 @@ def go_on(*, plan: Plan, group: Group, loss: Loss, first: Exchange, tmp_dir: Pat
     docstring); `first`: the exchange the loss cut short; `tmp_dir`: where this rank's chunks
     lie (`whole`: its node's entry, which holds every chunk); `store_read`: reads from the store;
     `exchange_of(plan, rank, read)` starts an exchange; `done`: every chunk's digest where the
-    loss came once `first` was over (nothing is left in memory). A further loss in the
+    loss came once `first` was over (it wrote every chunk). A further loss in the
     survivors' exchange starts the next generation with what each holds then. Raises the
     loss's error where the survivors cannot go on (this member dropped, no other left)."""
     # Its reads stop; the chunks it read and never sent are written to `tmp_dir` and every idle
     # buffer is freed, so the survivors' exchange has the memory budget (`Exchange.settle`).
     settled = first.settle()
     written = {i: d for i, d in enumerate(done) if d} if done is not None else settled
-    holding = _Holding(written, {}, {}, whole)
-    reader_of = _reader_of(tmp_dir, store_read, holding.fetched)
+    holding = _Holding(written, whole)
+    reader_of = _reader_of(tmp_dir, store_read)
     lost = group
     while True:
         try:
@@ -123,8 +113,8 @@ def _finish(plan: Plan, survivors: Group, group: Group, loss: Loss, holding: _Ho
     shared = holding.shared()
     gathered = survivors.all_gather_object(shared)
     try:
-        again = replan(plan, survivors.ranks, [h for h, _, _ in gathered],
-                       [m for _, m, _ in gathered], [w for _, _, w in gathered])
+        again = replan(plan, survivors.ranks, [h for h, _ in gathered],
+                       [w for _, w in gathered])
     except ValueError as exc:
         raise GroupError(f"the survivors cannot go on without {loss.member}: {exc}",
                          hint="rerun every loader of the group") from exc
@@ -155,33 +145,25 @@ def _finish(plan: Plan, survivors: Group, group: Group, loss: Loss, holding: _Ho
                     read_again=holding.read_again)
 
 
-def _reader_of(tmp_dir: Path, store_read: Reader, fetched: dict[Span, tuple[mmap.mmap, str]],
-               ) -> Callable[[Replan, int], Reader]:
-    return lambda again, rank: _reader(again, rank, tmp_dir, store_read, fetched)
+def _reader_of(tmp_dir: Path, store_read: Reader) -> Callable[[Replan, int], Reader]:
+    return lambda again, rank: _reader(again, rank, tmp_dir, store_read)
 
 
-def _reader(again: Replan, rank: int, tmp_dir: Path, store_read: Reader,
-            fetched: dict[Span, tuple[mmap.mmap, str]]) -> Reader:
-    """Reads this rank's chunks of the survivors' plan: those it holds from memory (read by
-    the first exchange, never sent) or from its tmp dir (written), else from the store."""
+def _reader(again: Replan, rank: int, tmp_dir: Path, store_read: Reader) -> Reader:
+    """Reads this rank's chunks of the survivors' plan: those it holds from its tmp dir (its
+    node's entry, where it holds one), else from the store."""
     from dlo_loader.sink import EntryChunks
 
     disk = EntryChunks(tmp_dir, again.plan.files, again.plan.algorithms).read
-    spans: dict[int, list[tuple[int, int, mmap.mmap | None]]] = {}
+    spans: dict[int, list[tuple[int, int]]] = {}
     for number in again.from_disk:
         chunk = again.plan.chunks[number]
         if chunk.owner == rank:
-            kept = fetched.get(span_of(chunk))
-            spans.setdefault(chunk.file, []).append(
-                (chunk.offset, chunk.offset + chunk.length, kept[0] if kept else None))
+            spans.setdefault(chunk.file, []).append((chunk.offset, chunk.offset + chunk.length))
 
     def read(file: int, offset: int, into: memoryview) -> int:
-        for start, end, buffer in spans.get(file, ()):
-            if start <= offset < end:
-                if buffer is None:
-                    return disk(file, offset, into)
-                into[:] = memoryview(buffer)[offset - start:offset - start + len(into)]
-                return digest.extend(0, into, again.plan.algorithms[file])
+        if any(start <= offset < end for start, end in spans.get(file, ())):
+            return disk(file, offset, into)
         return store_read(file, offset, into)
 
     return read

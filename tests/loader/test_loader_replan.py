@@ -94,23 +94,13 @@ def test_survivors_that_wrote_one_chunk_differently_are_refused() -> None:
         replan(PLAN, [0, 1], held)
 
 
-def test_chunks_a_lone_survivor_holds_in_memory_only_are_still_written() -> None:
-    """Read and never sent: not on any disk, so they move (from memory) even where every
-    survivor holds them."""
-    mine = holding(PLAN, 0, rounds=0)
-    unsent = set(list(mine)[:2])
-    again = replan(PLAN, [0], [mine], [unsent])
-    assert {again.original[i] for i in again.from_disk} == unsent  # the rest is on its disk
-    assert set(again.original) - unsent == {c.index for c in PLAN.chunks} - set(mine)
-
-
 def test_a_survivor_that_holds_the_entry_serves_every_missing_chunk_from_it() -> None:
     """Survivor 1's node holds the entry (it read and sent two rounds' chunks of its own): it
     serves whatever survivor 0 misses, nothing comes from the store, and its digests are those
     any survivor recorded; a chunk nobody read has none where every survivor holds the entry."""
     received = holding(PLAN, 0, rounds=2)
     sent = {i: d for i, d in received.items() if PLAN.chunks[i].owner == 1}
-    again = replan(PLAN, [0, 1], [received, sent], [(), ()], [False, True])
+    again = replan(PLAN, [0, 1], [received, sent], [False, True])
     assert again.store_bytes == 0 and again.from_disk == frozenset(range(len(again.plan.chunks)))
     assert {c.owner for c in again.plan.chunks} == {1}
     assert {again.original[i] for i in range(len(again.plan.chunks))} == \
@@ -118,6 +108,6 @@ def test_a_survivor_that_holds_the_entry_serves_every_missing_chunk_from_it() ->
     read = [digest(i) for i in again.original]
     assert again.merged(received, read) == again.merged(sent, read, whole=True) == \
         [digest(i) for i in range(len(PLAN.chunks))]
-    both = replan(PLAN, [0, 1], [sent, {}], [(), ()], [True, True])
+    both = replan(PLAN, [0, 1], [sent, {}], [True, True])
     assert both.plan.chunks == ()
     assert both.merged({}, [], whole=True) == [sent.get(i, "") for i in range(len(PLAN.chunks))]
