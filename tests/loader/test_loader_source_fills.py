@@ -43,7 +43,9 @@ def manifest_files(root: Path, entry_id: str) -> list[dict]:
         return [vars(record) for record in handle.manifest.files]
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+# Alone (streamed to disk) and a group of three (an odd ring); a group of two runs the same
+# scheme-independent exchange, which the S3 group tests cover.
+@pytest.mark.parametrize("world", [1, 3])
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_cache_fill_gives_every_node_the_bytes(
         scheme: str, world: int, checkpoint: Checkpoint, tmp_path: Path) -> None:
