@@ -46,6 +46,17 @@ wait in their buffers for their round. If the group does not form, the exchange 
 and the fill fails; if the plans differ across ranks, the agreement fails before any byte is
 written or exchanged.
 
+[Note: kept after a loss] A member lost mid-exchange (`MemberLost`) does not stop this rank's
+reads: `settle` opens no further chunk, gives the reads in flight up to `LATE_AFTER_S` to
+complete the open ones (those take no more than a chunk's read each, which would otherwise be
+read again from the store), and writes every chunk this rank read whole and never saw
+delivered: those still in the fetcher and its own chunk of each round the loss cut short. That
+one lies whole in its send buffer, which a collective cut short may still hold: gloo only reads
+a send buffer (it copies it into its own output first) and the round's state goes in the page
+after the chunk, so its bytes are those read and hashed; the buffer never goes back to a pool
+(`settle` releases them). The survivors then re-read from the store only what no survivor
+holds (`replan`).
+
 [Note: failing together] Every failure (a read that gave up, a write error, the deadline) is
 reported in the next round's state (see [Note: round state] in `rounds`), so all ranks raise in
 the same round. A rank that dies instead closes its sockets, which fails the others' next
@@ -62,7 +73,7 @@ import time
 from typing import TYPE_CHECKING
 
 from dlo_loader.chunk_writer import ChunkWriter
-from dlo_loader.errors import GroupError, LoaderError
+from dlo_loader.errors import GroupError, LoaderError, MemberLost
 from dlo_loader.exchange_budget import BUFFERS, ROUNDS_IN_FLIGHT, Budget, memory_budget
 from dlo_loader.fetch import POLL_S, BufferPool, Fetcher, Reader, Span, chunk_buffer, span_of
 from dlo_loader.plan import Chunk, Plan
@@ -113,6 +124,9 @@ class Exchange:
                      budget.in_flight, budget.buffers, budget.slot)
         self._rounds = BufferPool(budget.in_flight + 1 if grouped else 0,
                                   plan.world_size * budget.slot, BUFFERS)
+        self._taken: dict[int, tuple[Chunk, mmap.mmap, str]] = {}
+        """This rank's chunks in rounds posted and not delivered, by chunk index: what a loss
+        leaves to `settle` (see [Note: kept after a loss])."""
         self._paddings: dict[int, mmap.mmap] = {}
         """What a rank without a chunk in a round sends, one per round in flight (made on first
         need): the page after it carries that round's state."""
@@ -155,18 +169,25 @@ class Exchange:
         return self._fetcher.take_all_ready()
 
     def settle(self) -> dict[int, str]:
-        """Once `run` ended for good (a member was lost): stop reading, write the chunks read
-        and never sent (with no sink, this rank serves its entry: their digests only), free
-        every buffer but those a collective cut short still holds, and return what this rank
-        holds (`held`), so the exchange that follows has the memory budget (see [Note: memory
-        bound] in `exchange_budget`)."""
+        """Once `run` ended for good (a member was lost): let the reads in flight complete
+        their chunks, stop reading, write every chunk read whole and never delivered (see
+        [Note: kept after a loss]; with no sink, this rank serves its entry: their digests
+        only), free every buffer but those a collective cut short still holds, and return what
+        this rank holds (`held`), so the exchange that follows has the memory budget (see
+        [Note: memory bound] in `exchange_budget`)."""
+        self._fetcher.open_no_more()
+        until = time.monotonic() + LATE_AFTER_S
+        while not self._fetcher.wait_open(POLL_S) and time.monotonic() < until:
+            pass
         kept = self.abandon()
         self._writer.drain()
         for chunk in self.plan.owned(self.rank):
             found = kept.pop(span_of(chunk), None)
             if found is not None:
                 self._writer.write_here(chunk, memoryview(found[0])[:chunk.length], found[1])
-        self._fetched, self._paddings = [], {}
+        for chunk, data, digest in self._taken.values():  # their buffers: never reused
+            self._writer.write_here(chunk, memoryview(data)[:chunk.length], digest)
+        self._fetched, self._taken, self._paddings = [], {}, {}
         self._rounds.release()
         self._fetch_pool.release()
         return self.held()
@@ -191,15 +212,23 @@ class Exchange:
                 self._run_alone()
             else:
                 self._run_group()
-        finally:
-            self._fetch_stop.set()
-            self.stop.set()  # readers still retrying must give up now
+        except MemberLost:  # reads in flight go on for `settle` ([Note: kept after a loss])
             self._writer.close()
+            raise
+        except BaseException:
+            self._stop_reading()
+            raise
+        self._stop_reading()
         digests = self._writer.digests
         missing = [index for index, digest in enumerate(digests) if digest is None]
         if missing:
             raise LoaderError(f"chunks {missing[:8]} were never written; the plan is inconsistent")
         return [d for d in digests if d is not None]
+
+    def _stop_reading(self) -> None:
+        self._fetch_stop.set()
+        self.stop.set()  # readers still retrying must give up now
+        self._writer.close()
 
     def _run_alone(self) -> None:
         """Nothing waits on the order: chunks stream to disk as they arrive."""
@@ -238,6 +267,7 @@ class Exchange:
         if mine is not None and taken is None and self._wait_own(number, patient=patient):
             _, data, digest = self._fetcher.take(number)
             taken = data, digest
+            self._taken[mine.index] = mine, data, digest
         problem = self._problem()
         state = (RoundState.FAILED if problem is not None
                  else RoundState.LATE if mine is not None and taken is None
@@ -303,6 +333,7 @@ class Exchange:
         mine = round_.by_owner.get(self.rank)
         if mine is not None and round_.taken is not None:
             data, digest = round_.taken
+            del self._taken[mine.index]
             self.progress.add(to_peers=mine.length * (self.plan.world_size - 1))
             self._writer.submit(mine, memoryview(data)[:mine.length],
                                 lambda: self._fetcher.give_back(data), digest)

@@ -122,6 +122,8 @@ class Fetcher:
         self._parts: dict[int, dict[int, tuple[int, int]]] = {}
         """Per open chunk: each fetched part's `(length, running CRC)` by its start."""
         self._ready: dict[int, tuple[mmap.mmap, str]] = {}
+        self._opening = True
+        """False once `open_no_more`: the readers finish the open chunks only."""
         self.error: BaseException | None = None
         for number in range(min(shape.readers, len(chunks))):
             threading.Thread(target=self._work, name=f"dlo-read-{number}", daemon=True).start()
@@ -131,6 +133,19 @@ class Fetcher:
         with self._cond:
             ready, self._ready = self._ready, {}
             return {span_of(self._chunks[position]): found for position, found in ready.items()}
+
+    def open_no_more(self) -> None:
+        """Open no further chunk: the readers finish the parts of the open ones, then idle."""
+        with self._cond:
+            self._opening = False
+            self._cond.notify_all()
+
+    def wait_open(self, timeout: float) -> bool:
+        """True once no chunk is open (each complete, or its reads stopped), or a read
+        failed."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: not self._open or self.error is not None or self._stop.is_set(), timeout)
 
     def give_back(self, buffer: mmap.mmap) -> None:
         """Return a consumed chunk's buffer; a reader may open the next chunk with it."""
@@ -192,7 +207,7 @@ class Fetcher:
 
     def _claim(self) -> Part | None:
         """The next part (caller holds `_cond`); opening a chunk takes a buffer for it."""
-        part = self._order.claim(can_open=self._pool.available())
+        part = self._order.claim(can_open=self._opening and self._pool.available())
         if part is not None and part.opens:
             buffer = self._pool.take()
             assert buffer is not None  # only this thread, under _cond, takes fetch buffers

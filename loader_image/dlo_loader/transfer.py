@@ -178,7 +178,7 @@ class Transfer:
         from dlo_loader.exchange import Exchange
         from dlo_loader.survive import go_on
 
-        self.stop.clear()  # the first exchange's end stopped the store's retries
+        self.stop.clear()  # an exchange that ended (the loss came after it) stopped the retries
 
         def exchange_of(again: Plan, rank: int, read: Reader) -> Exchange:
             return Exchange(again, rank=rank, grouped=True, read=read, sink=self._sink,

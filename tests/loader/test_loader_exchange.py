@@ -172,3 +172,39 @@ def test_alone_a_failed_write_fails_the_exchange(tmp_path: Path, monkeypatch) ->
     else:
         raise AssertionError("the exchange succeeded with a full disk")
     assert len(reader.spans) == 3  # the third piece's write failed: no fourth read
+
+
+def test_settle_lets_a_read_in_flight_complete_its_chunk_and_writes_it(tmp_path: Path) -> None:
+    """After a loss (`Exchange.settle`) the chunk being read is not dropped to be read again:
+    no chunk opens any more, the open one completes and is written with those read before."""
+    plan = build_plan(FILES, mode="multi-reader", world_size=3, chunk_bytes=16 * KIB)
+    owned = plan.owned(1)
+    gate, counting = threading.Event(), CountingReader()
+
+    def read(file: int, offset: int, into: memoryview) -> int:
+        if (file, offset) == (owned[0].file, owned[0].offset):
+            assert gate.wait(30)  # its first chunk is in flight when the loss comes
+        return counting(file, offset, into)
+
+    config = LoaderConfig(source="s3://b/p/", readers=2, chunk_bytes=plan.chunk_bytes,
+                          memory_limit_bytes=64 * plan.chunk_bytes)
+    ended = Exchange(plan, rank=1, grouped=True, read=read, sink=FileSink(tmp_path, plan.files),
+                     progress=Progress(total_bytes=plan.total_bytes, emit=None, prefix=""),
+                     config=config, deadline=time.monotonic() + 60, stop=threading.Event())
+    for position in range(1, len(owned)):
+        assert ended._fetcher.wait_ready(30, position) and ended._fetcher.error is None
+    held: dict[int, str] = {}
+    settling = threading.Thread(target=lambda: held.update(ended.settle()))
+    settling.start()
+    deadline = time.monotonic() + 30
+    while ended._fetcher._opening and time.monotonic() < deadline:  # settle has begun
+        time.sleep(0.01)
+    gate.set()
+    settling.join(30)
+    assert sorted(held) == sorted(c.index for c in owned)
+    assert sorted(counting.spans) == sorted((c.file, c.offset, c.length) for c in owned)
+    for chunk in owned:
+        span = slice(chunk.offset, chunk.offset + chunk.length)
+        data = (tmp_path / FILES[chunk.file].key).read_bytes()[span]
+        assert data == CONTENT[chunk.file][span]
+        assert held[chunk.index] == chunk_digest(data, ALGORITHM)

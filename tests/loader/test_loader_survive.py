@@ -44,8 +44,10 @@ def test_the_survivors_of_a_lost_member_publish_the_entry_without_it(
         assert entry_files(fleet.root(outcome.rank)) == included(checkpoint.files)
         assert entry_files(fleet.root(outcome.rank)) == entry_files(alone.root(0))
         assert "going on without loader rank 2" in outcome.stderr
-    assert read_again > 0
-    assert sum(store_bytes) >= sum(map(len, included(checkpoint.files).values()))
+    # Each survivor keeps every chunk it read whole, its own chunk of the round the loss cut
+    # short too (`Exchange.settle`): the survivors read the model from the store once in all.
+    assert 0 < read_again < sum(store_bytes)
+    assert sum(store_bytes) == sum(map(len, included(checkpoint.files).values()))
     assert no_entry(fleet.root(2)) or not any((fleet.root(2) / "v1" / "entries").iterdir())
 
 
