@@ -5,37 +5,12 @@ Owns the pipeline and its bounds. Alone, `stream.ChunkStreams` streams every chu
 store to its place on disk (see [Note: streaming alone] in `stream`). With a group,
 `fetch.Fetcher` reads this rank's chunks into chunk buffers (many ranged GETs at once, in the
 shape `schedule.fetch_shape` gives) and hashes each, the main thread walks the plan's rounds
-(each rank's chunk and its state go round the ring: see [Note: ring], and [Note: round state]
-in `rounds`), and a few writer threads (`chunk_writer`) write every chunk at its offset (hashing
-the ones received from peers), all within the budget `exchange_budget` computes.
-Called by `fill`. Must not decide policy (modes, fallback, publication) or touch the object store
-directly (it gets `read` and `stream` callables).
-
-[Note: ring] Round `k` holds the `k`-th chunk of each rank that has one, and is one all-gather:
-gloo runs it as a ring (in N - 1 steps every rank passes the chunk it got last to rank + 1 while
-receiving the next from rank - 1), so every link carries a chunk in every step, and each rank
-sends and receives about (N - 1)/N of the model in all, at the peer link's rate, whatever N is;
-the broadcast from one root it replaces cost N - 1 transfers per chunk on the root's link. Every
-rank contributes the round's longest chunk length, rounded up to a page (a rank without a
-chunk, or with a shorter last chunk, sends padding, dropped on receipt): only the last round of
-a file is short. One call per round keeps the per-step work in gloo's threads, not the
-interpreter's.
-
-[Note: round buffers] A round arrives in one buffer of N slots, rank by rank
-(`Group.all_gather_into`). torch's gloo backend gathers into a flat tensor of its own and copies
-each slot out of it (one copy of what arrives); point-to-point sends straight into the slots
-avoid that copy and were faster at N = 8, but a loader whose peer was killed mid-round could
-hang with them (the README's cluster section), so the ring stays.
-Slots are page-aligned, so the writers write each received chunk straight from its slot with
-direct I/O; the buffer goes back to the pool when the last of its chunks is written.
-
-[Note: rounds in flight] Up to `ROUNDS_IN_FLIGHT` rounds are posted before the oldest is waited
-for: while round `k` goes round the ring, this rank waits for its chunk of round `k + 1` and
-posts it, so the ring's steps of one round fill the pauses between the other's (each step
-waits for the slowest link, and a rank's chunk of the next round is ready before the ring
-needs it). Rounds are settled in order and every rank sees the same states, so all ranks
-take the same path: when any rank was late, every round in flight is settled first (a complete
-one is delivered), then the late ones run again after the status exchanges.
+(`ring.Ring`: each rank's chunk and its state go round the ring), and a few writer threads
+(`chunk_writer`) write every chunk at its offset (hashing the ones received from peers), all
+within the budget `exchange_budget` computes. After a loss, it keeps what this rank read
+(`settle`, see [Note: kept after a loss]).
+Called by `transfer` and `survive`. Must not decide policy (modes, fallback, publication) or
+touch the object store directly (it gets `read` and `stream` callables).
 
 [Note: reading before the group] The plan is a pure function of the listing, the settings and
 which members' nodes hold the entry, so once every member has taken its node's publication (the
@@ -56,16 +31,10 @@ a send buffer (it copies it into its own output first) and the round's state goe
 after the chunk, so its bytes are those read and hashed; the buffer never goes back to a pool
 (`settle` releases them). The survivors then re-read from the store only what no survivor
 holds (`replan`).
-
-[Note: failing together] Every failure (a read that gave up, a write error, the deadline) is
-reported in the next round's state (see [Note: round state] in `rounds`), so all ranks raise in
-the same round. A rank that dies instead closes its sockets, which fails the others' next
-collective at once.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import mmap
 import threading
@@ -73,14 +42,13 @@ import time
 from typing import TYPE_CHECKING
 
 from dlo_loader.chunk_writer import ChunkWriter
-from dlo_loader.errors import GroupError, LoaderError, MemberLost
+from dlo_loader.errors import LoaderError, MemberLost
 from dlo_loader.exchange_budget import BUFFERS, ROUNDS_IN_FLIGHT, Budget, memory_budget
-from dlo_loader.fetch import POLL_S, BufferPool, Fetcher, Reader, Span, chunk_buffer, span_of
-from dlo_loader.plan import Chunk, Plan
+from dlo_loader.fetch import POLL_S, BufferPool, Fetcher, Reader, Span, span_of
+from dlo_loader.plan import Plan
 from dlo_loader.progress import Progress
-from dlo_loader.rounds import (
-    STATE, STATE_BYTES, Countdown, Posted, RoundState, aligned, state_at,
-)
+from dlo_loader.ring import LATE_AFTER_S, Ring
+from dlo_loader.rounds import RoundState
 from dlo_loader.schedule import fetch_shape
 from dlo_loader.sink import FileSink
 from dlo_loader.stream import ChunkStreams, Streamer, streamer_of
@@ -90,11 +58,8 @@ from dlo_contract.settings import LoaderConfig
 if TYPE_CHECKING:  # transport imports torch: only fills with a group load it
     from dlo_loader.transport import Group
 
-__all__ = ["ROUNDS_IN_FLIGHT", "Exchange", "Reader", "RoundState"]
+__all__ = ["LATE_AFTER_S", "ROUNDS_IN_FLIGHT", "Exchange", "Reader", "RoundState"]
 log = logging.getLogger(__name__)
-LATE_AFTER_S = 5.0
-"""How long a rank waits for its own chunk before it joins a round as `LATE` (see
-[Note: round state] in `rounds`): ready ranks wait this long inside the collective for it."""
 
 
 class Exchange:
@@ -124,12 +89,8 @@ class Exchange:
                      budget.in_flight, budget.buffers, budget.slot)
         self._rounds = BufferPool(budget.in_flight + 1 if grouped else 0,
                                   plan.world_size * budget.slot, BUFFERS)
-        self._taken: dict[int, tuple[Chunk, mmap.mmap, str]] = {}
-        """This rank's chunks in rounds posted and not delivered, by chunk index: what a loss
-        leaves to `settle` (see [Note: kept after a loss])."""
-        self._paddings: dict[int, mmap.mmap] = {}
-        """What a rank without a chunk in a round sends, one per round in flight (made on first
-        need): the page after it carries that round's state."""
+        self._ring: Ring | None = None
+        """The rounds with the group, once `run` was given it."""
         self._writer = ChunkWriter(plan, sink, progress)
         self._start_reading(budget, config, read, sink, fetched or {}, stream)
 
@@ -185,9 +146,10 @@ class Exchange:
             found = kept.pop(span_of(chunk), None)
             if found is not None:
                 self._writer.write_here(chunk, memoryview(found[0])[:chunk.length], found[1])
-        for chunk, data, digest in self._taken.values():  # their buffers: never reused
+        taken = self._ring.in_rounds if self._ring is not None else {}
+        for chunk, data, digest in taken.values():  # their buffers: never reused
             self._writer.write_here(chunk, memoryview(data)[:chunk.length], digest)
-        self._fetched, self._taken, self._paddings = [], {}, {}
+        self._fetched, self._ring = [], None  # its paddings go
         self._rounds.release()
         self._fetch_pool.release()
         return self.held()
@@ -211,7 +173,11 @@ class Exchange:
             if self.group is None:
                 self._run_alone()
             else:
-                self._run_group()
+                self._ring = Ring(self.plan, self.group, rank=self.rank, fetcher=self._fetcher,
+                                  writer=self._writer, rounds=self._rounds,
+                                  progress=self.progress, in_flight=self._in_flight,
+                                  slot=self._slot, problem=self._problem)
+                self._ring.run()
         except MemberLost:  # reads in flight go on for `settle` ([Note: kept after a loss])
             self._writer.close()
             raise
@@ -242,146 +208,6 @@ class Exchange:
         self._raise_problem()
         for index, digest in self._streams.digests.items():
             self._writer.digests[index] = digest
-
-    def _run_group(self) -> None:
-        posted: collections.deque[Posted] = collections.deque()
-        for number, round_chunks in enumerate(self.plan.rounds):
-            # A rank late for the round before need not wait for this one's chunk again.
-            patient = not posted or posted[-1].state is not RoundState.LATE
-            posted.append(self._post(number, {c.owner: c for c in round_chunks}, None,
-                                     patient=patient))
-            if len(posted) == self._in_flight:
-                self._settle(posted)
-        while posted:
-            self._settle(posted)
-        self._writer.drain()
-        self._await_round(None, False)  # the last writes' outcome, agreed by every rank
-
-    def _post(self, number: int, by_owner: dict[int, Chunk],
-              taken: tuple[mmap.mmap, str] | None, *, patient: bool = True) -> Posted:
-        """Start round `number`: this rank's chunk (`taken` already, or once complete) and state
-        to every rank (see [Note: ring], and [Note: round state] in `rounds`), into a round
-        buffer (see [Note: round buffers])."""
-        assert self.group is not None
-        mine = by_owner.get(self.rank)
-        if mine is not None and taken is None and self._wait_own(number, patient=patient):
-            _, data, digest = self._fetcher.take(number)
-            taken = data, digest
-            self._taken[mine.index] = mine, data, digest
-        problem = self._problem()
-        state = (RoundState.FAILED if problem is not None
-                 else RoundState.LATE if mine is not None and taken is None
-                 else RoundState.READY)
-        stride = aligned(max(chunk.length for chunk in by_owner.values()))
-        send = taken[0] if taken is not None else self._padding_buffer(number)
-        STATE.pack_into(send, stride, state)
-        flat = self._round_buffer()
-        width = stride + STATE_BYTES
-        wait = self.group.all_gather_into(memoryview(send)[:width],
-                                          memoryview(flat)[:width * self.plan.world_size])
-        return Posted(number=number, by_owner=by_owner, stride=stride, flat=flat, taken=taken,
-                       state=state, problem=problem, wait=wait)
-
-    def _settle(self, posted: collections.deque[Posted]) -> None:
-        """Wait for the oldest round in flight and deliver it; when a rank was late for it,
-        settle every round in flight, then run the late ones again once every rank is ready
-        (status exchanges, which no round may be in flight for). Raises in the round in which
-        any rank failed."""
-        first = posted.popleft()
-        if self._finish(first):
-            return
-        late = [first]
-        while posted:
-            round_ = posted.popleft()
-            if not self._finish(round_):
-                late.append(round_)
-        for again in late:
-            while True:
-                self._await_round(again.number, again.state is RoundState.LATE)
-                again = self._post(again.number, again.by_owner, again.taken)
-                if self._finish(again):
-                    break
-
-    def _finish(self, round_: Posted) -> bool:
-        """Wait for a posted round; deliver it when every rank was ready (True), else give its
-        buffer back (False: it runs again); raise when any rank failed."""
-        began = time.monotonic()
-        round_.wait()
-        self.progress.timed("exchange", time.monotonic() - began)
-        states = [state_at(round_.flat, rank * round_.width + round_.stride, rank)
-                  for rank in range(self.plan.world_size)]
-        if all(s is RoundState.READY for s in states):
-            self._deliver(round_)
-            return True
-        self._rounds.give_back(round_.flat)
-        if round_.problem is not None:
-            raise round_.problem
-        if RoundState.FAILED in states:
-            raise self._failed(states.index(RoundState.FAILED))
-        late = [rank for rank, s in enumerate(states) if s is RoundState.LATE]
-        log.info("round %d of %d: loader rank(s) %s not ready after %g s; the round runs "
-                 "again once every rank is", round_.number + 1, len(self.plan.rounds),
-                 ", ".join(map(str, late)), LATE_AFTER_S)
-        return False
-
-    def _deliver(self, round_: Posted) -> None:
-        """Hand every chunk of a completed round to the writers; the round buffer goes back to
-        the pool once its last received chunk is written."""
-        flat, width = round_.flat, round_.width
-        received = [chunk for origin, chunk in round_.by_owner.items() if origin != self.rank]
-        release = Countdown(len(received), lambda: self._rounds.give_back(flat))
-        mine = round_.by_owner.get(self.rank)
-        if mine is not None and round_.taken is not None:
-            data, digest = round_.taken
-            del self._taken[mine.index]
-            self.progress.add(to_peers=mine.length * (self.plan.world_size - 1))
-            self._writer.submit(mine, memoryview(data)[:mine.length],
-                                lambda: self._fetcher.give_back(data), digest)
-        for chunk in received:
-            self.progress.add(from_peers=chunk.length)
-            at = chunk.owner * width
-            self._writer.submit(chunk, memoryview(flat)[at:at + chunk.length], release.one)
-
-    def _wait_own(self, number: int, *, patient: bool = True) -> bool:
-        """Wait up to `LATE_AFTER_S` (not `patient`: a moment) for this rank's chunk of round
-        `number`; False when it is not complete by then, or a problem came first."""
-        until = time.monotonic() + (LATE_AFTER_S if patient else 0.0)
-        while not self._fetcher.wait_ready(POLL_S, number):
-            if self._problem() is not None or time.monotonic() >= until:
-                return False
-        return self._fetcher.error is None
-
-    def _padding_buffer(self, number: int) -> mmap.mmap:
-        """What this rank sends in round `number` without a chunk of its own."""
-        key = number % self._in_flight
-        if key not in self._paddings:
-            self._paddings[key] = chunk_buffer(self._slot)
-        return self._paddings[key]
-
-    def _await_round(self, number: int | None, has_chunk: bool) -> None:
-        """Status exchanges until every rank is ready for round `number` (this rank: its
-        `number`-th owned chunk is complete); raise if any rank failed."""
-        while True:
-            ready = not has_chunk or self._fetcher.wait_ready(POLL_S, number)
-            problem = self._problem()
-            status = self.group.status(failed=problem is not None, ready=ready and problem is None)
-            if problem is not None:
-                raise problem
-            if status.failed:
-                raise self._failed(status.failed[0])
-            if status.all_ready:
-                return
-
-    def _failed(self, rank: int) -> GroupError:
-        assert self.group is not None
-        member = self.group.member(rank)
-        return GroupError(
-            f"{member} failed; this loader stops too and publishes nothing", hint=f"{member.log_hint()} for the cause, then rerun")
-
-    def _round_buffer(self) -> mmap.mmap:
-        while (buffer := self._rounds.wait(POLL_S)) is None:
-            self._raise_problem()
-        return buffer
 
     def _problem(self) -> BaseException | None:
         problem = (self._fetcher.error or self._writer.error

@@ -44,7 +44,7 @@ from dlo_contract.settings import LoaderConfig
 log = logging.getLogger(__name__)
 ROUNDS_IN_FLIGHT = 2
 """Rounds posted to the group at once when the memory budget allows (see [Note: rounds in
-flight] in `exchange`); each needs a round buffer, and one more is written meanwhile."""
+flight] in `ring`); each needs a round buffer, and one more is written meanwhile."""
 
 
 class BufferAccount:

@@ -10,9 +10,10 @@ they read, from disk), start reading this rank's share (see [Note: reading befor
 `exchange`), form the group, and run the transfer (`transfer`: exchange, headers, store
 checksums, digests compared across ranks, commit). A node whose entry appeared while it waited
 serves its share from disk and publishes nothing. A fill alone whose entry other nodes hold
-(the fill-group document's holders) reads it from them first (`peer_reads`). Any failure leaves no entry (the publication
-removes its tmp dir). Called by `cli` (and by tests in-process for one rank). Must not parse
-flags or print: it returns a `FillResult`.
+(the fill-group document's holders) reads it from them first (`peer_reads`). Any failure
+leaves no entry (the publication removes its tmp dir). Called by `cli` (and by tests
+in-process for one rank). Must not parse flags or print: it takes a `FillRequest` and returns a
+`FillResult` (`fill_records`).
 """
 
 from __future__ import annotations
@@ -22,15 +23,14 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dlo_loader import metrics
 from dlo_loader.claim import Claim, ClaimContext, Waits, claim_alone, claim_in_group
 from dlo_loader.errors import LoaderError
-from dlo_loader.peers import Member
+from dlo_loader.fill_records import FillRequest, FillResult, lost_members
 from dlo_loader.plan import Plan, build_plan
 from dlo_loader.progress import Progress, rank_prefix
 from dlo_loader.room import make_room_within
@@ -43,98 +43,19 @@ from dlo_contract.cache import (
     entry_id,
     find_entry,
 )
-from dlo_contract.documents import (
-    EntryDocument,
-    FillStatus,
-    FillSummary,
-    GroupMember,
-    PeerBytes,
-)
-from dlo_contract.fill_group import Holder
-from dlo_contract.names import DEFAULT_RENDEZVOUS_PORT
-from dlo_contract.settings import Settings
 from dlo_contract.units import human_bytes
 from dlo_contract.validation import names_for
 
 if TYPE_CHECKING:
     from dlo_loader.peer_reads import PeerReads
-    from dlo_loader.survive import Survived
     from dlo_loader.transport import Group
 
 TRANSFER_MODULES = ("dlo_loader.exchange", "dlo_loader.sink", "dlo_contract.safetensors_header")
 """Imported when the transfer starts, not before the listing: `cli` imports them on a thread
 while this process lists the source (see `cli.preload_transfer_modules`)."""
 
+__all__ = ["TRANSFER_MODULES", "FillRequest", "FillResult", "fill"]
 log = logging.getLogger(__name__)
-
-
-
-@dataclass(frozen=True, kw_only=True)
-class FillRequest:
-    settings: Settings
-    rank: int = 0
-    world_size: int = 1
-    master_addr: str | None = None
-    master_port: int = DEFAULT_RENDEZVOUS_PORT
-    emit: Callable[[str], None] | None = None
-    """Where progress lines go (the CLI prints them); None: no progress lines."""
-    member: Member | None = None
-    """This loader as its group names it (pod, node); None: by its rank alone."""
-    holders: tuple[Holder, ...] = ()
-    """Other nodes that hold the entry and serve it (the fill-group document's): a fill alone
-    reads from them first (`peer_reads`)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class FillResult:
-    entry_id: str
-    root: str
-    path: str
-    source: str
-    mode: str
-    rank: int
-    world_size: int
-    bytes_from_store: int
-    bytes_from_peers: int
-    bytes_to_peers: int
-    seconds: float
-    cached: bool
-    store_checksums: str = "none"
-    """`all`/`some`/`none`: whether the bytes were checked against the store's own checksums
-    (of whole objects or of their parts, see `digest`); `none` also for a fill that read
-    nothing."""
-    stage_seconds: dict[str, float] | None = None
-    """Thread-seconds per stage (`progress.STAGES`); None for a cached entry."""
-    wait_seconds: dict[str, float] | None = None
-    """Seconds waited, by `claim.WaitKind`; None for an entry found at once."""
-    without: tuple[Member, ...] = ()
-    """The group's members this fill finished without (lost mid-exchange: `survive`)."""
-    bytes_read_again: int = 0
-    """Of `bytes_from_store`: what this loader read again for a member the group lost."""
-    bytes_by_peer: tuple[PeerBytes, ...] = ()
-    """A refill from the nodes that hold the entry: what each served (`peer_reads`)."""
-
-    def summary(self) -> FillSummary:
-        """The one-line JSON summary the operator reads from the termination message."""
-        return FillSummary(
-            status=FillStatus.OK, entry_id=self.entry_id, mode=self.mode, rank=self.rank,
-            world_size=self.world_size, bytes_from_store=self.bytes_from_store,
-            bytes_from_peers=self.bytes_from_peers, bytes_to_peers=self.bytes_to_peers,
-            seconds=round(self.seconds, 3), cached=self.cached,
-            store_checksums=self.store_checksums,
-            stage_seconds={k: round(v, 3) for k, v in (self.stage_seconds or {}).items()},
-            wait_seconds=self.wait_seconds,
-            without=[m.rank for m in self.without] or None,
-            bytes_read_again=self.bytes_read_again if self.without else None,
-            lost=[GroupMember(rank=m.rank, pod=m.pod, node=m.node)
-                  for m in self.without] or None,
-            bytes_by_peer=list(self.bytes_by_peer) or None,
-        )
-
-    def entry_document(self) -> EntryDocument:
-        """What the main container reads from the entry file."""
-        return EntryDocument(entry_id=self.entry_id, kind="checkpoint", root=self.root,
-                             path=self.path, source=self.source)
 
 
 def fill(request: FillRequest) -> FillResult:
@@ -307,7 +228,7 @@ class _Fill:
                 waited: bool = True) -> FillResult:
         store_check, survived = self.transfer.store_check, self.transfer.survived
         return FillResult(
-            without=_lost(survived),
+            without=lost_members(survived),
             bytes_by_peer=tuple(self.transfer.peers.bytes_by_peer()) if self.transfer.peers
             else (),
             bytes_read_again=survived.read_again if survived is not None else 0,
@@ -334,15 +255,6 @@ class _Fill:
                                 master_port=request.master_port,
                                 world_size=request.world_size,
                                 timeout_s=self.loader.rendezvous_timeout_s)
-
-
-def _lost(survived: Survived | None) -> tuple[Member, ...]:
-    """The members a group that lost some finished without, as the group every member formed
-    named them (the watch of generation 0: the first one its survivors' group retired)."""
-    if survived is None:
-        return ()
-    first = (*survived.group.retired, survived.group.watch)[0]
-    return tuple(first.member(rank) for rank in survived.without)
 
 
 @contextlib.contextmanager

@@ -3,17 +3,17 @@
 Owns the wire format of a round's slots (a chunk, then the page carrying its sender's
 `RoundState`), the record of a round posted to the group (`Posted`), the countdown that returns
 a round buffer once its last chunk is written (`Countdown`) and the direct-write alignment of
-slot widths (`aligned`). Called by `exchange`; it does no I/O and calls no collective.
+slot widths (`aligned`). Called by `ring`; it does no I/O and calls no collective.
 
 [Note: round state] Each rank's slot carries one page more than its chunk, its `RoundState` for the
 round: `READY` (its chunk, or nothing to send), `FAILED` (a read gave up, a write failed, the
-deadline passed) or `LATE` (its chunk was not complete after `exchange.LATE_AFTER_S`). A rank joins
+deadline passed) or `LATE` (its chunk was not complete after `ring.LATE_AFTER_S`). A rank joins
 round `k` as soon as its chunk is complete, so a round costs one collective: a separate status
 exchange before every round cost a small all-reduce's latency in every round, and on an 8-node fill
 the ring fell behind the reads by that much. When every state is `READY` the round is done; any
-`FAILED` and every rank raises in that round (see [Note: failing together] in `exchange`); any
+`FAILED` and every rank raises in that round (see [Note: failing together] in `ring`); any
 `LATE` and no rank keeps the round: they exchange statuses (small all-reduces, polled) until every
-rank is ready, then run the round again. `exchange.LATE_AFTER_S` bounds how long ready ranks wait
+rank is ready, then run the round again. `ring.LATE_AFTER_S` bounds how long ready ranks wait
 inside the collective for a slow one, far below the collective's timeout, so a store that stalls
 for minutes costs one wasted round, not a timeout.
 """
@@ -47,7 +47,7 @@ class RoundState(enum.IntEnum):
 
 @dataclass(kw_only=True)
 class Posted:
-    """A round posted to the group (see [Note: rounds in flight] in `exchange`)."""
+    """A round posted to the group (see [Note: rounds in flight] in `ring`)."""
 
     number: int
     by_owner: dict[int, Chunk]
