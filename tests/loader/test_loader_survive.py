@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from dlo_bench.faultproxy import FaultPlan
 from dlo_bench.s3server import S3Server
-from support.loader_fleet import (Checkpoint, Fleet, ended, entry_files, finish, formed,
-                                  included, no_entry, wait_until)
+from support.loader_fleet import (Checkpoint, Fleet, ended, finish, formed, included,
+                                  published_as_alone, wait_until)
 from test_loader_group import proxies, signalled_mid_fill
 
 pytestmark = pytest.mark.slow
@@ -33,22 +33,15 @@ def test_the_survivors_of_a_lost_member_publish_the_entry_without_it(
             assert outcome.returncode == 0, outcome.stderr[-3000:]
         read_again = sum(outcome.summary["bytes_read_again"] for outcome in outcomes)
         store_bytes = [held[rank].object_bytes for rank in (0, 1)]
-    alone = Fleet(tmp_path / "alone", checkpoint.source, 1, [s3.endpoint_url])
-    [single] = alone.run()
-    assert single.returncode == 0, single.stderr
+    published_as_alone(fleet, outcomes, [2], checkpoint, s3)
     for outcome in outcomes:
-        assert outcome.returncode == 0, outcome.stderr
-        assert outcome.summary["status"] == "ok" and outcome.summary["without"] == [2]
         assert outcome.summary["lost"] == [
             {"rank": 2, "pod": fleet.pod(2), "node": fleet.node(2)}]
-        assert entry_files(fleet.root(outcome.rank)) == included(checkpoint.files)
-        assert entry_files(fleet.root(outcome.rank)) == entry_files(alone.root(0))
         assert "going on without loader rank 2" in outcome.stderr
     # Each survivor keeps every chunk it read whole, its own chunk of the round the loss cut
     # short too (`Exchange.settle`): the survivors read the model from the store once in all.
     assert 0 < read_again < sum(store_bytes)
     assert sum(store_bytes) == sum(map(len, included(checkpoint.files).values()))
-    assert no_entry(fleet.root(2)) or not any((fleet.root(2) / "v1" / "entries").iterdir())
 
 
 def test_a_killed_member_is_found_by_its_closed_port_not_by_the_heartbeat_bound(
@@ -66,10 +59,7 @@ def test_a_killed_member_is_found_by_its_closed_port_not_by_the_heartbeat_bound(
             wait_until(lambda: formed(fleet.master_port) == 3 and held[2].object_requests >= 1)
             os.kill(processes[2].pid, signal.SIGKILL)
             outcomes = [finish(rank, processes[rank]) for rank in (0, 1)]
-    for outcome in outcomes:
-        assert outcome.returncode == 0, outcome.stderr[-3000:]
-        assert outcome.summary["without"] == [2]
-        assert entry_files(fleet.root(outcome.rank)) == included(checkpoint.files)
+    published_as_alone(fleet, outcomes, [2], checkpoint, s3)
     # The survivor that found it says how; the other adopts its verdict.
     assert any("loader rank 2 (pod loader-2, node node2) died: its connections to the group "
                "closed and its process is gone" in outcome.stderr for outcome in outcomes)

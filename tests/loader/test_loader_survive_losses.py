@@ -28,12 +28,11 @@ from dlo_contract.cache import (
 from support.loader_fleet import (
     Checkpoint,
     Fleet,
-    Outcome,
     ended,
-    entry_files,
     finish,
     formed,
     included,
+    published_as_alone,
     wait_until,
 )
 from test_loader_group import LOST, PATIENT, Watched, proxies, signalled_mid_fill
@@ -42,22 +41,6 @@ pytestmark = pytest.mark.slow
 HELD = PATIENT | {"stall_timeout_s": 3600.0, "peer_timeout_s": 5.0}
 """`PATIENT`, but reads a test holds wait as long as the fill may (no store read gives up),
 and a member waiting on its own held reads notices a loss within the heartbeat bound."""
-
-
-def published_as_alone(fleet: Fleet, outcomes: list[Outcome], without: list[int],
-                       checkpoint: Checkpoint, s3: S3Server) -> None:
-    """Every survivor published what a fill alone publishes, naming the members it lost."""
-    alone = Fleet(fleet.tmp / "alone", checkpoint.source, 1, [s3.endpoint_url])
-    [single] = alone.run()
-    assert single.returncode == 0, single.stderr
-    for outcome in outcomes:
-        assert outcome.returncode == 0, outcome.stderr[-3000:]
-        assert outcome.summary["status"] == "ok" and outcome.summary["without"] == without
-        assert entry_files(fleet.root(outcome.rank)) == included(checkpoint.files)
-        assert entry_files(fleet.root(outcome.rank)) == entry_files(alone.root(0))
-    for rank in without:
-        entries = fleet.root(rank) / "v1" / "entries"
-        assert not entries.exists() or not any(entries.iterdir())
 
 
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])

@@ -271,3 +271,19 @@ def formed(port: int) -> int:
         return int(store.add(transport.FORMED_KEY, 0))
     except (RuntimeError, dist.DistError):
         return 0
+
+
+def published_as_alone(fleet: Fleet, outcomes: list[Outcome], without: list[int],
+                       checkpoint: Checkpoint, s3: S3Server) -> None:
+    """Every survivor published what a fill alone publishes, naming the members it lost."""
+    alone = Fleet(fleet.tmp / "alone", checkpoint.source, 1, [s3.endpoint_url])
+    [single] = alone.run()
+    assert single.returncode == 0, single.stderr
+    for outcome in outcomes:
+        assert outcome.returncode == 0, outcome.stderr[-3000:]
+        assert outcome.summary["status"] == "ok" and outcome.summary["without"] == without
+        assert entry_files(fleet.root(outcome.rank)) == included(checkpoint.files)
+        assert entry_files(fleet.root(outcome.rank)) == entry_files(alone.root(0))
+    for rank in without:
+        entries = fleet.root(rank) / "v1" / "entries"
+        assert not entries.exists() or not any(entries.iterdir())
