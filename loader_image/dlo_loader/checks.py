@@ -23,8 +23,8 @@ from dlo_loader.plan import Plan
 from dlo_contract.cache import FileRecord, ObjectIdentity
 from dlo_contract.errors import DloError
 
-if TYPE_CHECKING:  # transport imports torch: loaded only when a group is needed
-    from dlo_loader.transport import Group
+if TYPE_CHECKING:  # group imports torch: loaded only when a group is needed
+    from dlo_loader.group import Group
 
 
 def agree(group: Group, fingerprint: str) -> None:

@@ -40,7 +40,7 @@ from dlo_contract.field_names import Names
 from dlo_contract.settings import Settings
 
 if TYPE_CHECKING:  # transport imports torch: loaded only when a group is needed
-    from dlo_loader.peers import Member
+    from dlo_loader.members import Member
     from dlo_loader.transport import Rendezvous
 
 log = logging.getLogger(__name__)

@@ -55,8 +55,8 @@ from dlo_loader.stream import ChunkStreams, Streamer, streamer_of
 from dlo_contract.field_names import Names, document_names
 from dlo_contract.settings import LoaderConfig
 
-if TYPE_CHECKING:  # transport imports torch: only fills with a group load it
-    from dlo_loader.transport import Group
+if TYPE_CHECKING:  # group imports torch: only fills with a group load it
+    from dlo_loader.group import Group
 
 __all__ = ["LATE_AFTER_S", "ROUNDS_IN_FLIGHT", "Exchange", "Reader", "RoundState"]
 log = logging.getLogger(__name__)

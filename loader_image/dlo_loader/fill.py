@@ -48,7 +48,7 @@ from dlo_contract.validation import names_for
 
 if TYPE_CHECKING:
     from dlo_loader.peer_reads import PeerReads
-    from dlo_loader.transport import Group
+    from dlo_loader.group import Group
 
 TRANSFER_MODULES = ("dlo_loader.exchange", "dlo_loader.sink", "dlo_contract.safetensors_header")
 """Imported when the transfer starts, not before the listing: `cli` imports them on a thread

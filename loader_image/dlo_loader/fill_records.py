@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dlo_loader.peers import Member
+from dlo_loader.members import Member
 from dlo_contract.documents import (
     EntryDocument,
     FillStatus,

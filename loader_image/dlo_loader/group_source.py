@@ -18,7 +18,7 @@ import socket
 from dataclasses import dataclass
 
 from dlo_contract.fill_group import FillGroup, Holder
-from dlo_loader.peers import Member
+from dlo_loader.members import Member
 from dlo_contract.names import FILL_GROUP_ENV, NODE_NAME_ENV, POD_NAME_ENV, REVISION_ENV
 from dlo_contract.names import (
     DEFAULT_RENDEZVOUS_PORT,

@@ -1,10 +1,10 @@
-"""Who the fill group's members are, and which one went silent: a heartbeat beside the group.
+"""Which of the fill group's members went silent or died: a heartbeat beside the group.
 
-Owns `Member` (a rank, its pod and its node: how every survivor's error names a lost loader) and
-`PeerWatch` ([Note: heartbeat]): `transport` starts one as a loader joins its group's store and
-runs every blocking store call and collective through `PeerWatch.call`, which waits only while
-no member is lost; a lost member fails the wait within `loader.peer_timeout_s`, naming it. Must
-not run collectives itself, read the object store or write the cache.
+Owns `PeerWatch` ([Note: heartbeat]), which names the members and losses of `members`:
+`transport` starts one as a loader joins its group's store and runs every blocking store call
+and collective through `PeerWatch.call`, which waits only while no member is lost; a lost member
+fails the wait within `loader.peer_timeout_s`, naming it. Must not run collectives itself, read
+the object store or write the cache.
 
 [Note: heartbeat] gloo tells a survivor that a peer died (its sockets close) but not which one,
 and a stopped peer (SIGSTOP, a frozen node) keeps its sockets open, so a collective would wait
@@ -42,10 +42,10 @@ from collections.abc import Callable
 import queue
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from dlo_loader.errors import GroupError, MemberLost
+from dlo_loader.errors import GroupError
+from dlo_loader.members import Loss, Member
 from dlo_contract.field_names import Names, document_names
 
 log = logging.getLogger(__name__)
@@ -59,8 +59,6 @@ loss."""
 _BEAT = "dlo/beat"
 _LEFT = "dlo/left"
 _LOST = "dlo/lost"
-MEMBER_KEY = "dlo/member"
-"""`dlo/member/<rank>`: the member's pod and node, posted as it joins."""
 
 
 def interruptible(call: Callable[[], T]) -> T:
@@ -79,59 +77,6 @@ def interruptible(call: Callable[[], T]) -> T:
     while True:
         with contextlib.suppress(FutureTimeout):
             return future.result(timeout=POLL_S)
-
-
-@dataclass(frozen=True)
-class Member:
-    """One loader of a group as a person finds it: its rank, its pod, its node."""
-
-    rank: int
-    pod: str = ""
-    node: str = ""
-
-    def __str__(self) -> str:
-        where = [f"pod {self.pod}"] if self.pod else []
-        where += [f"node {self.node}"] if self.node else []
-        return f"loader rank {self.rank}" + (f" ({', '.join(where)})" if where else "")
-
-    def log_hint(self) -> str:
-        """Where to look for why this member failed."""
-        return f"see the loader log of pod {self.pod}" if self.pod else \
-            f"see the log of loader rank {self.rank}"
-
-    def to_json(self) -> str:
-        return json.dumps({"pod": self.pod, "node": self.node})
-
-    @classmethod
-    def from_json(cls, rank: int, text: str) -> Member:
-        data = json.loads(text)
-        return cls(rank=rank, pod=str(data.get("pod", "")), node=str(data.get("node", "")))
-
-
-@dataclass(frozen=True)
-class Loss:
-    """A member the group lost, and how (one clause: `died ...`, `sent no heartbeat ...`)."""
-
-    member: Member
-    how: str
-
-    def error(self, me: Member | None = None) -> GroupError:
-        """The error a member raises for this loss; `me`: that member, when the loss is its own
-        (it comes back after the others dropped it: see `regroup`)."""
-        if me is not None and me.rank == self.member.rank:
-            return GroupError(
-                f"this loader ({me}) was dropped from its group: the others found that it "
-                f"{self.how}; they finish without it, and this loader publishes nothing",
-                hint="its node fills again when its pod restarts; if it was stopped or starved, "
-                     "check the node")
-        return MemberLost(
-            f"{self.member} {self.how}; this loader stops too and publishes nothing",
-            hint=f"{self.member.log_hint()}"
-                 f"{f' and the state of node {self.member.node}' if self.member.node else ''}, "
-                 "then rerun every loader of the group")
-
-    def to_json(self) -> str:
-        return json.dumps({"rank": self.member.rank, "how": self.how})
 
 
 class PeerWatch:

@@ -1,7 +1,7 @@
 """A group of the survivors, after the heartbeat found a member lost.
 
 Owns how the members left agree on who they are and form a process group of their own (see
-[Note: regrouping]). Called with a `transport.Group` whose watch found a loss; returns the
+[Note: regrouping]). Called with a `group.Group` whose watch found a loss; returns the
 survivors' `Group`, whose collectives run on the new process group and whose heartbeat watches
 the survivors alone. Must not read the object store, write the cache or re-plan the fill (what
 the survivors still have to move is `replan`'s).
@@ -41,8 +41,9 @@ from typing import Any
 import torch.distributed as dist
 
 from dlo_loader.errors import GroupError, MemberLost
-from dlo_loader.peers import Loss, PeerWatch
-from dlo_loader.transport import Group
+from dlo_loader.members import Loss
+from dlo_loader.peers import PeerWatch
+from dlo_loader.group import Group
 
 log = logging.getLogger(__name__)
 

@@ -60,8 +60,8 @@ from dlo_loader.rounds import (
     STATE, STATE_BYTES, Countdown, Posted, RoundState, aligned, state_at,
 )
 
-if TYPE_CHECKING:  # transport imports torch: only fills with a group load it
-    from dlo_loader.transport import Group
+if TYPE_CHECKING:  # group imports torch: only fills with a group load it
+    from dlo_loader.group import Group
 
 log = logging.getLogger(__name__)
 LATE_AFTER_S = 5.0

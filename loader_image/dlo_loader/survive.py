@@ -27,9 +27,9 @@ from dlo_contract.units import human_bytes
 
 if TYPE_CHECKING:
     from dlo_loader.exchange import Exchange, Reader
-    from dlo_loader.peers import Loss
+    from dlo_loader.members import Loss
     from dlo_loader.plan import Plan
-    from dlo_loader.transport import Group
+    from dlo_loader.group import Group
 
 log = logging.getLogger(__name__)
 

@@ -37,10 +37,10 @@ if TYPE_CHECKING:  # exchange and transport are imported once the transfer start
     from dlo_loader.file_hashes import FollowingHashes
     from dlo_loader.peer_reads import PeerReads
     from dlo_loader.sink import FileSink
-    from dlo_loader.peers import Loss
+    from dlo_loader.members import Loss
     from dlo_loader.stream import Streamer
     from dlo_loader.survive import Survived
-    from dlo_loader.transport import Group
+    from dlo_loader.group import Group
 
 log = logging.getLogger(__name__)
 PRODUCER = "dlo-loader"

@@ -1,24 +1,15 @@
-"""The loader group: rendezvous and collectives over torch.distributed.
+"""The loader group's rendezvous over torch.distributed: from the store to the process group.
 
-Owns every call to torch.distributed. `listen` opens rank 0's TCP store as early as its fill
-starts (see [Note: listening early]); `join` joins the N loaders at that store with a deadline
-(the store barrier waits for all N, so a late loader is found out before any collective starts);
-past it, `RendezvousTimeout`, and the caller applies its fallback policy. The `Rendezvous` it
-returns carries the members' small records through the store (node keys, claims: see [Note:
-node order] in `claim`) and forms the process group.
-`Group` offers what the exchange needs: a status exchange (who failed, who is ready; polled only
-while a rank is late for a round), an all-gather of one chunk per rank (gloo's ring), and an
-all-gather of small objects (plan fingerprints, chunk digest lists). Every member joins with its
-pod and node (`peers.Member`) and from then on runs each store call and collective through its
-`peers.PeerWatch`, so a member that dies or goes silent fails the others within
-`loader.peer_timeout_s`, naming it (see [Note: heartbeat] in `peers`); gloo's own timeout is only
-the fill's deadline. Backend `gloo` works on CPU buffers; `nccl` stages each chunk through the
-current CUDA device. As it joins, every member other than rank 0 opens a store of its own and
-posts its address, where survivors meet once rank 0 is lost (`group_stores`); a group of
-survivors runs the same collectives on a gloo process group made over such a store
-(`regroup`). A member lost while the process group forms leaves the others a group without
-one, whose first collective raises the loss (`survive` goes on from there). Called by `fill`
-and `exchange`. Must not read the object store or write the cache.
+Owns the rendezvous. `listen` opens rank 0's TCP store as early as its fill starts (see [Note:
+listening early]); `join` joins the N loaders at that store with a deadline (the store barrier
+waits for all N, so a late loader is found out before any collective starts); past it,
+`RendezvousTimeout`, and the caller applies its fallback policy. The `Rendezvous` it returns
+carries the members' small records through the store (node keys, claims: see [Note: node order]
+in `claim`) and forms the process group, a `group.Group`. Every member joins with its pod and
+node (`members.Member`) and from then on runs each store call through its `peers.PeerWatch`.
+As it joins, every member other than rank 0 opens a store of its own and posts its address,
+where survivors meet once rank 0 is lost (`group_stores`). Called by `fill` and `claim`. Must
+not read the object store or write the cache.
 """
 
 from __future__ import annotations
@@ -26,18 +17,16 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import pickle
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from dlo_loader.errors import GroupError, MemberLost, RendezvousTimeout
+from dlo_loader.group import Group, first_line
 from dlo_loader.group_stores import ADDRESS_KEY, Stores, open_store
-from dlo_loader.peers import MEMBER_KEY, Member, PeerWatch, interruptible
+from dlo_loader.members import MEMBER_KEY, Member
+from dlo_loader.peers import PeerWatch, interruptible
 from dlo_contract.field_names import Names, document_names
 
 log = logging.getLogger(__name__)
@@ -48,150 +37,6 @@ FORMED_KEY = "dlo/formed"
 """Counts the loaders whose process group is up (connected to every peer), for whoever watches."""
 _NODE_KEY = "dlo/node"
 """`dlo/node/<rank>`: the member's node key (`claim.node_key`), posted as it joins."""
-
-
-@dataclass(frozen=True)
-class RoundStatus:
-    failed: tuple[int, ...]
-    """Ranks that reported a failure in this round."""
-    all_ready: bool
-    """Every rank has its chunk for this round in memory."""
-
-
-class Group:
-    """An initialized process group of `world_size` loaders; `close()` tears it down."""
-
-    def __init__(self, *, rank: int, world_size: int, backend: str, store: Any,
-                 watch: PeerWatch, stores: Stores, pg: Any = None, generation: int = 0,
-                 ranks: tuple[int, ...] | None = None, collective_timeout_s: float = 0.0,
-                 retired: tuple[PeerWatch, ...] = ()) -> None:
-        self.rank = rank
-        """This member's rank in this group (its index among `members`)."""
-        self.world_size = world_size
-        self.backend = backend
-        self._store = store  # the connection the group formed over: kept as long as the group
-        self.stores = stores
-        """Every member's store (the one this member hosts kept open: see `group_stores`)."""
-        self._watch = watch
-        self.pg = pg
-        """The process group the collectives run on: None for the first (the default group),
-        else the survivors' gloo process group, made directly over their store (`regroup`).
-        None also where a member was lost while it formed: then every call raises that loss
-        (the watch's verdict) before it could reach a process group."""
-        self.generation = generation
-        """0 for the group every member formed, one more for each group of survivors."""
-        self.ranks = ranks if ranks is not None else tuple(range(world_size))
-        """Each member's rank in the group every member formed, by its rank in this one."""
-        self.collective_timeout_s = collective_timeout_s
-        self.retired = retired
-        """The watches of the groups this one replaced (`regroup`): they keep beating, so a
-        member that comes back finds the verdict that dropped it, until this group closes."""
-        if backend == "nccl":
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self.device = torch.device("cpu")
-
-    def status(self, *, failed: bool, ready: bool) -> RoundStatus:
-        """Tell every rank whether this one failed and whether it is ready; learn theirs."""
-        flags = torch.zeros(2 * self.world_size, dtype=torch.int64, device=self.device)
-        flags[self.rank] = int(failed)
-        flags[self.world_size + self.rank] = int(ready)
-        if self.pg is None:
-            self._call("a status exchange", dist.all_reduce, flags)
-        else:
-            self._call("a status exchange", lambda: self.pg.allreduce([flags]).wait())
-        values = flags.tolist()
-        failed_ranks = tuple(r for r in range(self.world_size) if values[r])
-        all_ready = sum(values[self.world_size:]) == self.world_size
-        return RoundStatus(failed=failed_ranks, all_ready=all_ready)
-
-    def all_gather_into(self, send: memoryview, receive: memoryview) -> Callable[[], None]:
-        """Start putting every rank's `send` (all the same length) into its slot of `receive`
-        (`world_size` times that length, rank by rank) on every rank; gloo runs it as a ring,
-        every link busy in every step. Returns the call that waits for it to end; both buffers
-        must stay untouched until then. Several may be in flight, waited for in order."""
-        what = "a chunk all-gather"
-        outgoing = torch.frombuffer(send, dtype=torch.uint8)
-        incoming = torch.frombuffer(receive, dtype=torch.uint8)
-        if self.device.type == "cpu":
-            work = self._call(what, self._all_gather, incoming, outgoing)
-            return lambda: self._call(what, work.wait)
-        staged = torch.empty_like(incoming, device=self.device)
-        work = self._call(what, self._all_gather, staged, outgoing.to(self.device))
-
-        def wait() -> None:
-            self._call(what, work.wait)
-            incoming.copy_(staged.cpu())
-
-        return wait
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        gathered: list[Any] = [None] * self.world_size
-        if self.pg is None:
-            self._call("an all-gather", dist.all_gather_object, gathered, obj)
-            return gathered
-        # A process group made directly is in none of torch's maps, which its object
-        # collectives look it up in: the pickles go as one all-gather of their lengths and one
-        # of the bytes, each padded to the longest.
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        lengths = torch.zeros(self.world_size, dtype=torch.int64)
-        self._call("an all-gather", lambda: self._all_gather(
-            lengths, torch.tensor([len(data)], dtype=torch.int64)).wait())
-        width = int(lengths.max())
-        padded = torch.zeros(self.world_size * width, dtype=torch.uint8)
-        self._call("an all-gather", lambda: self._all_gather(
-            padded, torch.cat([data, torch.zeros(width - len(data), dtype=torch.uint8)])).wait())
-        return [pickle.loads(padded[r * width:r * width + int(n)].numpy().tobytes())
-                for r, n in enumerate(lengths.tolist())]
-
-    def _all_gather(self, incoming: torch.Tensor, outgoing: torch.Tensor) -> Any:
-        """Start gathering every rank's `outgoing` into `incoming`; the work to wait for."""
-        if self.pg is None:
-            return dist.all_gather_single(incoming, outgoing, async_op=True)
-        return self.pg._allgather_base(incoming, outgoing)  # noqa: SLF001 (gloo's own)
-
-    def member(self, rank: int) -> Member:
-        """Rank `rank` as a person finds it (its pod and node)."""
-        return self._watch.member(rank)
-
-    @property
-    def watch(self) -> PeerWatch:
-        return self._watch
-
-    @property
-    def store(self) -> Any:
-        return self._store
-
-    def close(self, error: BaseException | None = None) -> None:
-        """Tell the others this member ends (finished, or failed with `error`) and tear the
-        group down, unless a call was cut short (a loss, a signal): gloo's teardown would wait
-        for it, and the process ends without it."""
-        self._watch.leave(error)
-        for retired in self.retired:
-            retired.leave(error)
-        # A group of survivors is never torn down: the default group's call cut short by the
-        # loss is still waiting, and tearing it down would wait for it.
-        if dist.is_initialized() and self._watch.idle and not self.retired:
-            dist.destroy_process_group()
-        self._store = None
-        self.stores.close()
-
-    def _call(self, what: str, function: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return self._watch.call(function, *args, **kwargs)
-        except (RuntimeError, dist.DistError) as exc:
-            # gloo says a peer's sockets closed, not whose: the heartbeat tells (see [Note:
-            # heartbeat] in `peers`); its raw text (paths, ports) goes to the log only.
-            log.info("%s failed: %s", what, _first_line(exc))
-            loss = self._watch.wait_lost()
-            if loss is not None:
-                raise self._watch.error(loss) from exc
-            raise GroupError(
-                f"lost contact with the loader group during {what}, while every loader of it "
-                "still sends heartbeats",
-                hint="check the network between the group's nodes (the loaders' peer ports), "
-                     "then rerun every loader",
-            ) from exc
 
 
 def _store(master_addr: str, master_port: int, world_size: int, *, is_master: bool,
@@ -252,7 +97,7 @@ class Rendezvous:
             return [value.decode() for value in self._watch.call(self._store.multi_get, keys)]
         except (RuntimeError, dist.DistError) as exc:
             log.info("waiting for the %s of rank(s) %s failed: %s", topic, ranks,
-                     _first_line(exc))
+                     first_line(exc))
             raise GroupError(
                 f"{', '.join(str(self.member(rank)) for rank in ranks)} of the group at "
                 f"{self.where} did not post their {topic} in time",
@@ -275,7 +120,7 @@ class Rendezvous:
             log.warning("the loader group at %s lost a member while it formed", self.where)
             return group
         except (RuntimeError, dist.DistError, OSError) as exc:
-            log.info("forming the group failed: %s", _first_line(exc))
+            log.info("forming the group failed: %s", first_line(exc))
             loss = self._watch.wait_lost()
             if loss is not None:
                 error = self._watch.error(loss)
@@ -283,7 +128,7 @@ class Rendezvous:
                     return group
                 raise error from exc
             raise GroupError(
-                f"the loader group at {self.where} did not form: {_first_line(exc)}",
+                f"the loader group at {self.where} did not form: {first_line(exc)}",
                 hint="another loader died or cannot be reached; see its log, then rerun every "
                      "loader") from exc
         log.info("formed the loader group of %d at %s (%s)", self.world_size, self.where,
@@ -341,7 +186,7 @@ def join(
                 store.set(f"dlo/{leaving[0]}/{rank}", leaving[1])
         raise RendezvousTimeout(
             f"rendezvous of {world_size} loaders at {where} did not complete within "
-            f"{timeout_s:g} s: {_first_line(exc)}",
+            f"{timeout_s:g} s: {first_line(exc)}",
             hint="start every loader (one per node) with the same master address and world "
                  f"size, or set {names('loader.on_rendezvous_timeout')}=independent",
         ) from exc
@@ -354,8 +199,3 @@ def join(
                       gone=stores.gone)
     return Rendezvous(store, rank=rank, world_size=world_size, where=where, watch=watch,
                       stores=stores)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -110,7 +110,7 @@ def _where(row: Mapping[str, Any]) -> str:
 
 
 def _member(member: Mapping[str, Any]) -> str:
-    """A lost member as the loader's own messages name it (`dlo_loader.peers.Member`)."""
+    """A lost member as the loader's own messages name it (`dlo_loader.members.Member`)."""
     where = [f"pod {member['pod']}"] if member.get("pod") else []
     where += [f"node {member['node']}"] if member.get("node") else []
     return f"loader rank {member['rank']}" + (f" ({', '.join(where)})" if where else "")

@@ -12,7 +12,8 @@ from collections.abc import Callable
 import pytest
 
 from dlo_loader.errors import GroupError
-from dlo_loader.peers import Member, PeerWatch
+from dlo_loader.members import Member
+from dlo_loader.peers import PeerWatch
 
 MEMBERS = [Member(0, "p-0", "n-0"), Member(1, "p-1", "n-1"), Member(2, "p-2", "n-2")]
 TIMEOUT_S = 0.8

@@ -118,7 +118,7 @@ class Outcome:
 @dataclass(frozen=True)
 class Hold:
     """Where a loader of a group stops for good, its heartbeat still beating, so the others wait
-    for it there until the test kills it: its `number`-th call of `transport.Group.<method>`
+    for it there until the test kills it: its `number`-th call of `group.Group.<method>`
     (`support/hold/sitecustomize.py`), after it created `marker` (`wait` returns then)."""
 
     method: str

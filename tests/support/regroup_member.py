@@ -18,7 +18,7 @@ import sys
 
 from dlo_loader import transport
 from dlo_loader.errors import GroupError
-from dlo_loader.peers import Member
+from dlo_loader.members import Member
 from dlo_loader.regroup import survivors_of
 
 WORLD = 3
