@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dlo_bench import cluster, netns, provenance
+from dlo_bench import cluster_nodes, netns, provenance
 from dlo_bench.cluster_report import RankResult
 from dlo_contract.cache import find_entry
 from dlo_contract.settings import Settings
@@ -129,7 +129,7 @@ def _kill_when(procs: list[subprocess.Popen[bytes]], watch: ProgressWatch, *, at
                         at_unix=time.time())
         ended = [r for r, p in enumerate(procs) if p.poll() is not None]
         if ended or time.monotonic() > deadline:
-            raise cluster.ClusterBenchError(
+            raise cluster_nodes.ClusterBenchError(
                 f"loaders {ended or 'all'} ended (or the fill timed out) before the progress "
                 f"reached {at:g} (last {done})",
                 hint="a larger --head-dim or a slower --store-mbit gives the kill time to land")
@@ -141,20 +141,20 @@ def measure(args: argparse.Namespace, nodes: list[int], links: netns.LinkConfig,
     """At each node count: a fill without fault and one that loses `args.kill_rank`, checked;
     their figures (see the module docstring)."""
     if not 0 < args.kill_at < 1 or not 0 <= args.kill_rank < min(nodes):
-        raise cluster.ClusterBenchError(
+        raise cluster_nodes.ClusterBenchError(
             f"--kill-at {args.kill_at:g} / --kill-rank {args.kill_rank} invalid",
             hint=f"a fraction between 0 and 1, and a rank below the smallest node count "
                  f"({min(nodes)})")
     with tempfile.TemporaryDirectory(prefix="dlo-cluster-fault-") as tmp:
         work = Path(tmp)
-        model_dir = cluster._write_model(work / "model", args.head_dim)
-        digests = cluster.model_digests(model_dir)
+        model_dir = cluster_nodes.write_model(work / "model", args.head_dim)
+        digests = cluster_nodes.model_digests(model_dir)
         with netns.cluster(max(nodes), links) as made, \
-                cluster._store(made, args.ministack, model_dir) as store:
-            probe = cluster._probe(made)
+                cluster_nodes.serve_model(made, args.ministack, model_dir) as store:
+            probe = cluster_nodes.probe_links(made)
             results = []
             for index, n in enumerate(nodes):
-                baseline = cluster._fill(made, store, n, "multi-reader", work / f"plain-{n}",
+                baseline = cluster_nodes.fill(made, store, n, "multi-reader", work / f"plain-{n}",
                                          2 * index, digests, args)
                 fault = _fault_fill(made, store, n, work / f"fault-{n}", 2 * index + 1,
                                     digests, args)
@@ -207,9 +207,9 @@ def _fault_fill(made: netns.Cluster, store: dict[str, Any], nodes: int, work: Pa
     procs: list[subprocess.Popen[bytes]] = []
     watch = ProgressWatch(made, nodes, Settings().loader.metrics_port)
     try:
-        cluster.launch(made, store, roots, "multi-reader", index, args, procs)
+        cluster_nodes.launch(made, store, roots, "multi-reader", index, args, procs)
         before = [netns.node_traffic(made, rank) for rank in range(nodes)]
-        started = cluster._start_together(procs, roots, args.fill_timeout_s)
+        started = cluster_nodes.start_together(procs, roots, args.fill_timeout_s)
         kill = _kill_when(procs, watch, at=args.kill_at, rank=args.kill_rank, started=started,
                           timeout_s=args.fill_timeout_s)
         codes = [p.wait(timeout=args.fill_timeout_s) for p in procs]
@@ -220,7 +220,7 @@ def _fault_fill(made: netns.Cluster, store: dict[str, Any], nodes: int, work: Pa
                 p.kill()
             p.wait()
     traffic = [netns.node_traffic(made, r).minus(before[r]) for r in range(nodes)]
-    cluster.keep_logs(roots, args, work.name)
+    cluster_nodes.keep_logs(roots, args, work.name)
     survivors = _check_survivors(roots, codes, kill.rank, digests, traffic)
     regrouped = regrouped_after(roots, kill)
     shutil.rmtree(work)
@@ -258,16 +258,16 @@ def _check_survivors(roots: list[Path], codes: list[int], killed: int,
     for rank, (root, code) in enumerate(zip(roots, codes)):
         if rank == killed:
             continue
-        survivors.append(cluster.check_rank(root, rank, code, "multi-reader", digests,
+        survivors.append(cluster_nodes.check_rank(root, rank, code, "multi-reader", digests,
                                             traffic[rank]))
-        without = cluster.summary_of(root).get("without")
+        without = cluster_nodes.summary_of(root).get("without")
         if without != [killed]:
-            raise cluster.ClusterBenchError(f"rank {rank} finished without {without}, not "
+            raise cluster_nodes.ClusterBenchError(f"rank {rank} finished without {without}, not "
                                             f"[{killed}]: the kill missed the exchange")
-    entry_id = cluster.summary_of(roots[0 if killed else 1])["entry_id"]
+    entry_id = cluster_nodes.summary_of(roots[0 if killed else 1])["entry_id"]
     lost = roots[killed]
     if codes[killed] != -signal.SIGKILL or (lost / "entry.json").exists() \
             or find_entry(lost / "cache", entry_id) is not None:
-        raise cluster.ClusterBenchError(f"rank {killed}: exit {codes[killed]}, yet its node "
+        raise cluster_nodes.ClusterBenchError(f"rank {killed}: exit {codes[killed]}, yet its node "
                                         "holds an entry or an entry file")
     return survivors

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dlo_bench import cluster, netns, provenance
+from dlo_bench import cluster_nodes, netns, provenance
 from dlo_bench.s3server import DUMMY_CREDENTIALS
 from dlo_contract.cache import sha256_file
 from dlo_contract.fill_group import FillGroup, Holder
@@ -38,10 +38,10 @@ def measure(args: argparse.Namespace, links: netns.LinkConfig) -> dict[str, Any]
     holders = args.refill_from
     with tempfile.TemporaryDirectory(prefix="dlo-cluster-refill-") as tmp:
         work = Path(tmp)
-        model_dir = cluster._write_model(work / "model", args.head_dim)
-        digests = cluster.model_digests(model_dir)
+        model_dir = cluster_nodes.write_model(work / "model", args.head_dim)
+        digests = cluster_nodes.model_digests(model_dir)
         with netns.cluster(holders + 1, links) as nodes, \
-                cluster._store(nodes, args.ministack, model_dir) as store:
+                cluster_nodes.serve_model(nodes, args.ministack, model_dir) as store:
             serving = _start_holders(nodes, store, work, args)
             try:  # each run on an empty cache of its own, the holders the same
                 runs = [_refill(nodes, store, work / f"node0-run{run}", digests, args)
@@ -102,14 +102,14 @@ def _start_holders(nodes: netns.Cluster, store: dict[str, Any], work: Path,
         with (root / "stdout").open("wb") as out, (root / "stderr").open("wb") as err:
             procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out, stderr=err,
                                           env=_env()))
-    cluster._start_together(procs, roots, args.fill_timeout_s)
+    cluster_nodes.start_together(procs, roots, args.fill_timeout_s)
     deadline = time.monotonic() + args.fill_timeout_s
     while not all((root / "entry.json").exists() for root in roots):
         dead = [n + 1 for n, p in enumerate(procs) if p.poll() is not None]
         if dead or time.monotonic() > deadline:
             for p in procs:
                 p.kill()
-            raise cluster.ClusterBenchError(f"holders {dead or 'all'} did not publish; see "
+            raise cluster_nodes.ClusterBenchError(f"holders {dead or 'all'} did not publish; see "
                                             f"{roots[(dead or [1])[0] - 1] / 'stderr'}")
         time.sleep(0.1)
     return procs
@@ -127,7 +127,7 @@ def _refill(nodes: netns.Cluster, store: dict[str, Any], root: Path, digests: di
         process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out, stderr=err, env=env)
     before = netns.node_traffic(nodes, 0)
     try:
-        cluster._start_together([process], [root], args.fill_timeout_s)
+        cluster_nodes.start_together([process], [root], args.fill_timeout_s)
         code = process.wait(timeout=args.fill_timeout_s)
     finally:
         if process.poll() is None:
@@ -138,12 +138,12 @@ def _refill(nodes: netns.Cluster, store: dict[str, Any], root: Path, digests: di
     summary = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
     if code != 0 or summary.get("status") != "ok" or summary.get("cached"):
         tail = (root / "stderr").read_text(errors="replace")[-1500:]
-        raise cluster.ClusterBenchError(f"the refill of node 0: exit {code}, summary {summary}; "
+        raise cluster_nodes.ClusterBenchError(f"the refill of node 0: exit {code}, summary {summary}; "
                                         f"stderr tail:\n{tail}")
     entry = Path(json.loads((root / "entry.json").read_text())["path"])
     for name, digest in digests.items():
         if sha256_file(entry / name) != digest:
-            raise cluster.ClusterBenchError(f"the refill of node 0: {entry / name} differs "
+            raise cluster_nodes.ClusterBenchError(f"the refill of node 0: {entry / name} differs "
                                             "from the source object")
     return {"fill_s": float(summary["seconds"]),
             "bytes_from_store": int(summary["bytes_from_store"]),

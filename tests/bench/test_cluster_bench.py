@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dlo_bench import cluster, cluster_fault, cluster_report, hostcpu, linkprobe, netns
+from dlo_bench import cluster, cluster_fault, cluster_nodes, cluster_report, hostcpu, linkprobe, netns
 from dlo_bench.cluster_report import RankResult, RunResult
 from dlo_contract.cache import sha256_file
 
@@ -153,10 +153,10 @@ def test_without_namespaces_it_says_why_and_exits_zero(
 
 
 def test_unknown_mode_is_refused() -> None:
-    with pytest.raises(cluster.ClusterBenchError) as info:
+    with pytest.raises(cluster_nodes.ClusterBenchError) as info:
         cluster.run(_args(modes="multi-reader,broadcast"))
     assert str(info.value) == "--nodes '2,3,4,5,6,7,8' / --modes 'multi-reader,broadcast' invalid"
-    with pytest.raises(cluster.ClusterBenchError) as info:
+    with pytest.raises(cluster_nodes.ClusterBenchError) as info:
         cluster.run(_args(nodes="2,four"))
     assert str(info.value).startswith("--nodes '2,four' / --modes")
 
@@ -177,13 +177,13 @@ def test_a_fill_that_fell_back_to_another_mode_does_not_count(tmp_path: Path) ->
     _rank_dir(tmp_path / "n0", summary, entry)
     traffic = netns.NodeTraffic(from_store=3, from_peers=0, to_store=0, to_peers=0)
     digests = {"a.safetensors": sha256_file(entry / "a.safetensors")}
-    with pytest.raises(cluster.ClusterBenchError, match="rank 0 in multi-reader mode: exit 0"):
-        cluster.check_rank(tmp_path / "n0", 0, 0, "multi-reader", digests, traffic)
-    ok = cluster.check_rank(tmp_path / "n0", 0, 0, "independent", digests, traffic)
+    with pytest.raises(cluster_nodes.ClusterBenchError, match="rank 0 in multi-reader mode: exit 0"):
+        cluster_nodes.check_rank(tmp_path / "n0", 0, 0, "multi-reader", digests, traffic)
+    ok = cluster_nodes.check_rank(tmp_path / "n0", 0, 0, "independent", digests, traffic)
     assert ok.bytes_from_store == 3 and ok.wire_from_store == 3
     (entry / "a.safetensors").write_bytes(b"abd")
-    with pytest.raises(cluster.ClusterBenchError) as info:
-        cluster.check_rank(tmp_path / "n0", 0, 0, "independent", digests, traffic)
+    with pytest.raises(cluster_nodes.ClusterBenchError) as info:
+        cluster_nodes.check_rank(tmp_path / "n0", 0, 0, "independent", digests, traffic)
     assert str(info.value) == f"rank 0 in independent mode: {entry / 'a.safetensors'} differs from the source object"
 
 
@@ -263,7 +263,7 @@ def test_fault_regroup_delay_is_read_from_the_survivors_logs(tmp_path: Path) -> 
 
 
 def test_fault_kill_arguments_are_checked() -> None:
-    with pytest.raises(cluster.ClusterBenchError) as info:
+    with pytest.raises(cluster_nodes.ClusterBenchError) as info:
         cluster_fault.measure(_args(kill_at=0.5, kill_rank=3), [3], netns.LinkConfig(
             store_mbit=50, peer_mbit=500))
     assert str(info.value) == "--kill-at 0.5 / --kill-rank 3 invalid"
