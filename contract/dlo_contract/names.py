@@ -51,6 +51,18 @@ name it when it is lost."""
 REVISION_ENV = "DLO_REVISION"
 """The settings revision the pod was created for (a group of another revision is ignored)."""
 
+# --- the DOD's fill secret (operator -> loader) ---------------------------------------------------
+FILL_SECRET_ENV = "DLO_FILL_SECRET_FILE"
+"""Path of the file that holds the DOD's fill secret: random bytes the operator writes into the
+DOD's own Secret and mounts in its loaders only (never in a server). Every fill-group store key,
+member record and peer-serving key is derived from it, so a process without it cannot join, read
+or redirect the DOD's fill group. Unset: the loader runs without one (a group started by hand)."""
+FILL_SECRET_MOUNT = "/run/dlo-fill-secret"
+"""Directory the operator mounts the DOD's fill Secret at, in the loader container only."""
+FILL_SECRET_KEY = "secret"
+"""The key of the fill Secret's data (and so the file name under FILL_SECRET_MOUNT)."""
+DEFAULT_FILL_SECRET_FILE = f"{FILL_SECRET_MOUNT}/{FILL_SECRET_KEY}"
+
 # --- metrics (loader -> operator, Prometheus) -----------------------------------------------------
 OPERATOR_METRICS_PORT = 8081
 """Default port of the operator's `/metrics` (`dlo operator run --metrics-port`, the chart's
