@@ -7,14 +7,16 @@ commit the revision names now (`sha`; every read is of that commit, so a branch 
 changes nothing) and each file's size, git blob id and, for a file stored with LFS, its
 sha256. A file's version identity is its LFS sha256 (else its blob id), with the commit as its
 `version_id`. A read is `GET {endpoint}/{repo}/resolve/{commit}/{path}` with a `Range`,
-following the redirect to the Hub's storage (the token stays with the Hub's host); the first
+following the redirect to the Hub's storage; the first
 answer's `X-Linked-Etag` (else `ETag`) and `X-Linked-Size` must be the listed ones, and the
 bytes' total size the listed size (else `SourceChanged`). The storage URL it redirected to (a
 signed one) serves the file's next reads directly, one round trip instead of two, until the
 storage refuses it (its signature expired) and the resolve URL is asked again. The store
 checksums are the LFS sha256 and the git blob id of every file, each checked against the
 written file. The endpoint is `loader.endpoint_url`, else `HF_ENDPOINT`, else the public Hub; a
-token in `HF_TOKEN` goes with every request to it. Called through `dlo_loader.sources`.
+token in `HF_TOKEN` goes with every request to the endpoint's origin and with none to another
+host: not past the redirect, not to a saved storage URL read directly (`HttpClient`'s origin is
+the endpoint's, whatever URL a read starts from). Called through `dlo_loader.sources`.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class HubSource(RangedReads, ListedChecksums):
                           or PUBLIC_ENDPOINT).rstrip("/")
         self._revision = urllib.parse.unquote(uri.revision or DEFAULT_REVISION)
         token = os.environ.get(HF_TOKEN_ENV)
-        self._client = HttpClient(connections=options.readers + 1,
+        self._client = HttpClient(origin=self._endpoint, connections=options.readers + 1,
                                   stall_timeout_s=options.stall_timeout_s,
                                   headers={"Authorization": f"Bearer {token}"} if token else {})
         self._listed, self._algorithms = {}, {}

@@ -2,9 +2,8 @@
 redirects followed by hand, answers turned into the seam's errors, bodies read into the
 caller's buffer.
 
-Owns `HttpClient` (requests of one source: its headers, a read timeout of the stall timeout,
-redirects followed with the credential dropped on the way to another host, every error answer a
-`StoreStatus`) and `HttpBody` (a body read straight into the caller's memoryview and hashed as
+Owns `HttpClient` (requests of one source: its headers, sent to the source's own origin alone,
+a read timeout of the stall timeout, redirects followed, every error answer a `StoreStatus`) and `HttpBody` (a body read straight into the caller's memoryview and hashed as
 it lands). Called by the readers of `dlo_loader.sources`; retries nothing itself (the reader's
 `Retrier` does). Must not log or raise anything that carries a credential (a header value or a
 signed URL's query).
@@ -55,12 +54,15 @@ def without_query(url: str) -> str:
 
 
 class HttpClient:
-    """The HTTP requests of one source: `headers` go with every request to the source's own
-    host (its credential among them), none beyond a redirect to another host."""
+    """The HTTP requests of one source: `headers` (its credential among them) go with a request
+    to `origin` (the source's own scheme and host, fixed when the source opens) and to no other,
+    whatever URL a request starts from: a redirect's target, or a storage URL a reader saved
+    from one and asks directly later, is another host's, so it gets none of them."""
 
-    def __init__(self, *, connections: int, stall_timeout_s: float,
+    def __init__(self, *, origin: str, connections: int, stall_timeout_s: float,
                  headers: Mapping[str, str] | None = None) -> None:
         self.stall_timeout_s = stall_timeout_s
+        self._origin = _origin(origin)
         self._headers = dict(headers or {})
         self._pool = urllib3.PoolManager(
             num_pools=8, maxsize=connections, retries=False,
@@ -73,11 +75,11 @@ class HttpClient:
         """`method` of `url`, following redirects; an error answer raises `StoreStatus` (its
         body read and dropped). The body of the answer is not read (`preload_content` off)."""
         first: Mapping[str, str] | None = None
-        sent = {**self._headers, **(headers or {})}
-        origin = _origin(url)
         for _ in range(_REDIRECTS + 1):
-            if _origin(url) != origin:  # the credential stays with the source's host
-                sent = {k: v for k, v in sent.items() if k.lower() != "authorization"}
+            # The credential goes to the source's own origin alone: not the url this request
+            # began at, which may be a storage host's (a signed URL saved from a redirect).
+            own = self._headers if _origin(url) == self._origin else {}
+            sent = {**own, **(headers or {})}
             try:
                 response = self._pool.request(method, url, headers=sent, redirect=False,
                                               preload_content=False, decode_content=False)

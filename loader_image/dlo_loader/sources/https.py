@@ -47,7 +47,7 @@ class HttpsSource(RangedReads, ListedChecksums):
         self.retry = options.retrier(uri, credentials=CREDENTIALS_HINT)
         token = os.environ.get(HTTPS_TOKEN_ENV)
         self._connections = options.readers + 1
-        self._client = HttpClient(connections=self._connections,
+        self._client = HttpClient(origin=str(uri), connections=self._connections,
                                   stall_timeout_s=options.stall_timeout_s,
                                   headers={"Authorization": f"Bearer {token}"} if token else {})
         self._listed, self._algorithms = {}, {}
