@@ -5,7 +5,7 @@ the name), then the settings validator (`spec.parse_spec`), then what the API se
 refuse of the core/v1 objects the DOD passes to its children (`core_rules`: their Kubernetes
 schema, labels, names, quantities, probes, mounts), then the platform's choices
 (`installation.InstallationConfig`, the chart's values): the host-path allowlist of the DOD's own
-volumes (`host_paths`), the loader images and the node cache's limits
+volumes and the cache paths' prefix (`host_paths`), the loader images and the node cache's limits
 (`platform_limits`), with the pod rules (`pod_rules`). The first stage that refuses ends the
 check, and all its reasons go into one `SpecError`, whose message the operator writes into
 `Valid=False` and an Event and `dlo render` prints, word for word. An admitted spec carries the
@@ -21,7 +21,7 @@ from typing import Any
 from dlo_operator.core_rules import core_problems
 from dlo_operator.crd_verdict import crd_refusals
 from dlo_operator.errors import SpecError
-from dlo_operator.host_paths import user_volume_problems
+from dlo_operator.host_paths import cache_path_problems, user_volume_problems
 from dlo_operator.installation import InstallationConfig
 from dlo_operator.loader_image import annotation_problems
 from dlo_operator.naming import KIND
@@ -54,6 +54,7 @@ def admit(document: Mapping[str, Any],
                         "DOD's StatefulSet; fix the fields named")
     problems = user_volume_problems(spec.volumes, allowed=installation.allowed_user_host_paths,
                                     cache_roots=installation.cache_directories)
+    problems += cache_path_problems(spec, installation.cache_path_prefix)
     problems += loader_image_problems(spec, installation)
     problems += cache_limit_problems(spec.settings, installation)
     problems += pod_problems(spec)

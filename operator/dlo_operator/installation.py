@@ -15,7 +15,12 @@ import enum
 from dataclasses import dataclass
 
 from dlo_contract.deployment import DEFAULT_LOADER_UID
-from dlo_operator.host_paths import DEFAULT_ALLOWED_HOST_PATHS, normalized
+from dlo_operator.host_paths import (
+    DEFAULT_ALLOWED_HOST_PATHS,
+    DEFAULT_CACHE_PATH_PREFIX,
+    cache_path_prefix_problem,
+    normalized,
+)
 from dlo_operator.node_cache import DEFAULT_NODE_CACHE_ROOT
 from dlo_operator.spec import DEFAULT_LOADER_IMAGE
 
@@ -62,6 +67,10 @@ class InstallationConfig:
     node_cache_min_free_bytes: int = 0
     """Free bytes kept on the cache filesystem (0: no floor): chart value
     `nodeCache.minFreeBytes`, flag `--node-cache-min-free-bytes`."""
+    cache_path_prefix: str = DEFAULT_CACHE_PATH_PREFIX
+    """Directory in the containers under which a DOD's `cache.hostPath` and
+    `offload.runtimeCacheRoot` must lie (`host_paths.cache_path_problems`): chart value
+    `cachePathPrefix`, flag `--cache-path-prefix`."""
     node_cache_root: str = DEFAULT_NODE_CACHE_ROOT
     """Node directory holding each namespace's cache, `<root>/namespaces/<namespace>`, which the
     operator's PersistentVolumes serve (`node_cache`): chart value `nodeCache.hostPath`, flag
@@ -116,6 +125,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-cache-min-free-bytes", type=_bytes, default=0, metavar="BYTES",
                         help="free bytes to keep on the cache filesystem; a DOD may ask for "
                         "more in cache.minFreeBytes (default 0: no floor)")
+    parser.add_argument("--cache-path-prefix", type=_cache_path_prefix,
+                        default=DEFAULT_CACHE_PATH_PREFIX, metavar="DIR",
+                        help="directory in the containers under which a DOD's cache.hostPath "
+                        "and offload.runtimeCacheRoot must lie (default "
+                        f"{DEFAULT_CACHE_PATH_PREFIX})")
     parser.add_argument("--node-cache-root", type=_directory, default=DEFAULT_NODE_CACHE_ROOT,
                         metavar="DIR", help="node directory holding each namespace's cache, "
                         f"DIR/namespaces/NAMESPACE (default {DEFAULT_NODE_CACHE_ROOT})")
@@ -141,6 +155,7 @@ def from_args(args: argparse.Namespace) -> InstallationConfig:
         allowed_user_host_paths=tuple(args.allowed_user_host_paths),
         node_cache_max_bytes=args.node_cache_max_bytes,
         node_cache_min_free_bytes=args.node_cache_min_free_bytes,
+        cache_path_prefix=args.cache_path_prefix,
         node_cache_root=args.node_cache_root,
         node_cache_uid=args.node_cache_uid,
         node_cache_gid=args.node_cache_gid)
@@ -149,6 +164,13 @@ def from_args(args: argparse.Namespace) -> InstallationConfig:
 def node_cache_root(text: str) -> str:
     """`--node-cache-root`'s check, shared with `dlo node-agent run`."""
     return _directory(text)
+
+
+def _cache_path_prefix(text: str) -> str:
+    problem = cache_path_prefix_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
 
 
 def _directory(text: str) -> str:

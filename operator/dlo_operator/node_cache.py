@@ -57,6 +57,8 @@ RUNTIME_SUBPATH = "runtime"
 DEFAULT_RUNTIME_CACHE_PATH = f"{DEFAULT_NODE_CACHE_ROOT}/runtime"
 """Where the inference container sees its DOD's runtime cache when `offload.runtimeCacheRoot`
 is empty (a path in the container, beside the default `cache.hostPath`, not inside it)."""
+CLAIM_ACCESS_MODE = "ReadWriteOncePod"
+"""The pods' claims and their volumes: one pod alone mounts a claim (GA in Kubernetes 1.29)."""
 CLAIM_STORAGE = "1Gi"
 """The claim's nominal size: a hostPath volume has no capacity limit, and the node's cache keeps
 its own (`cache.maxBytes`, `cache.minFreeBytes`)."""
@@ -83,12 +85,19 @@ class Claim:
 
 
 def build_cache_volume() -> dict[str, Any]:
-    """The pod's node-cache volume: one claim per pod, deleted with the pod."""
+    """The pod's node-cache volume: one claim per pod, deleted with the pod, that no other pod
+    can mount (`ReadWriteOncePod`: a pod that names the claim stays Pending)."""
     return {"name": CACHE_VOLUME, "ephemeral": {"volumeClaimTemplate": {"spec": {
-        "accessModes": ["ReadWriteOnce"],
+        "accessModes": [CLAIM_ACCESS_MODE],
         "storageClassName": NODE_CACHE_CLASS,
         "resources": {"requests": {"storage": CLAIM_STORAGE}},
     }}}}
+
+
+def is_pod_cache_claim_name(name: str) -> bool:
+    """Whether a claim of this name may be a pod's node-cache claim: the ephemeral-volume
+    controller names it `<pod>-<CACHE_VOLUME>`."""
+    return name.endswith(f"-{CACHE_VOLUME}")
 
 
 def runtime_subpath(dod: str) -> str:
@@ -106,16 +115,27 @@ def volume_name(claim_uid: str) -> str:
 
 def pending_claim(pvc: Mapping[str, Any]) -> Claim | None:
     """The claim to serve, or None: another class, no node chosen yet, bound already, being
-    deleted, or asking for a raw block device (the cache is a directory)."""
+    deleted, asking for a raw block device (the cache is a directory), or not a pod's own."""
     meta, spec = pvc.get("metadata") or {}, pvc.get("spec") or {}
     node = (meta.get("annotations") or {}).get(SELECTED_NODE)
     if (spec.get("storageClassName") != NODE_CACHE_CLASS or not node or spec.get("volumeName")
-            or meta.get("deletionTimestamp") or spec.get("volumeMode") == "Block"):
+            or meta.get("deletionTimestamp") or spec.get("volumeMode") == "Block"
+            or not pod_owned(meta)):
         return None
     storage = ((spec.get("resources") or {}).get("requests") or {}).get("storage")
     return Claim(namespace=meta["namespace"], name=meta["name"], uid=meta["uid"], node=node,
                  storage=str(storage or CLAIM_STORAGE),
-                 access_modes=tuple(spec.get("accessModes") or ("ReadWriteOnce",)))
+                 access_modes=tuple(spec.get("accessModes") or (CLAIM_ACCESS_MODE,)))
+
+
+def pod_owned(meta: Mapping[str, Any]) -> bool:
+    """Whether a claim is a pod's ephemeral claim: the ephemeral-volume controller names it
+    `<pod>-<volume>` and makes that pod its controller, so it goes with the pod. A claim a
+    tenant made on its own would outlive its pods and be mounted by any of them."""
+    name = str(meta.get("name") or "")
+    return any(ref.get("kind") == "Pod" and ref.get("apiVersion") == "v1"
+               and ref.get("controller") is True and name.startswith(f"{ref.get('name')}-")
+               for ref in meta.get("ownerReferences") or ())
 
 
 def build_persistent_volume(claim: Claim, hostname: str,

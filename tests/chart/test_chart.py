@@ -33,6 +33,7 @@ NON_DEFAULT = {
     "allowedLoaderImages": ["registry.example.com/dlo-loader@sha256:" + "ab" * 32,
                             "registry.example.com/dlo-loader:1.2.4"],
     "allowedUserHostPaths": ["/mnt/datasets", "/srv/dlo-user"],
+    "cachePathPrefix": "/mnt/dlo",
     "nodeCache": {"hostPath": "/mnt/nvme/dlo", "maxBytes": 2_000_000_000_000,
                   "minFreeBytes": 50_000_000_000, "uid": 1000, "gid": 2000},
     "nodeAgent": {"enabled": True, "nodeSelector": {"nvidia.com/gpu.present": "true"},
@@ -101,6 +102,7 @@ def test_defaults_watch_every_namespace_with_a_cluster_role() -> None:
                                  "--loader-image-update=OnSpecChange",
                                  "--allowed-host-path=/var/lib/dlo",
                                  "--node-cache-max-bytes=0", "--node-cache-min-free-bytes=0",
+                                 "--cache-path-prefix=/var/lib/dlo",
                                  "--node-cache-root=/var/lib/dlo", "--node-cache-uid=65532",
                                  "--node-cache-gid=65532"]
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}
@@ -142,6 +144,7 @@ def test_watching_namespaces_uses_namespaced_roles_only() -> None:
                     "--allowed-user-host-path=/srv/dlo-user",
                     "--node-cache-max-bytes=2000000000000",
                     "--node-cache-min-free-bytes=50000000000",
+                    "--cache-path-prefix=/mnt/dlo",
                     "--node-cache-root=/mnt/nvme/dlo", "--node-cache-uid=1000",
                     "--node-cache-gid=2000"]
 
@@ -165,6 +168,7 @@ def test_operator_command_line_in_the_deployment_is_accepted_by_dlo() -> None:
                 allowed_user_host_paths=("/mnt/datasets", "/srv/dlo-user"),
                 node_cache_max_bytes=2_000_000_000_000,
                 node_cache_min_free_bytes=50_000_000_000,
+                cache_path_prefix="/mnt/dlo",
                 node_cache_root="/mnt/nvme/dlo", node_cache_uid=1000,
                 node_cache_gid=2000)))
 

@@ -225,7 +225,7 @@ def test_no_pod_mounts_a_node_directory_and_the_cache_is_the_pods_own_claim() ->
     for pod in (workload, prefill):
         [cache] = [v for v in pod["volumes"] if v["name"] == "node-cache"]
         assert cache == {"name": "node-cache", "ephemeral": {"volumeClaimTemplate": {"spec": {
-            "accessModes": ["ReadWriteOnce"], "storageClassName": "dlo-node-cache",
+            "accessModes": ["ReadWriteOncePod"], "storageClassName": "dlo-node-cache",
             "resources": {"requests": {"storage": "1Gi"}}}}}}
         assert "hostPath" not in json.dumps(pod)
 

@@ -55,7 +55,7 @@ def owner_and_mode(path: Path) -> tuple[int, int, int]:
 
 def volume_of(namespace: str, node: str, root: str, uid: str = "u-1") -> dict[str, Any]:
     claim = Claim(namespace=namespace, name="flux-0-node-cache", uid=uid, node=node,
-                  storage="1Gi", access_modes=("ReadWriteOnce",))
+                  storage="1Gi", access_modes=("ReadWriteOncePod",))
     return build_persistent_volume(claim, node, NodeCacheConfig(root=root))
 
 
@@ -225,7 +225,9 @@ async def test_a_pods_claim_gets_a_prepared_directory_from_the_operator_and_the_
         path = f"/api/v1/namespaces/{NAMESPACE}/persistentvolumeclaims"
         await request(cluster, "POST", path, {
             "apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": {"name": "flux-0-node-cache", "namespace": NAMESPACE},
+            "metadata": {"name": "flux-0-node-cache", "namespace": NAMESPACE,
+                         "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": "flux-0",
+                                              "uid": "pod-uid", "controller": True}]},
             "spec": template})
         await request(cluster, "PATCH", f"{path}/flux-0-node-cache", {
             "metadata": {"annotations": {SELECTED_NODE: "gpu-0"}}})

@@ -60,13 +60,22 @@ async def add_node(cluster: ClusterEmulator, name: str, hostname: str) -> None:
         "metadata": {"name": name, "labels": {"kubernetes.io/hostname": hostname}}})
 
 
+def pod_owner(claim_name: str) -> list[dict[str, Any]]:
+    """What the ephemeral-volume controller writes on a pod's claim `<pod>-node-cache`."""
+    return [{"apiVersion": "v1", "kind": "Pod", "name": claim_name.removesuffix("-node-cache"),
+             "uid": f"pod-uid-{claim_name}", "controller": True, "blockOwnerDeletion": True}]
+
+
 async def claim(cluster: ClusterEmulator, namespace: str, name: str, spec: dict[str, Any],
-                node: str) -> dict[str, Any]:
-    """The ephemeral-volume controller creates the pod's claim; the scheduler then annotates it
-    with the node it chose (WaitForFirstConsumer)."""
+                node: str, owners: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The ephemeral-volume controller creates the pod's claim, owned by the pod (`owners`:
+    another owner, or none, for a claim a tenant made); the scheduler then annotates it with
+    the node it chose (WaitForFirstConsumer)."""
     created = await request(cluster, "POST", claims_path(namespace), {
         "apiVersion": "v1", "kind": "PersistentVolumeClaim",
-        "metadata": {"name": name, "namespace": namespace}, "spec": spec})
+        "metadata": {"name": name, "namespace": namespace,
+                     "ownerReferences": pod_owner(name) if owners is None else owners},
+        "spec": spec})
     await request(cluster, "PATCH", f"{claims_path(namespace)}/{name}", {
         "metadata": {"annotations": {SELECTED_NODE: node}}})
     return created
@@ -85,9 +94,10 @@ async def pod_claim_spec(cluster: ClusterEmulator) -> dict[str, Any]:
     return dict(template["spec"])
 
 
-PENDING = {"metadata": {"name": "c", "namespace": "team-a", "uid": "u-1",
-                        "annotations": {SELECTED_NODE: "gpu-0"}},
-           "spec": {"storageClassName": NODE_CACHE_CLASS, "accessModes": ["ReadWriteOnce"],
+PENDING = {"metadata": {"name": "flux-0-node-cache", "namespace": "team-a", "uid": "u-1",
+                        "annotations": {SELECTED_NODE: "gpu-0"},
+                        "ownerReferences": pod_owner("flux-0-node-cache")},
+           "spec": {"storageClassName": NODE_CACHE_CLASS, "accessModes": ["ReadWriteOncePod"],
                     "resources": {"requests": {"storage": "1Gi"}}}}
 
 
@@ -98,7 +108,15 @@ PENDING = {"metadata": {"name": "c", "namespace": "team-a", "uid": "u-1",
     ({"spec": {"volumeName": "pv-1"}}, False),
     ({"metadata": {"deletionTimestamp": "2026-01-01T00:00:00Z"}}, False),
     ({"spec": {"volumeMode": "Block"}}, False),
-], ids=["pending", "other-class", "no-node-yet", "bound", "deleting", "block"])
+    ({"metadata": {"ownerReferences": []}}, False),
+    ({"metadata": {"ownerReferences": [{**pod_owner("flux-0-node-cache")[0],
+                                        "controller": False}]}}, False),
+    ({"metadata": {"ownerReferences": [{**pod_owner("flux-0-node-cache")[0],
+                                        "kind": "StatefulSet", "apiVersion": "apps/v1"}]}},
+     False),
+    ({"metadata": {"ownerReferences": pod_owner("other-node-cache")}}, False),
+], ids=["pending", "other-class", "no-node-yet", "bound", "deleting", "block", "no-owner",
+        "pod-not-controller", "not-a-pod", "another-pods-name"])
 def test_only_a_scheduled_unbound_node_cache_claim_is_served(change: dict[str, Any],
                                                               served: bool) -> None:
     pvc = {key: {**PENDING[key], **change.get(key, {})} for key in PENDING}
@@ -108,7 +126,7 @@ def test_only_a_scheduled_unbound_node_cache_claim_is_served(change: dict[str, A
 def test_nothing_a_tenant_writes_reaches_the_node_directory() -> None:
     """The claim's name, annotations and labels are the tenant's; only its namespace and the
     platform's root decide the directory."""
-    tampered = {"metadata": {**PENDING["metadata"], "name": "../../etc",
+    tampered = {"metadata": {**PENDING["metadata"], "name": "flux-0-../../etc",
                              "labels": {"dlo.dev/path": "/"},
                              "annotations": {SELECTED_NODE: "gpu-0", "dlo.dev/path": "/"}},
                 "spec": PENDING["spec"]}
@@ -155,7 +173,7 @@ async def test_a_pods_claim_gets_its_namespaces_directory_on_its_node_until_it_i
                               "values": ["gpu-0.example"]}]}]}}
     assert (pv["spec"]["storageClassName"], pv["spec"]["persistentVolumeReclaimPolicy"],
             pv["spec"]["capacity"], pv["spec"]["accessModes"]) == (
-        NODE_CACHE_CLASS, "Delete", spec["resources"]["requests"], ["ReadWriteOnce"])
+        NODE_CACHE_CLASS, "Delete", spec["resources"]["requests"], ["ReadWriteOncePod"])
 
     await request(cluster, "DELETE", f"{claims_path(NAMESPACE)}/flux-0-node-cache")
     await eventually(lambda: volume(cluster, f"dlo-node-cache-{uid}") is None)
@@ -168,10 +186,15 @@ async def test_a_pods_claim_gets_its_namespaces_directory_on_its_node_until_it_i
 
 async def test_two_namespaces_on_one_node_get_two_directories_and_other_classes_none(
         cluster: ClusterEmulator, operator: Operator) -> None:
+    """A claim of another class, and claims of the node cache's class that no pod owns (a
+    tenant's own, which would outlive its pods and serve any of them), get no volume."""
     await add_node(cluster, "gpu-0", "gpu-0")
     spec = await pod_claim_spec(cluster)
     other_class = await claim(cluster, NAMESPACE, "scratch",
                               {**spec, "storageClassName": "standard"}, "gpu-0")
+    unowned = [await claim(cluster, NAMESPACE, "mine-node-cache", spec, "gpu-0", owners=[]),
+               await claim(cluster, NAMESPACE, "x-node-cache", spec, "gpu-0",
+                           owners=pod_owner("flux-0-node-cache"))]
     ours = await claim(cluster, NAMESPACE, "flux-0-node-cache", spec, "gpu-0")
     theirs = await claim(cluster, "team-b", "sd3-0-node-cache", spec, "gpu-0")
     paths = {}
@@ -186,6 +209,7 @@ async def test_two_namespaces_on_one_node_get_two_directories_and_other_classes_
     served = sorted(pv["spec"]["claimRef"]["uid"] for pv in volumes(cluster))
     assert served == sorted([ours["metadata"]["uid"], theirs["metadata"]["uid"]])
     assert other_class["metadata"]["uid"] not in served
+    assert not {c["metadata"]["uid"] for c in unowned} & set(served)
 
 
 async def test_a_volume_whose_claim_went_while_the_operator_was_away_is_deleted(

@@ -64,6 +64,48 @@ LOW_FLOOR_MESSAGE = (
     f"spec.cache.minFreeBytes={GIB} is less than the free space of {20 * GIB} bytes that the "
     "platform keeps on every node cache (chart value nodeCache.minFreeBytes); ask for "
     f"{20 * GIB} or more, or 0 to take it")
+OUTSIDE_PREFIX_MESSAGE = (
+    "spec.{field}={path!r} is not under {prefix}, the directory the platform sets aside for "
+    "the node cache in the containers (chart value cachePathPrefix); mounted writable elsewhere, "
+    "the cache could shadow the programs and libraries a container runs (the loader's PATH and "
+    "library path, e.g. /usr/local/bin): choose a directory under {prefix}")
+RUNTIME_CACHE = {"useAllgather": False, "enableRuntimeCache": True}
+POD_CLAIM = [{"name": "c", "persistentVolumeClaim": {"claimName": "flux-0-node-cache"}}]
+POD_CLAIM_MESSAGE = (
+    "spec.volumes[0].persistentVolumeClaim.claimName='flux-0-node-cache' names a pod's "
+    "node-cache claim (every claim named <pod>-node-cache may be one), which only the operator's "
+    "own volumes may mount (the node cache reaches a DOD's containers read-only, through them); "
+    "name another claim")
+NODE_CACHE_CLASS_MESSAGE = (
+    "spec.volumes[0].ephemeral.volumeClaimTemplate.spec.storageClassName='dlo-node-cache' is the "
+    "node cache's class, which only the operator's own volumes may claim (the node cache reaches "
+    "a DOD's containers read-only, through them); choose another StorageClass")
+ISSUE_43_ATTACKS = [
+    pytest.param({"cache": {"hostPath": path}},
+                 OUTSIDE_PREFIX_MESSAGE.format(field="cache.hostPath", path=path,
+                                               prefix="/var/lib/dlo"),
+                 id=f"43-cache-host-path-{path}")
+    for path in ("/usr/local/bin", "/var/lib/dlo-evil")
+] + [
+    pytest.param({"offload": {**RUNTIME_CACHE, "runtimeCacheRoot": path}},
+                 OUTSIDE_PREFIX_MESSAGE.format(field="offload.runtimeCacheRoot", path=path,
+                                               prefix="/var/lib/dlo"),
+                 id=f"43-runtime-cache-root-{path}")
+    for path in ("/usr/local/bin", "/var/lib/dlo-evil")
+] + [
+    pytest.param({"volumes": POD_CLAIM}, POD_CLAIM_MESSAGE, id="43-pod-cache-claim"),
+    pytest.param({"volumes": POD_CLAIM, "model": {"source": "file:///models/flux/",
+                                                  "share": {"volumeName": "c"}}},
+                 POD_CLAIM_MESSAGE, id="43-share-pod-cache-claim"),
+    pytest.param({"volumes": [{"name": "c", "ephemeral": {"volumeClaimTemplate": {"spec": {
+        "storageClassName": "dlo-node-cache", "accessModes": ["ReadWriteOncePod"],
+        "resources": {"requests": {"storage": "1Gi"}}}}}}],
+        "model": {"source": "file:///models/flux/", "share": {"volumeName": "c"}}},
+        NODE_CACHE_CLASS_MESSAGE, id="43-share-node-cache-class"),
+]
+"""Issue 43: a cache path on the loader's PATH (the loader's `dlo` would resolve into the
+writable cache, past `allowedLoaderImages`) or beside the prefix, and a volume or `model.share`
+that is a pod's node-cache claim or a claim of its class."""
 ATTACKS = [
     pytest.param(HOST_ROOT, HOST_ROOT_MESSAGE.format(allowed="allowed: /mnt/datasets"),
                  id="3-host-root"),
@@ -72,6 +114,7 @@ ATTACKS = [
         id="6-loader-image"),
     pytest.param(GREEDY, GREEDY_MESSAGE, id="7-cache-max-bytes"),
     pytest.param(LOW_FLOOR, LOW_FLOOR_MESSAGE, id="7-cache-min-free-bytes"),
+    *ISSUE_43_ATTACKS,
 ]
 
 
@@ -242,3 +285,40 @@ async def test_the_operator_refuses_each_attack_as_render_does(
     assert not [r for r in list(cluster) if r.resource is not None
                 and r.resource.plural in ("configmaps", "services", "statefulsets", "jobs")
                 and r.method in ("POST", "PATCH", "PUT", "DELETE")]
+
+
+@pytest.mark.parametrize("field", ["cache.hostPath", "offload.runtimeCacheRoot"])
+def test_a_cache_path_climbing_out_of_the_prefix_is_refused_as_written(field: str) -> None:
+    """`/var/lib/dlo/../../usr/bin` starts with the prefix as a string; it is refused as not
+    normalized (the CRD's pattern) before any comparison, so `..` never reaches one."""
+    path = "/var/lib/dlo/../../usr/bin"
+    section, key = field.split(".")
+    spec = {section: {key: path, **(RUNTIME_CACHE if section == "offload" else {})}}
+    assert refusal(spec).startswith(f"spec.{field}: {path!r} does not match ")
+
+
+def test_the_cache_path_prefix_is_the_platforms_and_never_holds_the_loaders_code(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    platform = InstallationConfig(cache_path_prefix="/mnt/nvme")
+    children = render_document(document({"cache": {"hostPath": "/mnt/nvme/cache"}}), NAMESPACE,
+                               platform)
+    assert [c["kind"] for c in children if c["kind"] == "StatefulSet"] == ["StatefulSet"]
+    assert refusal({}, platform) == OUTSIDE_PREFIX_MESSAGE.format(
+        field="cache.hostPath", path="/var/lib/dlo/cache", prefix="/mnt/nvme")
+    path = tmp_path / "dod.yaml"
+    path.write_text(json.dumps(document({})))
+    for prefix, clash in (("/usr/local", "/usr"), ("/", None), ("/opt/dlo", "/opt")):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["render", str(path), f"--cache-path-prefix={prefix}"])
+        assert exited.value.code == 2
+        error = capsys.readouterr().err.splitlines()[-1]
+        if clash is None:
+            assert error.endswith(f"argument --cache-path-prefix: {prefix!r} is not an absolute, "
+                                  "normalized directory; pass one like /var/lib/dlo (no '.', "
+                                  "'..', '//' or trailing '/')")
+        else:
+            assert error.endswith(
+                f"argument --cache-path-prefix: {prefix!r} overlaps {clash}, where the loader "
+                "image finds its programs or libraries; the loader mounts the cache writable "
+                "there, so pass a directory of its own, like /var/lib/dlo")
+    assert cli.main(["render", str(path), "--cache-path-prefix=/var/lib/dlo"]) == 0
