@@ -6,19 +6,26 @@ command module provides `add_arguments(parser)` and `run(args) -> int`; one that
 (its output flushed, no interpreter teardown: the loader's init container exits in milliseconds,
 not after garbage-collecting every module). Known errors (`DloError`)
 become one line on stderr with a hint; tracebacks only with `--debug`.
+
+Each image installs some of the project's packages (the operator image no loader, no image the
+benchmarks), so the table lists only the commands whose package is installed here, found
+without importing it; a command whose package is missing says so, and where it comes from.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
+import itertools
 import logging
 import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from dlo_contract.errors import DloError
+from dlo_contract.errors import DloError, PermanentError
 
 
 @dataclass(frozen=True)
@@ -26,6 +33,26 @@ class Command:
     path: tuple[str, ...]
     module: str
     summary: str
+
+    @property
+    def package(self) -> str:
+        """The project package that provides the command (its module's top level)."""
+        return self.module.partition(".")[0]
+
+
+PROVIDED_BY: dict[str, str] = {
+    "dlo_cli": "every image",
+    "dlo_loader": "the loader image (loader_image/Dockerfile)",
+    "dlo_operator": "the operator image (operator/Dockerfile)",
+    "dlo_server": "the server image (server/Dockerfile)",
+    "dlo_bench": "a checkout of the repository, not with an image: run it there (`make demo`, "
+                 "or .venv/bin/dlo once `make test` made .venv)",
+}
+"""Where each package that provides commands is installed."""
+
+
+class CommandNotInstalled(PermanentError):
+    """A command of the table whose package this environment does not have."""
 
 
 COMMANDS: tuple[Command, ...] = (
@@ -47,13 +74,52 @@ COMMANDS: tuple[Command, ...] = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def installed(commands: Sequence[Command] = COMMANDS) -> tuple[Command, ...]:
+    """The commands whose package is installed here; a package is found without importing it
+    (nor torch, boto3 or kopf)."""
+    packages = {c.package for c in commands}
+    present = {p for p in packages if importlib.util.find_spec(p) is not None}
+    return tuple(c for c in commands if c.package in present)
+
+
+def check_installed(argv: Sequence[str], available: Sequence[Command]) -> None:
+    """Raise `CommandNotInstalled` when `argv` names a command, or a group of commands, of the
+    table that is not installed here."""
+    words = tuple(itertools.takewhile(lambda a: not a.startswith("-"), argv))
+    if not words or any(c.path[:len(words)] == words[:len(c.path)] for c in available):
+        return
+    for command in COMMANDS:
+        if command.path[:len(words)] == words[:len(command.path)]:
+            asked = "dlo " + " ".join(words[:len(command.path)])
+            raise CommandNotInstalled(
+                f"{asked} is not installed here: its package {command.package} is not in this "
+                "environment",
+                hint=f"{command.package} comes with {PROVIDED_BY[command.package]}")
+
+
+def _import(command: Command) -> Any:
+    """The command's module; a module it needs that is not installed here (a package of the
+    project, or an outside one) becomes `CommandNotInstalled`."""
+    try:
+        return importlib.import_module(command.module)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").partition(".")[0]
+        if not missing:
+            raise
+        where = (PROVIDED_BY[missing] if missing in PROVIDED_BY
+                 else "the extra of pyproject.toml that lists it")
+        raise CommandNotInstalled(
+            f"dlo {' '.join(command.path)} cannot run here: it needs {missing}, which is not "
+            "in this environment", hint=f"{missing} comes with {where}") from exc
+
+
+def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dlo", description="Distributed Layerwise Offload")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and DEBUG logs")
     groups: dict[tuple[str, ...], argparse._SubParsersAction] = {
         (): parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     }
-    for command in COMMANDS:
+    for command in commands:
         for depth in range(1, len(command.path)):
             prefix = command.path[:depth]
             if prefix not in groups:
@@ -71,9 +137,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args_list
-    args, rest = build_parser().parse_known_args([a for a in args_list if a != "--debug"])
-    command: Command = args._command
-    module = importlib.import_module(command.module)
+    words = [a for a in args_list if a != "--debug"]
+    available = installed()
+    try:
+        check_installed(words, available)
+        args, rest = build_parser(available).parse_known_args(words)
+        command: Command = args._command
+        module = _import(command)
+    except CommandNotInstalled as exc:
+        if debug:
+            raise
+        print(f"dlo: error: {exc} (hint: {exc.hint})", file=sys.stderr)
+        return 1
     leaf = argparse.ArgumentParser(
         prog="dlo " + " ".join(command.path), description=command.summary
     )
