@@ -143,13 +143,14 @@ def _measure(args: argparse.Namespace, nodes: list[int], modes: list[str],
              links: netns.LinkConfig) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="dlo-cluster-bench-") as tmp:
         work = Path(tmp)
-        model_dir = write_model(work / "model", args.head_dim)
-        digests = model_digests(model_dir)
-        with netns.cluster(max(nodes), links) as cluster:
-            probe = probe_links(cluster)
-            with serve_model(cluster, args.ministack, model_dir) as store:
+        model_dir = cluster_nodes.write_model(work / "model", args.head_dim)
+        digests = cluster_nodes.model_digests(model_dir)
+        with netns.cluster(max(nodes), links) as made:
+            probe = cluster_nodes.probe_links(made)
+            with cluster_nodes.serve_model(made, args.ministack, model_dir) as store:
                 runs = [
-                    fill(cluster, store, n, mode, work / f"{mode}-{n}", index, digests, args)
+                    cluster_nodes.fill(made, store, n, mode, work / f"{mode}-{n}", index,
+                                       digests, args)
                     for index, (n, mode) in enumerate((n, m) for n in nodes for m in modes)
                 ]
     parameters = {

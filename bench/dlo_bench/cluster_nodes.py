@@ -129,19 +129,29 @@ sys.exit(main())
 """
 
 
-def loader_argv(cluster: netns.Cluster, store: dict[str, Any], *, nodes: int, rank: int,
-                 mode: str, root: Path, port: int, args: argparse.Namespace) -> list[str]:
-    return cluster.exec_argv(cluster.node_ns[rank], [
+def fill_argv(cluster: netns.Cluster, store: dict[str, Any], node: int, root: Path,
+              args: argparse.Namespace, *extra: str) -> list[str]:
+    """`dlo cache fill` of the model on `node`, started in two steps (`_LOADER`), its cache,
+    entry and summary files under `root`; `extra`: the fill's other arguments."""
+    return cluster.exec_argv(cluster.node_ns[node], [
         sys.executable, "-c", _LOADER, str(root / "ready"), "cache", "fill",
         "--source", f"s3://{_BUCKET}/{_PREFIX}/", "--endpoint-url", store["endpoint_url"],
         "--region", DUMMY_CREDENTIALS["AWS_DEFAULT_REGION"], "--path-style",
-        "--mode", mode, "--chunk-bytes", str(args.chunk_bytes), "--cache-root", str(root / "cache"),
-        "--rank", str(rank), "--world-size", str(nodes),
-        "--master-addr", cluster.node_addrs[0], "--master-port", str(port),
+        "--chunk-bytes", str(args.chunk_bytes), "--cache-root", str(root / "cache"),
         "--entry-file", str(root / "entry.json"), "--summary-file", str(root / "summary.json"),
-        "--readers", str(args.readers),
-        *(["--peer-timeout", f"{args.peer_timeout:g}"] if args.peer_timeout else []),
+        *extra,
     ])
+
+
+def loader_argv(cluster: netns.Cluster, store: dict[str, Any], *, nodes: int, rank: int,
+                 mode: str, root: Path, port: int, args: argparse.Namespace) -> list[str]:
+    """Rank `rank` of a group of `nodes` loaders filling in `mode`."""
+    return fill_argv(
+        cluster, store, rank, root, args, "--mode", mode, "--rank", str(rank),
+        "--world-size", str(nodes), "--master-addr", cluster.node_addrs[0],
+        "--master-port", str(port), "--readers", str(args.readers),
+        *(["--peer-timeout", f"{args.peer_timeout:g}"] if args.peer_timeout else []),
+    )
 
 
 def start_together(procs: list[subprocess.Popen[bytes]], roots: list[Path],

@@ -27,10 +27,17 @@ from dlo_bench import cluster_nodes, netns, provenance
 from dlo_bench.s3server import DUMMY_CREDENTIALS
 from dlo_contract.cache import sha256_file
 from dlo_contract.fill_group import FillGroup, Holder
-from dlo_contract.names import DEFAULT_RENDEZVOUS_PORT, FILL_GROUP_ENV, NODE_NAME_ENV
+from dlo_contract.names import (
+    DEFAULT_RENDEZVOUS_PORT,
+    FILL_GROUP_ENV,
+    FILL_SECRET_ENV,
+    NODE_NAME_ENV,
+)
 
 SERVE_PORT = 9400
 """Each holder's loader endpoint (one per namespace, so the same port on every node)."""
+SECRET_FILE = "fill-secret"
+"""The fill secret every loader of the run shares, as a DOD's loaders do (peer serving needs it)."""
 
 
 def measure(args: argparse.Namespace, links: netns.LinkConfig) -> dict[str, Any]:
@@ -39,6 +46,7 @@ def measure(args: argparse.Namespace, links: netns.LinkConfig) -> dict[str, Any]
     with tempfile.TemporaryDirectory(prefix="dlo-cluster-refill-") as tmp:
         work = Path(tmp)
         model_dir = cluster_nodes.write_model(work / "model", args.head_dim)
+        (work / SECRET_FILE).write_bytes(os.urandom(32))  # the DOD's: its loaders serve peers
         digests = cluster_nodes.model_digests(model_dir)
         with netns.cluster(holders + 1, links) as nodes, \
                 cluster_nodes.serve_model(nodes, args.ministack, model_dir) as store:
@@ -76,14 +84,8 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _argv(nodes: netns.Cluster, store: dict[str, Any], node: int, root: Path,
           args: argparse.Namespace, *extra: str) -> list[str]:
-    return nodes.exec_argv(nodes.node_ns[node], [
-        sys.executable, "-c", cluster._LOADER, str(root / "ready"), "cache", "fill",
-        "--source", f"s3://{cluster._BUCKET}/{cluster._PREFIX}/",
-        "--endpoint-url", store["endpoint_url"],
-        "--region", DUMMY_CREDENTIALS["AWS_DEFAULT_REGION"], "--path-style",
-        "--chunk-bytes", str(args.chunk_bytes), "--cache-root", str(root / "cache"),
-        "--entry-file", str(root / "entry.json"), "--summary-file", str(root / "summary.json"),
-        "--metrics-port", str(SERVE_PORT), *extra])
+    return cluster_nodes.fill_argv(nodes, store, node, root, args,
+                                   "--metrics-port", str(SERVE_PORT), *extra)
 
 
 def _start_holders(nodes: netns.Cluster, store: dict[str, Any], work: Path,
@@ -99,9 +101,10 @@ def _start_holders(nodes: netns.Cluster, store: dict[str, Any], work: Path,
                      str(count), "--master-addr", nodes.node_addrs[1], "--master-port",
                      str(DEFAULT_RENDEZVOUS_PORT), "--readers", str(args.readers),
                      "--keep-running")
+        env = _env(**{FILL_SECRET_ENV: str(work / SECRET_FILE)})
         with (root / "stdout").open("wb") as out, (root / "stderr").open("wb") as err:
             procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out, stderr=err,
-                                          env=_env()))
+                                          env=env))
     cluster_nodes.start_together(procs, roots, args.fill_timeout_s)
     deadline = time.monotonic() + args.fill_timeout_s
     while not all((root / "entry.json").exists() for root in roots):
@@ -121,7 +124,8 @@ def _refill(nodes: netns.Cluster, store: dict[str, Any], root: Path, digests: di
     root.mkdir(parents=True)
     holders = tuple(Holder(f"node{n}", nodes.node_addrs[n], SERVE_PORT)
                     for n in range(1, len(nodes.node_ns)))
-    env = _env(**{FILL_GROUP_ENV: FillGroup(holders=holders).to_json(), NODE_NAME_ENV: "node0"})
+    env = _env(**{FILL_GROUP_ENV: FillGroup(holders=holders).to_json(), NODE_NAME_ENV: "node0",
+                  FILL_SECRET_ENV: str(root.parent / SECRET_FILE)})
     argv = _argv(nodes, store, 0, root, args, "--readers", str(args.refill_readers))
     with (root / "stdout").open("wb") as out, (root / "stderr").open("wb") as err:
         process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out, stderr=err, env=env)
