@@ -171,7 +171,9 @@ class InferenceConfig(Section):
         description="Resources (core/v1 ResourceRequirements); gpusPerPod is added to the limits.")
     ports: Objects = setting((), crd="inference.ports",
                              description="Container ports (core/v1 ContainerPort); a ClusterIP "
-                             "Service named like the DOD exposes them.")
+                             "Service named like the DOD exposes them, and the DOD's "
+                             "NetworkPolicy admits any client to them: declare every port the "
+                             "server listens on.")
     readiness_probe: dict[str, Any] = setting(
         dict, crd="inference.readinessProbe",
         description="Readiness probe (core/v1 Probe); empty means the pod is Ready once running.")
@@ -199,6 +201,32 @@ class DisruptionBudgetConfig(Section):
         "1", crd="disruptionBudget.maxUnavailable", pattern="^([0-9]+|([0-9]|[1-9][0-9]|100)%)$",
         description="Pods a drain may evict at once, a count or a percentage from 0% to 100% "
         "such as 25%.")
+
+
+DEFAULT_OPERATOR_NAMESPACE = "dlo-system"
+"""Where `dlo render` assumes the operator runs (the chart passes its release namespace)."""
+
+
+class NetworkPolicyConfig(Section):
+    """The NetworkPolicy of each DOD's pods: the platform's choice (the chart's `networkPolicy`
+    values, passed as flags of `dlo operator run` and `dlo render`), set by the operator, never
+    by the CR."""
+
+    enabled: bool = setting(
+        True, crd=None,
+        description="Render a NetworkPolicy per DOD (chart value networkPolicy.enabled): the "
+        "loaders' ports take connections only from the DOD's own pods, and the metrics port "
+        "also from the operator's namespace and scrapeNamespaces. Off only where the cluster's "
+        "network plugin enforces no NetworkPolicy.")
+    operator_namespace: str = setting(
+        DEFAULT_OPERATOR_NAMESPACE, crd=None, min_length=1,
+        description="The operator's namespace (the chart's release namespace), whose pods read "
+        "the loaders' metrics and fill summaries.")
+    scrape_namespaces: Strings = setting(
+        (), crd=None,
+        description="Further namespaces whose pods may read the loaders' metrics port: where "
+        "the Prometheus that scrapes the chart's PodMonitor runs (chart value "
+        "networkPolicy.scrapeNamespaces).")
 
 
 class DeploymentSpec(Section):
@@ -254,7 +282,7 @@ class DeploymentSpec(Section):
         (), crd="volumes",
         description="Extra pod volumes (core/v1 Volume), mounted through inference.volumeMounts "
         "(and model.share, in the loader); names may not reuse the operator's (settings, run, "
-        "loader-tmp, cache, runtime-cache, dshm, source-credentials). A hostPath must lie under the chart value allowedUserHostPaths (default: none); "
+        "loader-tmp, cache, runtime-cache, dshm, source-credentials, fill-secret). A hostPath must lie under the chart value allowedUserHostPaths (default: none); "
         "gitRepo and flexVolume are refused.")
     shm_size: str = setting(
         "", crd="shmSize", pattern=QUANTITY,
@@ -262,3 +290,4 @@ class DeploymentSpec(Section):
         "and NCCL need more than the container runtime's 64 MiB with several ranks per pod); "
         "empty sets no limit beyond the pod's memory.")
     disruption_budget: DisruptionBudgetConfig = Field(default_factory=DisruptionBudgetConfig)
+    network_policy: NetworkPolicyConfig = Field(default_factory=NetworkPolicyConfig)

@@ -64,7 +64,8 @@ def admit(document: Mapping[str, Any],
     loader = spec.loader.model_copy(update={"run_as_user": installation.node_cache_uid,
                                             "run_as_group": installation.node_cache_gid})
     return spec.model_copy(update={"settings": with_platform_limits(spec.settings, installation),
-                                   "loader": loader})
+                                   "loader": loader,
+                                   "network_policy": installation.network_policy})
 
 
 def _plain(value: Any) -> Any:

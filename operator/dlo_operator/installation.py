@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import enum
+import re
 from dataclasses import dataclass
 
-from dlo_contract.deployment import DEFAULT_LOADER_UID
+from dlo_contract.deployment import DEFAULT_LOADER_UID, NetworkPolicyConfig
 from dlo_operator.host_paths import (
     DEFAULT_ALLOWED_HOST_PATHS,
     DEFAULT_CACHE_PATH_PREFIX,
@@ -39,6 +40,9 @@ class LoaderImageUpdate(str, enum.Enum):
 DEFAULT_LOADER_GID = DEFAULT_LOADER_UID
 MAX_ID = 2**31 - 1
 """The largest id a pod's `runAsUser` may hold."""
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+"""A namespace name (a DNS-1123 label)."""
+_POLICY_DEFAULTS = NetworkPolicyConfig()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +85,11 @@ class InstallationConfig:
     node_cache_gid: int = DEFAULT_LOADER_GID
     """The loader's group, owner group of each `cache/`: chart value `nodeCache.gid`, flag
     `--node-cache-gid`."""
+
+    network_policy: NetworkPolicyConfig = _POLICY_DEFAULTS
+    """The NetworkPolicy of every DOD (`network_policy`): chart values `networkPolicy.enabled`
+    and `networkPolicy.scrapeNamespaces` and the release namespace, flags `--network-policy`,
+    `--scrape-namespace` and `--operator-namespace`."""
 
     @property
     def cache_directories(self) -> tuple[tuple[str, str], ...]:
@@ -133,7 +142,25 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-cache-root", type=_directory, default=DEFAULT_NODE_CACHE_ROOT,
                         metavar="DIR", help="node directory holding each namespace's cache, "
                         f"DIR/namespaces/NAMESPACE (default {DEFAULT_NODE_CACHE_ROOT})")
+    _add_network_flags(parser)
     add_owner_flags(parser)
+
+
+def _add_network_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--network-policy", action=argparse.BooleanOptionalAction,
+                        default=_POLICY_DEFAULTS.enabled,
+                        help="a NetworkPolicy per DOD: its loaders' ports take connections only "
+                        "from its own pods, the metrics port also from the operator's and the "
+                        "scrape namespaces (default on; off where the network plugin enforces "
+                        "no NetworkPolicy)")
+    parser.add_argument("--operator-namespace", type=_namespace,
+                        default=_POLICY_DEFAULTS.operator_namespace, metavar="NAMESPACE",
+                        help="the operator's namespace, whose pods read the loaders' metrics "
+                        f"(default {_POLICY_DEFAULTS.operator_namespace})")
+    parser.add_argument("--scrape-namespace", type=_namespace, action="append", default=[],
+                        dest="scrape_namespaces", metavar="NAMESPACE",
+                        help="a namespace whose pods may read the loaders' metrics port, where "
+                        "Prometheus runs (repeatable; default: none beyond the operator's)")
 
 
 def add_owner_flags(parser: argparse.ArgumentParser) -> None:
@@ -158,7 +185,10 @@ def from_args(args: argparse.Namespace) -> InstallationConfig:
         cache_path_prefix=args.cache_path_prefix,
         node_cache_root=args.node_cache_root,
         node_cache_uid=args.node_cache_uid,
-        node_cache_gid=args.node_cache_gid)
+        node_cache_gid=args.node_cache_gid,
+        network_policy=NetworkPolicyConfig(
+            enabled=args.network_policy, operator_namespace=args.operator_namespace,
+            scrape_namespaces=tuple(args.scrape_namespaces)))
 
 
 def node_cache_root(text: str) -> str:
@@ -178,6 +208,14 @@ def _directory(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not an absolute, normalized directory; pass one like "
             f"{DEFAULT_NODE_CACHE_ROOT} (no '.', '..', '//' or trailing '/')")
+    return text
+
+
+def _namespace(text: str) -> str:
+    if not _NAMESPACE.match(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a namespace name; pass a DNS label of at most 63 characters: "
+            "lower-case letters, digits and '-', starting and ending with a letter or digit")
     return text
 
 

@@ -51,6 +51,7 @@ class KubeClient:
         self._apps = kubernetes.client.AppsV1Api(api_client)
         self._policy = kubernetes.client.PolicyV1Api(api_client)
         self._batch = kubernetes.client.BatchV1Api(api_client)
+        self._networking = kubernetes.client.NetworkingV1Api(api_client)
         self._custom = kubernetes.client.CustomObjectsApi(api_client)
 
     @classmethod
@@ -71,19 +72,34 @@ class KubeClient:
             "Pod": (self._core, "pod"), "StatefulSet": (self._apps, "stateful_set"),
             "Job": (self._batch, "job"),
             "PodDisruptionBudget": (self._policy, "pod_disruption_budget"),
+            "NetworkPolicy": (self._networking, "network_policy"),
+            "Secret": (self._core, "secret"),
         }[kind]
         return {verb: getattr(api, f"{verb}_namespaced_{suffix}")
-                for verb in ("patch", "read", "list", "delete")}
+                for verb in ("patch", "read", "list", "delete", "create")}
 
     def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
-        """Server-side apply one child (ConfigMap, Service, StatefulSet, Job or
-        PodDisruptionBudget)."""
+        """Server-side apply one child (ConfigMap, Service, StatefulSet, Job,
+        PodDisruptionBudget or NetworkPolicy)."""
         kind = manifest["kind"]
         meta = manifest["metadata"]
         what = f"{kind} {meta['namespace']}/{meta['name']}"
         return self._call(what, self._verbs(kind)["patch"], meta["name"], meta["namespace"],
                           dict(manifest), field_manager=FIELD_MANAGER, force=True,
                           _content_type=_APPLY)
+
+    def create(self, manifest: Mapping[str, Any]) -> None:
+        """Create one child that must not be applied again (the fill Secret: its data is
+        written once). Its data never reaches a log or an error: those name the object only."""
+        kind, meta = manifest["kind"], manifest["metadata"]
+        self._call(f"{kind} {meta['namespace']}/{meta['name']}", self._verbs(kind)["create"],
+                   meta["namespace"], dict(manifest), field_manager=FIELD_MANAGER)
+
+    def merge_patch(self, kind: str, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+        """Merge `patch` into one child, leaving the fields it does not name as they are (the
+        fill Secret's data, once written). Like `create`, never logs what it writes."""
+        self._call(f"{kind} {namespace}/{name}", self._verbs(kind)["patch"], name, namespace,
+                   dict(patch), field_manager=FIELD_MANAGER, _content_type=_MERGE)
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """One object, or None when it does not exist."""

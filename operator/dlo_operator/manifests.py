@@ -2,8 +2,10 @@
 
 The settings ConfigMap, the fill-group document and the Service come before the StatefulSet so
 that its pods never start without their settings, their group or their DNS names. On create the
-group holds every pod: the first fill is one cooperative group. The inference Service and the
-PodDisruptionBudget, where the spec asks for them, follow. `drifted` compares a manifest with
+group holds every pod: the first fill is one cooperative group. The inference Service, the
+PodDisruptionBudget and the NetworkPolicy, where the spec and the platform ask for them,
+follow. The fill Secret closes `build_children` without its data: the reconciler creates it
+before any other child, once, with random data (`fill_secret`), so a render never shows it. `drifted` compares a manifest with
 its live object as the reconciler applies it. Pure; called by `rollout`,
 `prefill_stage`, `reconcile` (the names of the optional children it looks for) and `dlo render`.
 """
@@ -16,7 +18,9 @@ from typing import Any
 from dlo_contract.fill_group import FillGroup
 from dlo_operator.configmap import build_configmap, build_fill_group_configmap, revision
 from dlo_operator.disruption_budget import build_disruption_budget
+from dlo_operator.fill_secret import build_fill_secret
 from dlo_operator.naming import Owner
+from dlo_operator.network_policy import build_network_policy
 from dlo_operator.service import build_inference_service, build_service
 from dlo_operator.spec import DeploymentSpec
 from dlo_operator.statefulset import build_statefulset
@@ -43,17 +47,19 @@ def restart_children(owner: Owner, spec: DeploymentSpec, live: int) -> list[dict
 
 
 def optional_children(owner: Owner, spec: DeploymentSpec) -> list[dict[str, Any]]:
-    """The inference Service and the PodDisruptionBudget, where the spec asks for them; they
-    never restart a pod, so every stage of a rollout applies them as the spec says (and deletes
-    the ones it turns off, `optional_child_names`)."""
-    optional = (build_inference_service(owner, spec), build_disruption_budget(owner, spec))
+    """The inference Service, the PodDisruptionBudget and the NetworkPolicy, where the spec (or
+    the platform) asks for them; they never restart a pod, so every stage of a rollout applies
+    them as asked (and deletes the ones turned off, `optional_child_names`)."""
+    optional = (build_inference_service(owner, spec), build_disruption_budget(owner, spec),
+                build_network_policy(owner, spec))
     return [child for child in optional if child is not None]
 
 
 def optional_child_names(owner: Owner) -> tuple[tuple[str, str], ...]:
     """(kind, name) of each child `optional_children` may build, on or off."""
     return (("Service", owner.inference_service_name),
-            ("PodDisruptionBudget", owner.disruption_budget_name))
+            ("PodDisruptionBudget", owner.disruption_budget_name),
+            ("NetworkPolicy", owner.network_policy_name))
 
 
 def build_children(owner: Owner, spec: DeploymentSpec) -> list[dict[str, Any]]:
@@ -63,6 +69,7 @@ def build_children(owner: Owner, spec: DeploymentSpec) -> list[dict[str, Any]]:
         build_service(owner, spec),
         build_statefulset(owner, spec),
         *optional_children(owner, spec),
+        build_fill_secret(owner),
     ]
 
 

@@ -48,6 +48,11 @@ LABEL_REVISION = f"{GROUP}/revision"
 """On per-revision children (settings ConfigMap, prefill Job and its pods)."""
 LABEL_JOB_INDEX = "batch.kubernetes.io/job-completion-index"
 """Set by the Job controller on the pods of an Indexed Job: the prefill loader's rank."""
+LABEL_APP_NAME = "app.kubernetes.io/name"
+"""`WORKLOAD_APP` on the workload pods (a selector label, which `spec.podLabels` may not set)."""
+WORKLOAD_APP = "dlo-workload"
+PREFILL_ROLE = "prefill"
+"""`LABEL_ROLE` of the prefill Jobs, their pods and their Service."""
 
 SETTINGS_KEY = SETTINGS_FILE
 """The settings ConfigMap's key, mounted at `DEFAULT_CONFIG_PATH`."""
@@ -122,6 +127,15 @@ class Owner:
     def disruption_budget_name(self) -> str:
         return self.name
 
+    @property
+    def network_policy_name(self) -> str:
+        """The NetworkPolicy of the DOD's pods (`network_policy`)."""
+        return self.name
+
+    @property
+    def fill_secret_name(self) -> str:
+        return fill_secret_name(self.name)
+
     def master_addr(self) -> str:
         """Pod 0's DNS name (the rendezvous of a create's fill group)."""
         return self.pod_address(self.pod_name(0), self.service_name)
@@ -132,10 +146,16 @@ class Owner:
         return f"{pod}.{service}.{self.namespace}.svc"
 
 
+def fill_secret_name(dod_name: str) -> str:
+    """The DOD's fill Secret (`fill_secret`): random bytes its loaders key their group with.
+    At most 52 + 12 characters, well within a Secret's 253."""
+    return f"{dod_name}-fill-secret"
+
+
 def selector_labels(owner: Owner) -> dict[str, str]:
     """The immutable StatefulSet selector; also what the anti-affinity term matches."""
     return {
-        "app.kubernetes.io/name": "dlo-workload",
+        LABEL_APP_NAME: WORKLOAD_APP,
         "app.kubernetes.io/instance": owner.name,
         LABEL_DEPLOYMENT: owner.name,
     }
@@ -168,22 +188,34 @@ def labels_of(obj: Mapping[str, Any]) -> Mapping[str, str]:
     return (obj.get("metadata") or {}).get("labels") or {}
 
 
+UNCONTROLLED = "no controller"
+"""`foreign_controller`'s answer for an object that nothing controls."""
+
+
 def foreign_controller(owner: Owner, child: Mapping[str, Any] | None) -> str | None:
-    """Who controls `child` if not `owner` ("DiffusionOffloadDeployment flux"), else None.
+    """Who controls `child` if not `owner` ("DiffusionOffloadDeployment flux", or
+    `UNCONTROLLED`), else None (`child` is `owner`'s, or absent).
 
     Child names are `<dod>`, `<dod>-peers`, `<dod>-prefill`, ...: DOD `flux`'s headless Service
     `flux-peers` is DOD `flux-peers`'s inference Service. The controller reference (or, on an
     object without one, the deployment label) says whose it is; a DOD of `owner`'s name with
     another uid is the one `owner` replaced (its children wait for the garbage collector) and
-    counts as `owner`. An object nobody controls or labels is the operator's to adopt."""
-    meta = (child or {}).get("metadata") or {}
+    counts as `owner`, and so does an object without a controller that carries `owner`'s
+    deployment label (`dlo render`'s output, applied by hand). Any other object is never
+    `owner`'s: writing it would give a DOD author every object of the namespace named like one
+    of its children (a Service, a Secret), taken over and deleted with the DOD."""
+    if child is None:
+        return None
+    meta = child.get("metadata") or {}
     ref = next((r for r in meta.get("ownerReferences") or () if r.get("controller")), None)
     if ref is not None:
         mine = (ref.get("kind") == KIND and str(ref.get("apiVersion", "")).startswith(f"{GROUP}/")
                 and ref.get("name") == owner.name)
         return None if mine else f"{ref.get('kind')} {ref.get('name')}"
-    labelled = labels_of(child or {}).get(LABEL_DEPLOYMENT)
-    return f"{KIND} {labelled}" if labelled and labelled != owner.name else None
+    labelled = labels_of(child).get(LABEL_DEPLOYMENT)
+    if labelled == owner.name:
+        return None
+    return f"{KIND} {labelled}" if labelled else UNCONTROLLED
 
 
 def owns(owner: Owner, child: Mapping[str, Any] | None) -> bool:

@@ -34,9 +34,13 @@ from dlo_contract.names import (
     CONFIG_ENV,
     DEFAULT_CONFIG_PATH,
     DEFAULT_ENTRY_FILE,
+    DEFAULT_FILL_SECRET_FILE,
     ENTRY_FILE_ENV,
     ENTRY_WAIT_ENV,
     FILL_GROUP_ENV,
+    FILL_SECRET_ENV,
+    FILL_SECRET_KEY,
+    FILL_SECRET_MOUNT,
     LOADER_METRICS_PORT_NAME,
     NODE_NAME_ENV,
     POD_NAME_ENV,
@@ -69,7 +73,10 @@ from dlo_operator.spec import DeploymentSpec, runtime_cache_on
 
 GPU_RESOURCE = "nvidia.com/gpu"
 SHM_VOLUME = "dshm"
-OWN_VOLUMES = ("settings", "run", "loader-tmp", CACHE_VOLUME, SHM_VOLUME, CREDENTIALS_VOLUME)
+FILL_SECRET_VOLUME = "fill-secret"
+"""The DOD's fill Secret (`fill_secret`), mounted in the loader container only."""
+OWN_VOLUMES = ("settings", "run", "loader-tmp", CACHE_VOLUME, SHM_VOLUME, CREDENTIALS_VOLUME,
+               FILL_SECRET_VOLUME)
 """Volume names the operator uses; a user's `volumes` entry may not reuse one."""
 
 def loader_security_context(spec: DeploymentSpec) -> dict[str, Any]:
@@ -104,7 +111,7 @@ def build_pod_template(owner: Owner, spec: DeploymentSpec, revision: str,
         "affinity": _affinity(owner, spec),
         "initContainers": [loader_container(spec, group_env, sidecar=True)],
         "containers": [_inference_container(owner.name, spec)],
-        "volumes": volumes(owner.settings_name(revision), spec),
+        "volumes": volumes(owner, owner.settings_name(revision), spec),
     }
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
@@ -125,10 +132,11 @@ def build_pod_template(owner: Owner, spec: DeploymentSpec, revision: str,
     }
 
 
-def volumes(settings_configmap: str, spec: DeploymentSpec) -> list[dict[str, Any]]:
+def volumes(owner: Owner, settings_configmap: str,
+            spec: DeploymentSpec) -> list[dict[str, Any]]:
     """Settings (the revision's ConfigMap), the run and tmp dirs, the node cache (the pod's
-    claim of its namespace's directory on its node), the source's key file (`source_access`)
-    and the DOD's own volumes (a `file:///` share among them)."""
+    claim of its namespace's directory on its node), the DOD's fill Secret, the source's key
+    file (`source_access`) and the DOD's own volumes (a `file:///` share among them)."""
     volumes: list[dict[str, Any]] = [
         {"name": "settings", "configMap": {
             "name": settings_configmap, "items": [{"key": SETTINGS_KEY, "path": SETTINGS_KEY}],
@@ -141,16 +149,22 @@ def volumes(settings_configmap: str, spec: DeploymentSpec) -> list[dict[str, Any
     if spec.shm_size:
         shm["sizeLimit"] = spec.shm_size
     volumes.append({"name": SHM_VOLUME, "emptyDir": shm})
+    # Read by the loader's user (no fsGroup: the file is root's); only the loader mounts it.
+    volumes.append({"name": FILL_SECRET_VOLUME, "secret": {
+        "secretName": owner.fill_secret_name, "defaultMode": 0o444,
+        "items": [{"key": FILL_SECRET_KEY, "path": FILL_SECRET_KEY}]}})
     return volumes + source_volumes(spec) + [copy.deepcopy(dict(v)) for v in spec.volumes]
 
 
 def loader_container(spec: DeploymentSpec, group_env: list[dict[str, Any]], *,
                      sidecar: bool = False) -> dict[str, Any]:
-    """Contract C2: `dlo cache fill`; `group_env` says where it learns its fill group; its
-    source's credentials and mounts come from `source_access`. As the
+    """Contract C2: `dlo cache fill`; `group_env` says where it learns its fill group; the
+    DOD's fill Secret is its alone (`DLO_FILL_SECRET_FILE`); its source's credentials and mounts
+    come from `source_access`. As the
     workload pod's `sidecar` it stays up after publishing and is ready once the entry document
     exists; in the prefill Job it is an ordinary container that ends with its fill."""
-    env: list[dict[str, Any]] = [*group_env, {"name": CONFIG_ENV, "value": DEFAULT_CONFIG_PATH}]
+    env: list[dict[str, Any]] = [*group_env, {"name": CONFIG_ENV, "value": DEFAULT_CONFIG_PATH},
+                                 {"name": FILL_SECRET_ENV, "value": DEFAULT_FILL_SECRET_FILE}]
     # The node, for the other loaders of a fill group to name this one if it is lost.
     env.append({"name": NODE_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
     env += credential_env(spec)
@@ -172,6 +186,7 @@ def loader_container(spec: DeploymentSpec, group_env: list[dict[str, Any]], *,
             {"name": "loader-tmp", "mountPath": LOADER_TMP},
             {"name": CACHE_VOLUME, "mountPath": spec.settings.cache.root,
              "subPath": CACHE_SUBPATH},
+            {"name": FILL_SECRET_VOLUME, "mountPath": FILL_SECRET_MOUNT, "readOnly": True},
             *source_mounts(spec),
         ],
     }

@@ -24,6 +24,7 @@ from dlo_operator.naming import (
     LABEL_JOB_INDEX,
     LABEL_REVISION,
     LABEL_ROLE,
+    PREFILL_ROLE,
     Owner,
     child_metadata,
 )
@@ -35,18 +36,19 @@ _DEADLINE_MARGIN_S = 300
 
 
 def prefill_labels(owner: Owner, rev: str) -> dict[str, str]:
-    return {LABEL_DEPLOYMENT: owner.name, LABEL_ROLE: "prefill", LABEL_REVISION: rev}
+    return {LABEL_DEPLOYMENT: owner.name, LABEL_ROLE: PREFILL_ROLE, LABEL_REVISION: rev}
 
 
 def build_prefill_service(owner: Owner, spec: DeploymentSpec) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": child_metadata(owner, owner.prefill_service_name, **{LABEL_ROLE: "prefill"}),
+        "metadata": child_metadata(owner, owner.prefill_service_name,
+                                   **{LABEL_ROLE: PREFILL_ROLE}),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
-            "selector": {LABEL_DEPLOYMENT: owner.name, LABEL_ROLE: "prefill"},
+            "selector": {LABEL_DEPLOYMENT: owner.name, LABEL_ROLE: PREFILL_ROLE},
             "ports": [{"name": "rendezvous", "port": spec.loader.port,
                        "targetPort": spec.loader.port, "protocol": "TCP"}],
         },
@@ -81,7 +83,7 @@ def build_prefill_job(owner: Owner, spec: DeploymentSpec,
                 "topologyKey": "kubernetes.io/hostname"}]},
         },
         "containers": [loader_container(spec, group_env)],
-        "volumes": volumes(owner.settings_name(rev), spec),
+        "volumes": volumes(owner, owner.settings_name(rev), spec),
     }
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name

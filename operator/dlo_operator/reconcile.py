@@ -26,17 +26,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from dlo_contract.fill_group import FILL_GROUP_KEY, FillGroup
+from dlo_contract.names import FILL_SECRET_KEY
 from dlo_operator import loader_image, metrics, pod_refusals
 from dlo_operator.admission import admit
 from dlo_operator.conditions import FALSE, Condition, find, post_event, report_event
 from dlo_operator.decision import Decision, Observed
 from dlo_operator.errors import KubeError, KubeTransientError, NameConflict, SpecError
+from dlo_operator.fill_secret import build_fill_secret, new_data
 from dlo_operator.installation import InstallationConfig
 from dlo_operator.kube import KubeClient, backoff_delay
 from dlo_operator.manifests import drifted, optional_child_names
 from dlo_operator.naming import (
+    KIND,
     LABEL_DEPLOYMENT,
     LABEL_ROLE,
+    PREFILL_ROLE,
+    UNCONTROLLED,
     Owner,
     foreign_controller,
     labels_of,
@@ -203,8 +208,8 @@ def _observe(kube: KubeClient, owner: Owner, pods: list[dict[str, Any]],
             group = FillGroup()
     mine = {LABEL_DEPLOYMENT: owner.name}
     statefulset = kube.get("StatefulSet", owner.namespace, owner.statefulset_name)
-    jobs = kube.list("Job", owner.namespace, {**mine, LABEL_ROLE: "prefill"})
-    job_pods = [p for p in pods if labels_of(p).get(LABEL_ROLE) == "prefill"]
+    jobs = kube.list("Job", owner.namespace, {**mine, LABEL_ROLE: PREFILL_ROLE})
+    job_pods = [p for p in pods if labels_of(p).get(LABEL_ROLE) == PREFILL_ROLE]
     return Observed(
         statefulset=statefulset, pods=workload, group=group, jobs=jobs, job_pods=job_pods,
         refused=pod_refusals.observe(kube, owner.namespace, statefulset, workload, jobs,
@@ -219,19 +224,21 @@ def _observe(kube: KubeClient, owner: Owner, pods: list[dict[str, Any]],
 
 def _converge(kube: KubeClient, owner: Owner, decision: Decision) -> None:
     """Apply what drifted and delete what is no longer used, writing nothing unless every
-    child's name is free of another controller's object (`NameConflict`)."""
+    child's name is free of another controller's object (`NameConflict`). The fill Secret comes
+    first, so that no pod waits for it, and is created once (`_keep_fill_secret`)."""
     lives = [(manifest, kube.get(manifest["kind"], owner.namespace, manifest["metadata"]["name"]))
-             for manifest in decision.apply]
+             for manifest in (build_fill_secret(owner), *decision.apply)]
     taken = [(manifest, who) for manifest, live in lives
              if (who := foreign_controller(owner, live)) is not None]
     if taken:
-        raise NameConflict("; ".join(
-            f"{m['kind']} {owner.namespace}/{m['metadata']['name']} belongs to {who}" for m, who
-            in taken) + "; the operator writes no object another controls, so this DOD has no "
-            "children: rename it (its children are named after it), or delete the other",
-            hint="child names add -peers, -prefill, -settings-<revision> or -fill-group to the "
-            "DOD's name")
-    for manifest, live in lives:
+        raise NameConflict("; ".join(_held(owner, m, who) for m, who in taken) + (
+            "; the operator writes no object it does not control, so this DOD has no "
+            "children: rename it (its children are named after it), or delete the other"),
+            hint="child names add -peers, -prefill, -settings-<revision>, -fill-group or "
+            "-fill-secret to the DOD's name")
+    (secret, live_secret), *children = lives
+    _keep_fill_secret(kube, owner, secret, live_secret)
+    for manifest, live in children:
         meta = manifest["metadata"]
         if live is None or drifted(manifest, live):
             log.info("%s/%s: applying %s %s (%s)", owner.namespace, owner.name,
@@ -244,6 +251,35 @@ def _converge(kube: KubeClient, owner: Owner, decision: Decision) -> None:
             continue  # another's object of the name: never the operator's to delete
         log.info("%s/%s: deleting %s %s", owner.namespace, owner.name, kind, name)
         kube.delete(kind, owner.namespace, name)
+
+
+def _keep_fill_secret(kube: KubeClient, owner: Owner, secret: Mapping[str, Any],
+                      live: Mapping[str, Any] | None) -> None:
+    """Create the fill Secret with new random data when it is missing, or write that data into
+    one without any (`dlo render`'s manifest, applied by hand); otherwise only its metadata may
+    follow the manifest (a replaced DOD's owner reference): its data is never written again
+    (`fill_secret`)."""
+    meta = secret["metadata"]
+    if live is None:
+        log.info("%s/%s: creating Secret %s (new fill secret)", owner.namespace, owner.name,
+                 meta["name"])
+        kube.create({**secret, **new_data()})
+        return
+    patch: dict[str, Any] = {}
+    if drifted(meta, live.get("metadata")):
+        patch["metadata"] = {key: meta[key] for key in ("labels", "ownerReferences")
+                             if key in meta}
+    if FILL_SECRET_KEY not in (live.get("data") or {}):
+        patch.update(new_data())
+    if patch:
+        kube.merge_patch("Secret", owner.namespace, meta["name"], patch)
+
+
+def _held(owner: Owner, manifest: Mapping[str, Any], who: str) -> str:
+    what = f"{manifest['kind']} {owner.namespace}/{manifest['metadata']['name']}"
+    if who == UNCONTROLLED:
+        return f"{what} exists and no {KIND} controls it"
+    return f"{what} belongs to {who}"
 
 
 def _write_status(kube: KubeClient, owner: Owner, dod: Mapping[str, Any],

@@ -9,9 +9,15 @@ from typing import Any
 import pytest
 import yaml
 
+from dlo_contract.names import (
+    DEFAULT_FILL_SECRET_FILE,
+    FILL_SECRET_ENV,
+    FILL_SECRET_KEY,
+    FILL_SECRET_MOUNT,
+)
 from dlo_operator.errors import SpecError
 from dlo_operator.manifests import build_children, optional_child_names, optional_children
-from dlo_operator.naming import Owner, owns
+from dlo_operator.naming import Owner, fill_secret_name, owns
 from dlo_operator.prefill import build_prefill_job
 from dlo_operator.render import render_file
 from dlo_operator.spec import parse_spec
@@ -50,7 +56,8 @@ def test_children_are_owned_and_applied_in_dependency_order() -> None:
     revision = children[3]["spec"]["template"]["metadata"]["annotations"]["dlo.dev/revision"]
     assert [(c["kind"], c["metadata"]["name"]) for c in children] == [
         ("ConfigMap", f"flux-settings-{revision}"), ("ConfigMap", "flux-fill-group"),
-        ("Service", "flux-peers"), ("StatefulSet", "flux")]
+        ("Service", "flux-peers"), ("StatefulSet", "flux"), ("NetworkPolicy", "flux"),
+        ("Secret", "flux-fill-secret")]
     assert children[0]["immutable"] is True
     for child in children:
         assert child["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
@@ -63,7 +70,7 @@ def test_the_optional_children_are_looked_for_by_their_names_and_owner() -> None
     built = optional_children(OWNER, everything)
     assert optional_child_names(OWNER) == tuple(
         (c["kind"], c["metadata"]["name"]) for c in built)
-    assert [owns(OWNER, c) for c in built] == [True, True]
+    assert [owns(OWNER, c) for c in built] == [True, True, True]
     theirs = {"metadata": {"name": "flux", "ownerReferences": [{"uid": "uid-2"}]}}
     assert [owns(OWNER, theirs), owns(OWNER, {"metadata": {"name": "flux"}}),
             owns(OWNER, None)] == [False, False, False]
@@ -118,6 +125,7 @@ def test_loader_learns_its_group_from_the_fill_group_document_not_the_replicas()
         "DLO_FILL_GROUP": {"configMapKeyRef": {"name": "flux-fill-group", "key": "group.json",
                                                "optional": True}},
         "DLO_CONFIG": "/etc/dlo/settings.json",
+        "DLO_FILL_SECRET_FILE": "/run/dlo-fill-secret/secret",
         "DLO_NODE_NAME": {"fieldRef": {"fieldPath": "spec.nodeName"}},
     }
     scaled = statefulset({**MINIMAL, "replicas": 9, "loader": {"port": 29600}})
@@ -129,7 +137,8 @@ def test_loader_learns_its_group_from_the_fill_group_document_not_the_replicas()
                      "masterPort": 29500}
     assert mounts(loader) == {"settings": ("/etc/dlo", True), "run": ("/run/dlo", False),
                               "loader-tmp": ("/tmp", False),
-                              "node-cache/cache": ("/var/lib/dlo/cache", False)}
+                              "node-cache/cache": ("/var/lib/dlo/cache", False),
+                              "fill-secret": ("/run/dlo-fill-secret", True)}
 
 
 def test_the_workload_loader_is_a_native_sidecar_and_the_prefill_loader_is_not() -> None:
@@ -147,6 +156,37 @@ def test_the_workload_loader_is_a_native_sidecar_and_the_prefill_loader_is_not()
     prefill_loader = job["spec"]["template"]["spec"]["containers"][0]
     assert "restartPolicy" not in prefill_loader and "readinessProbe" not in prefill_loader
     assert not {"--keep-running", "--yield-cpu"} & set(prefill_loader["args"])
+
+
+def test_the_fill_secret_is_mounted_read_only_in_the_loaders_only() -> None:
+    """Issue 43: the DOD's fill Secret keys its fill group, so only its loaders (the workload
+    pods' sidecar and the prefill Job's loaders) mount it, read-only, and find it through
+    DLO_FILL_SECRET_FILE; the inference container (the user's code) neither mounts it nor is
+    told where it is. Rendered without data: the operator writes the bytes, once."""
+    spec = parse_spec({**MINIMAL, "inference": {"image": "server:1", "volumeMounts": []}})
+    workload = statefulset(MINIMAL)["spec"]["template"]["spec"]
+    prefill = build_prefill_job(OWNER, spec, ["a", "b"])["spec"]["template"]["spec"]
+    volume = {"name": "fill-secret", "secret": {
+        "secretName": "flux-fill-secret", "defaultMode": 0o444,
+        "items": [{"key": FILL_SECRET_KEY, "path": FILL_SECRET_KEY}]}}
+    for pod in (workload, prefill):
+        assert [v for v in pod["volumes"] if "secret" in v] == [volume]
+        loaders = [c for c in pod.get("initContainers", []) + pod["containers"]
+                   if c["name"] == "loader"]
+        assert len(loaders) == 1
+        for container in pod.get("initContainers", []) + pod["containers"]:
+            mounted = [m for m in container["volumeMounts"] if m["name"] == "fill-secret"]
+            told = env(container).get(FILL_SECRET_ENV)
+            if container["name"] == "loader":
+                assert mounted == [{"name": "fill-secret", "mountPath": FILL_SECRET_MOUNT,
+                                    "readOnly": True}]
+                assert told == DEFAULT_FILL_SECRET_FILE == f"{FILL_SECRET_MOUNT}/secret"
+            else:
+                assert (container["name"], mounted, told) == ("inference", [], None)
+    secret = build_children(OWNER, spec)[-1]
+    assert (secret["kind"], secret["metadata"]["name"]) == ("Secret", fill_secret_name("flux"))
+    assert "data" not in secret and "stringData" not in secret
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
 
 
 def test_loader_is_locked_down() -> None:
@@ -242,7 +282,9 @@ def test_render_prints_the_children_of_every_example(capsys: pytest.CaptureFixtu
     assert cli.main(["render", str(EXAMPLES[0])]) == 0
     documents = list(yaml.safe_load_all(capsys.readouterr().out))
     assert [d["kind"] for d in documents] == ["ConfigMap", "ConfigMap", "Service", "StatefulSet",
-                                              "Service", "PodDisruptionBudget"]
+                                              "Service", "PodDisruptionBudget", "NetworkPolicy",
+                                              "Secret"]
+    assert "data" not in documents[-1]  # the operator writes it, once, at creation
     assert all("ownerReferences" not in d["metadata"] for d in documents)
     for example in EXAMPLES:
         kinds = [d["kind"] for d in yaml.safe_load_all(render_file(example))]

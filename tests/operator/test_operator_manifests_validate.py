@@ -61,7 +61,8 @@ SPECS: dict[str, dict[str, Any]] = {
 }
 OPTIONAL_CHILDREN = {"spec:inference-full": 1, "spec:pod-complete": 2,
                      "example:flux-dp-allgather.yaml": 2, "example:flux-hub-gated.yaml": 1}
-"""The inference Service (where ports are declared) and the PodDisruptionBudget (if enabled)."""
+"""The inference Service (where ports are declared) and the PodDisruptionBudget (if enabled);
+every case also has its NetworkPolicy and its fill Secret."""
 
 
 def _manifests() -> list[tuple[str, dict[str, Any]]]:
@@ -89,7 +90,9 @@ def test_the_installed_validator_ships_every_version() -> None:
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_every_built_manifest_is_valid_for(version: str) -> None:
-    assert len(MANIFESTS) == 6 * (len(SPECS) + len(EXAMPLES)) + sum(OPTIONAL_CHILDREN.values())
+    assert len(MANIFESTS) == 8 * (len(SPECS) + len(EXAMPLES)) + sum(OPTIONAL_CHILDREN.values())
+    policies = [case for case, manifest in MANIFESTS if manifest["kind"] == "NetworkPolicy"]
+    assert len(policies) == len(SPECS) + len(EXAMPLES)  # one per DOD, each validated below
     for case, manifest in MANIFESTS:
         checked = kubernetes_validate.validate(manifest, version, strict=True)
         assert checked == version, case
@@ -120,7 +123,8 @@ def test_the_longest_allowed_name_fits_every_child_pod_and_revision_label() -> N
     spec = {**SPECS["pod-complete"], "replicas": 1000}
     children = build_children(Owner(name=name, namespace="ns"), parse_spec(spec))
     for child in children:
-        assert len(child["metadata"]["name"]) <= (253 if child["kind"] == "ConfigMap" else 63)
+        assert len(child["metadata"]["name"]) <= (
+            253 if child["kind"] in ("ConfigMap", "Secret", "NetworkPolicy") else 63)
         if child["kind"] == "Service":
             assert dns_1035.match(child["metadata"]["name"])
     assert len(f"{name}-{spec['replicas'] - 1}") <= 63  # pod name, a DNS label

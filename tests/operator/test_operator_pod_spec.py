@@ -123,7 +123,8 @@ def test_the_rendezvous_address_needs_no_cluster_domain() -> None:
      "select the DOD's pods; remove them"),
     ({"volumes": [{"name": "node-cache", "emptyDir": {}}]},
      "[volume-names] spec.volumes names 'node-cache' more than once or as one of the operator's "
-     "own volumes (settings, run, loader-tmp, node-cache, dshm, source-credentials); rename "
+     "own volumes (settings, run, loader-tmp, node-cache, dshm, source-credentials, "
+     "fill-secret); rename "
      "them"),
     ({"offload": {"useAllgather": False, "enableRuntimeCache": True}, "cache": {
         "hostPath": "/var/lib/dlo"}},

@@ -50,6 +50,13 @@ AFTER_A_REFUSED_POD = {("", "events"): {"list"}}
 """Used while a StatefulSet or prefill Job is short of pods (its controller's FailedCreate), which
 this test may or may not catch between the StatefulSet's creation and its pod's;
 tests/operator/test_operator_refused_pods.py drives it."""
+AFTER_A_REPLACED_DOD = {("", "secrets"): {"patch"}}
+"""Used only when a DOD meets a fill Secret whose metadata or data is not yet its own (a DOD
+deleted and created again under its name, a rendered Secret applied by hand);
+tests/operator/test_operator_fill_secret.py drives both."""
+AFTER_THE_POLICY_TURNS_OFF = {("networking.k8s.io", "networkpolicies"): {"delete"}}
+"""Used only once the platform turns networkPolicy.enabled off;
+tests/operator/test_operator_network_policy.py drives it."""
 AFTER_A_CACHE_CLAIM = {("", "persistentvolumes"): {"create", "get", "delete"},
                        ("", "persistentvolumeclaims"): {"get"}, ("", "nodes"): {"get"}}
 """Used only by the node-cache provisioner once a pod's claim is scheduled and once a volume's
@@ -87,7 +94,8 @@ async def test_the_chart_grants_exactly_the_verbs_the_operator_uses(
     used = used_rules(cluster)
     expected = dict(used)
     for extra in (NOT_OBSERVABLE, AFTER_A_MODEL_CHANGE, AFTER_A_SIDECAR_PUBLISHED,
-                  AFTER_A_CACHE_CLAIM, AFTER_A_REFUSED_POD):
+                  AFTER_A_CACHE_CLAIM, AFTER_A_REFUSED_POD, AFTER_A_REPLACED_DOD,
+                  AFTER_THE_POLICY_TURNS_OFF):
         for rule, verbs in extra.items():
             expected[rule] = expected.get(rule, set()) | verbs
     assert expected == chart_rules()

@@ -144,7 +144,9 @@ async def cluster(tmp_path: Path,
             verbs={"get", "list", "watch", "create", "patch", "delete"})
         for resource, kind in (("v1/configmaps", "ConfigMap"), ("v1/services", "Service"),
                                ("apps/v1/statefulsets", "StatefulSet"), ("batch/v1/jobs", "Job"),
-                               ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget")):
+                               ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget"),
+                               ("v1/secrets", "Secret"),
+                               ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy")):
             emulator.resources[resource] = kmock.ResourceInfo(
                 kind=kind, singular=kind.lower(), namespaced=True, subresources={"status"},
                 verbs={"get", "list", "watch", "create", "patch", "delete"})

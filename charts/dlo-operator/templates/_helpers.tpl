@@ -37,7 +37,10 @@ and PodDisruptionBudget once the spec turns them off; post events, and list thos
 StatefulSet or prefill Job short of pods (their controller's FailedCreate: a pod the API server
 refused); read, list and watch the
 node-cache claims it serves (templates/node-cache-clusterrole.yaml holds its cluster-scoped
-rules). `update` on the finalizers
+rules); read, create and patch each DOD's fill Secret (created once with random bytes; a patch
+moves its owner reference to a DOD that replaced one of its name), never list or watch a Secret;
+read, apply and delete (once networkPolicy.enabled turns off) each DOD's NetworkPolicy. `update`
+on the finalizers
 subresource lets the children's owner references block the DOD's deletion where the API server
 enforces OwnerReferencesPermissionEnforcement. */}}
 {{- define "dlo-operator.rules" -}}
@@ -71,4 +74,10 @@ enforces OwnerReferencesPermissionEnforcement. */}}
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
   verbs: ["get", "list", "watch"]
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "patch", "delete"]
 {{- end -}}
