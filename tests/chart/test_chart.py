@@ -13,6 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from dlo_contract.deployment import NetworkPolicyConfig
 from dlo_operator import cli as operator_cli
 from dlo_operator.installation import InstallationConfig, LoaderImageUpdate, from_args
 
@@ -43,8 +44,10 @@ NON_DEFAULT = {
     "podAnnotations": {"scrape": "false"},
     "metrics": {"port": 9191, "serviceMonitor": {"enabled": True, "interval": "15s",
                                                   "labels": {"release": "prom"}},
-                "podMonitor": {"enabled": True, "interval": "10s", "labels": {}},
+                "podMonitor": {"enabled": True, "interval": "10s", "sampleLimit": 500,
+                               "labels": {}},
                 "dashboard": {"enabled": True, "labels": {"grafana_dashboard": "1"}}},
+    "networkPolicy": {"enabled": False, "scrapeNamespaces": ["monitoring", "observability"]},
     "nodeSelector": {"pool": "system"},
     "tolerations": [{"key": "system", "operator": "Exists", "effect": "NoSchedule"}],
     "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
@@ -104,7 +107,8 @@ def test_defaults_watch_every_namespace_with_a_cluster_role() -> None:
                                  "--node-cache-max-bytes=0", "--node-cache-min-free-bytes=0",
                                  "--cache-path-prefix=/var/lib/dlo",
                                  "--node-cache-root=/var/lib/dlo", "--node-cache-uid=65532",
-                                 "--node-cache-gid=65532"]
+                                 "--node-cache-gid=65532", "--network-policy",
+                                 "--operator-namespace=dlo-system"]
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}
     assert container["resources"]["requests"] == {"cpu": "100m", "memory": "128Mi"}
     assert container["image"] == "dlo-operator:0.1.0"
@@ -146,7 +150,9 @@ def test_watching_namespaces_uses_namespaced_roles_only() -> None:
                     "--node-cache-min-free-bytes=50000000000",
                     "--cache-path-prefix=/mnt/dlo",
                     "--node-cache-root=/mnt/nvme/dlo", "--node-cache-uid=1000",
-                    "--node-cache-gid=2000"]
+                    "--node-cache-gid=2000", "--no-network-policy",
+                    "--operator-namespace=dlo-system", "--scrape-namespace=monitoring",
+                    "--scrape-namespace=observability"]
 
 
 def test_operator_command_line_in_the_deployment_is_accepted_by_dlo() -> None:
@@ -170,7 +176,9 @@ def test_operator_command_line_in_the_deployment_is_accepted_by_dlo() -> None:
                 node_cache_min_free_bytes=50_000_000_000,
                 cache_path_prefix="/mnt/dlo",
                 node_cache_root="/mnt/nvme/dlo", node_cache_uid=1000,
-                node_cache_gid=2000)))
+                node_cache_gid=2000, network_policy=NetworkPolicyConfig(
+                    enabled=False, operator_namespace="dlo-system",
+                    scrape_namespaces=("monitoring", "observability")))))
 
 
 def test_rbac_grants_only_what_the_operator_uses() -> None:
@@ -191,6 +199,8 @@ def test_rbac_grants_only_what_the_operator_uses() -> None:
         ("batch", "jobs"): ["delete", "get", "list", "patch", "watch"],
         ("", "events"): ["create", "list"],
         ("", "persistentvolumeclaims"): ["get", "list", "watch"],
+        ("", "secrets"): ["create", "get", "patch"],
+        ("networking.k8s.io", "networkpolicies"): ["delete", "get", "patch"],
         ("", "persistentvolumes"): ["create", "delete", "get", "list", "watch"],
         ("", "nodes"): ["get"],
     }

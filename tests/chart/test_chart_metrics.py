@@ -10,7 +10,10 @@ from typing import Any
 from dlo_contract.names import LOADER_METRICS_PORT_NAME, OPERATOR_METRICS_PORT
 from dlo_loader import metrics as loader_metrics
 from dlo_operator import metrics as operator_metrics
-from dlo_operator.naming import LABEL_DEPLOYMENT
+from dlo_operator.naming import LABEL_DEPLOYMENT, Owner
+from dlo_operator.prefill import build_prefill_job
+from dlo_operator.spec import parse_spec
+from dlo_operator.statefulset import build_statefulset
 from dlo_runtime import metrics as runtime_metrics
 
 from chart.test_chart import CHART, by_kind, render
@@ -43,8 +46,53 @@ def test_pod_monitor_scrapes_the_loader_port_of_dod_pods() -> None:
         {"key": LABEL_DEPLOYMENT, "operator": "Exists"}]}
     endpoint, = monitor["spec"]["podMetricsEndpoints"]
     assert endpoint["port"] == LOADER_METRICS_PORT_NAME
-    assert endpoint["relabelings"][0]["targetLabel"] == "node"
+    assert endpoint["relabelings"][-1]["targetLabel"] == "node"
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
+
+
+def meta_labels(controller: str, labels: dict[str, str]) -> dict[str, str]:
+    """A pod's target labels as Prometheus' Kubernetes discovery gives them to relabeling."""
+    found = {"__meta_kubernetes_pod_controller_kind": controller}
+    for key, value in labels.items():
+        found["__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)] = value
+    return found
+
+
+def kept(relabelings: list[dict[str, Any]], target: dict[str, str]) -> bool:
+    """Whether Prometheus keeps `target` after the `keep` steps (regexes fully anchored)."""
+    for step in relabelings:
+        if step.get("action") == "keep":
+            joined = step.get("separator", ";").join(
+                target.get(name, "") for name in step["sourceLabels"])
+            if not re.fullmatch(step["regex"], joined):
+                return False
+    return True
+
+
+def test_pod_monitor_takes_only_the_operators_pods_and_caps_the_samples() -> None:
+    """Issue 43: the PodMonitor scraped any pod of any namespace that carried the deployment
+    label and a port named loader-metrics, with no sample limit. Now it keeps the workload pods
+    (their StatefulSet's, labelled dlo-workload, which a DOD's podLabels may not set) and the
+    prefill pods (their Job's, role prefill), and caps the samples of one scrape."""
+    monitor, = by_kind(render({"metrics": {"podMonitor": {"enabled": True}}}))["PodMonitor"]
+    assert monitor["spec"]["sampleLimit"] == 1000
+    capped, = by_kind(render({"metrics": {"podMonitor": {"enabled": True, "sampleLimit": 50}}}))[
+        "PodMonitor"]
+    assert capped["spec"]["sampleLimit"] == 50
+    steps = monitor["spec"]["podMetricsEndpoints"][0]["relabelings"]
+    owner = Owner(name="flux", namespace="ml")
+    spec = parse_spec({"model": {"source": "s3://m/p/"}, "inference": {"image": "s:1"},
+                       "podLabels": {"team": "ml"}})
+    workload = build_statefulset(owner, spec)["spec"]["template"]["metadata"]["labels"]
+    prefill = build_prefill_job(owner, spec, ["a"])["spec"]["template"]["metadata"]["labels"]
+    assert kept(steps, meta_labels("StatefulSet", workload))
+    assert kept(steps, meta_labels("Job", prefill))
+    for controller, labels in (("", {LABEL_DEPLOYMENT: "flux"}),  # a bare pod with the label
+                               ("ReplicaSet", {LABEL_DEPLOYMENT: "flux", "app": "web"}),
+                               ("Job", {LABEL_DEPLOYMENT: "flux"}),
+                               ("StatefulSet", {LABEL_DEPLOYMENT: "flux"}),
+                               ("", workload), ("Deployment", prefill)):
+        assert not kept(steps, meta_labels(controller, labels)), (controller, labels)
 
 
 def test_dashboard_uses_only_served_metrics_and_ships_in_a_config_map() -> None:
