@@ -103,7 +103,8 @@ async def _leader(args: argparse.Namespace, world: int) -> int:
     queue = WaveQueue(args.queue_size, world)
     server = Server(status, queue, metrics)
     master_port = args.master_port or _free_port()
-    runner = web.AppRunner(server.app())
+    # A client that goes away cancels its handler, which drops its queued jobs (app.py).
+    runner = web.AppRunner(server.app(), handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     log.info("dlo serve: listening on %s:%d, %d rank(s)", args.host, args.port, world)

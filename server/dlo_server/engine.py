@@ -5,7 +5,11 @@ loop. Rank 0 leads: it draws each wave from the queue (`waves.WaveQueue`), broad
 other ranks over the gloo dispatch group (`broadcast_object_list`), makes its own job's image,
 and gathers the others' PNGs (`gather_object`). Every rank makes the job with its index; in
 AllGather mode a rank without one runs the wave's forwards on the smallest latent and drops
-them, so every gather of the wave has all G ranks (`FluxSampler.idle`). While no request comes,
+them, so every gather of the wave has all G ranks (`FluxSampler.idle`). A job that fails is that
+job's result (its request's 500), not the wave's: in AllGather mode its rank first runs, as an idle
+rank would, the forwards the job did not reach (`ForwardCount`), so every rank still runs the
+wave's forwards and the group stays in step; a failure inside a forward, which leaves the block
+gathers at an unknown point, breaks the group at once instead. While no request comes,
 rank 0 broadcasts a tick every `HEARTBEAT_S`, so the others' waits never reach the group's
 timeout and a rank that died is seen. The stop order: rank 0 broadcasts STOP once its queue is
 closed and empty, then every rank closes its handle; the caller destroys the process groups.
@@ -48,6 +52,22 @@ class Wave:
     jobs: tuple[Job | None, ...]
 
 
+class ForwardCount:
+    """Forwards of the DiT begun and ended on this rank (hooks on its root module): how far a
+    failed job got."""
+
+    def __init__(self, dit: torch.nn.Module) -> None:
+        self.begun = self.ended = 0
+        dit.register_forward_pre_hook(self._begin)
+        dit.register_forward_hook(self._end)
+
+    def _begin(self, *_: Any) -> None:
+        self.begun += 1
+
+    def _end(self, *_: Any) -> None:
+        self.ended += 1
+
+
 @dataclass
 class Model:
     """What a started rank serves with."""
@@ -55,6 +75,7 @@ class Model:
     sampler: FluxSampler
     handle: Any
     allgather: bool
+    forwards: ForwardCount
 
 
 class WaveFailed(RuntimeError):
@@ -85,7 +106,7 @@ def start_model(status: Status, device: torch.device) -> Model:
         raise
     log.info("serving entry %s on %s, %s mode, host backing %s", entry.entry_id, handle.device,
              "allgather" if allgather else "rank-local", handle.backing().value)
-    return Model(sampler, handle, allgather)
+    return Model(sampler, handle, allgather, ForwardCount(dit))
 
 
 def check_model_folder(path: Path) -> None:
@@ -153,7 +174,22 @@ def _own_part(model: Model, wave: Wave, rank: int) -> bytes | str | None:
     if job is None:
         model.sampler.idle(wave.steps)
         return None
-    return make_image(model, job, rank)
+    ended = model.forwards.ended
+    result = make_image(model, job, rank)
+    if isinstance(result, str) and model.allgather:
+        _keep_in_step(model, wave.steps - (model.forwards.ended - ended), result)
+    return result
+
+
+def _keep_in_step(model: Model, missing: int, error: str) -> None:
+    """After this rank's job of an AllGather wave failed: run the `missing` forwards the job did
+    not reach, as an idle rank would, so that the other ranks' block gathers are answered and the
+    wave ends for all. A forward left unfinished broke the gathers mid-forward: the group cannot
+    go on (`WaveFailed`, the server breaks) rather than hang until the group's timeout."""
+    if model.forwards.begun != model.forwards.ended:
+        raise WaveFailed(f"{error} (inside a forward of the DiT; the group cannot go on)")
+    if missing > 0:
+        model.sampler.idle(missing)
 
 
 def make_image(model: Model, job: Job, rank: int) -> bytes | str:

@@ -12,8 +12,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 METRICS: dict[str, tuple[str, str]] = {
     "dlo_server_request_seconds": (
         "histogram", "Seconds from a generation request's arrival to its answer; label "
-        "`outcome`: ok, invalid, busy, unavailable, failed (400, 503 queue full, 503 not "
-        "ready or stopping, 500)."),
+        "`outcome`: ok, invalid, busy, unavailable, failed (400 or 413, 503 queue full, 503 "
+        "not ready or stopping, 500), abandoned (the client went away first; its queued "
+        "images were dropped)."),
     "dlo_server_queue_depth": ("gauge", "Images accepted and not yet in a wave."),
     "dlo_server_waves_total": (
         "counter", "Waves run over the AllGather group (up to one image per rank, one step "

@@ -2,12 +2,16 @@
 jobs (`Job`), one per image.
 
 Owns the request fields, their defaults and bounds (`Limits`), and the 400 answer's wording: each
-`RequestError` names the field as the client wrote it, the value, and what is accepted. Pure: no
-HTTP, no torch.
+`RequestError` names the field as the client wrote it, the value, and what is accepted. Whatever
+a decoded body holds, `parse_request` either returns jobs the pipeline can run or raises
+`RequestError`: nothing a client sends reaches the ranks unchecked (a job that fails there fails
+only its request, but costs the wave's compute). Pure: no HTTP, no torch.
 """
 
 from __future__ import annotations
 
+import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +21,16 @@ FIELDS = ("prompt", "n", "size", "response_format", "num_inference_steps", "guid
           "seed", "model", "user")
 """Every field a request may carry; `model`, when given, must name the served model; `user` is
 accepted and not used."""
+
+PROMPT_WHITESPACE = "\t\n\r"
+"""The only control characters a prompt may hold. A prompt is text a tokenizer can take: valid
+Unicode (no lone surrogate, which has no UTF-8 form) without control characters (Unicode category
+Cc: NUL, escape sequences, C1 codes), which carry no meaning for a text encoder; format
+characters (zero-width joiners of emoji, marks of direction) are text and pass."""
+_SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")
+"""`WIDTHxHEIGHT` in ASCII digits: `str.isdigit` and `int` also take other scripts' digits and
+superscripts ("٣٢", "²")."""
+
 
 
 @dataclass(frozen=True)
@@ -42,9 +56,22 @@ class Limits:
     max_side: int = 1024
     max_steps: int = 50
     max_n: int = 4
+    max_prompt_chars: int = 4000
+    """Characters (code points) of a prompt at most: OpenAI's bound for DALL-E 3. The text
+    encoders truncate to their own token limits (77 for CLIP, 512 for T5) far below it."""
+    max_guidance: float = 100.0
+    """`guidance_scale` at most; pipelines use 1 to 20, and a larger finite value only makes
+    noise."""
     default_size: str = "64x64"
     default_steps: int = 4
     default_guidance: float = 3.5
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest body the server reads (a larger one gets 413): the longest prompt with
+        every character written as a JSON escaped surrogate pair (12 bytes), and 4 KiB for the
+        other fields."""
+        return 12 * self.max_prompt_chars + 4096
 
 
 class RequestError(ValueError):
@@ -81,9 +108,7 @@ def parse_request(body: Any, limits: Limits, *, default_seed: int) -> Generation
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
         raise RequestError(unknown[0], f"unknown field; accepted: {', '.join(FIELDS)}")
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str) or not prompt:
-        raise RequestError("prompt", "is required: a non-empty string")
+    prompt = _prompt(body.get("prompt"), limits)
     if body.get("model", limits.model) != limits.model:
         raise RequestError("model", f"{body['model']!r} is not served here; this server serves "
                                     f"{limits.model!r}")
@@ -96,7 +121,8 @@ def parse_request(body: Any, limits: Limits, *, default_seed: int) -> Generation
         n=_integer(body, "n", 1, 1, limits.max_n),
         width=width, height=height,
         steps=_integer(body, "num_inference_steps", limits.default_steps, 1, limits.max_steps),
-        guidance_scale=_number(body, "guidance_scale", limits.default_guidance),
+        guidance_scale=_number(body, "guidance_scale", limits.default_guidance,
+                               limits.max_guidance),
         seed=_integer(body, "seed", default_seed, 0, 2**63 - 1 - limits.max_n),
     )
 
@@ -110,11 +136,32 @@ def _integer(body: dict[str, Any], field: str, default: int, low: int, high: int
     return value
 
 
-def _number(body: dict[str, Any], field: str, default: float) -> float:
+def _number(body: dict[str, Any], field: str, default: float, high: float) -> float:
+    """A finite number from 0 to `high` (JSON parsers take NaN and Infinity)."""
     value = body.get(field, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise RequestError(field, f"{value!r} is not a number of 0 or more")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RequestError(field, f"{value!r} is not a number")
+    if not 0 <= value <= high:  # False for NaN; compared before any float() of a huge int
+        raise RequestError(field, f"{value!r} is out of bounds; accepted: a number from 0 to "
+                                  f"{high:g}")
     return float(value)
+
+
+def _prompt(value: Any, limits: Limits) -> str:
+    """Text a tokenizer can take, up to `max_prompt_chars` characters (`PROMPT_WHITESPACE`)."""
+    if not isinstance(value, str) or not value:
+        raise RequestError("prompt", "is required: a non-empty string")
+    if len(value) > limits.max_prompt_chars:
+        raise RequestError("prompt", f"has {len(value)} characters; accepted: at most "
+                                     f"{limits.max_prompt_chars}")
+    for index, char in enumerate(value):
+        kind = unicodedata.category(char)
+        if kind == "Cs" or (kind == "Cc" and char not in PROMPT_WHITESPACE):
+            what = "a lone surrogate" if kind == "Cs" else "a control character"
+            raise RequestError("prompt", f"character {index} ({ascii(char)}) is {what}; "
+                                         "accepted: Unicode text, with tab, newline and "
+                                         "carriage return as its only control characters")
+    return value
 
 
 def _size(value: Any, limits: Limits) -> tuple[int, int]:
@@ -122,10 +169,11 @@ def _size(value: Any, limits: Limits) -> tuple[int, int]:
     multiple = limits.size_multiple
     accepted = (f"WIDTHxHEIGHT, each a multiple of {multiple} from {multiple} to "
                 f"{limits.max_side}")
-    parts = value.split("x") if isinstance(value, str) else []
-    if len(parts) != 2 or not all(part.isdigit() for part in parts):
-        raise RequestError("size", f"{value!r} is not {accepted}")
-    width, height = int(parts[0]), int(parts[1])
+    match = _SIZE.fullmatch(value) if isinstance(value, str) else None
+    if match is None:
+        shown = ascii(value[:40]) if isinstance(value, str) else repr(value)
+        raise RequestError("size", f"{shown} is not {accepted}")
+    width, height = int(match[1]), int(match[2])
     for side in (width, height):
         if side % multiple or not multiple <= side <= limits.max_side:
             raise RequestError("size", f"{value!r}: {side} is not a multiple of {multiple} "

@@ -51,7 +51,9 @@ class WaveQueue:
 
     @property
     def depth(self) -> int:
+        """Images waiting, those of requests whose client went away left out."""
         with self._changed:
+            self._drop_cancelled()
             return len(self._pending)
 
     def submit(self, jobs: list[Job]) -> list[Future[bytes]]:
@@ -60,6 +62,7 @@ class WaveQueue:
         with self._changed:
             if self._closed:
                 raise QueueClosed("the server is shutting down")
+            self._drop_cancelled()  # an abandoned request's jobs hold no slot
             if len(self._pending) + len(jobs) > self.capacity:
                 waves_ahead = math.ceil((len(self._pending) + len(jobs)) / self.ranks)
                 raise QueueFull(max(1, math.ceil(waves_ahead * self.wave_s)))
@@ -76,10 +79,7 @@ class WaveQueue:
                 return None
             if not self._pending:
                 return []
-            # A request whose client went away cancelled its futures: its jobs are dropped
-            # here, and the ones taken can no longer be cancelled (they are running).
-            self._pending = [item for item in self._pending
-                             if not item.future.cancelled()]
+            self._drop_cancelled()
             if not self._pending:
                 return None if not self._closed else []
             lead = self._pending[0]
@@ -89,6 +89,12 @@ class WaveQueue:
             self._pending = [item for item in self._pending if id(item) not in taken]
         wave = [item for item in wave if item.future.set_running_or_notify_cancel()]
         return wave or None  # all cancelled since: as if nothing had come
+
+    def _drop_cancelled(self) -> None:
+        """A request whose client went away cancelled its futures: its queued jobs are dropped
+        (the ones taken into a wave are running and can no longer be cancelled). Called with
+        the lock held."""
+        self._pending = [item for item in self._pending if not item.future.cancelled()]
 
     def close(self) -> None:
         """Take no new jobs; the ones queued still run."""

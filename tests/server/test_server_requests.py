@@ -53,6 +53,46 @@ def test_a_bad_request_names_its_field(body: object, field: str, words: str) -> 
     assert str(caught.value).startswith(f"{field}: ") and words in str(caught.value)
 
 
+TEXT = ("accepted: Unicode text, with tab, newline and carriage return as its only control "
+        "characters")
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"prompt": "\ud800"}, f"prompt: character 0 ('\\ud800') is a lone surrogate; {TEXT}"),
+    ({"prompt": "a\x00b"}, f"prompt: character 1 ('\\x00') is a control character; {TEXT}"),
+    ({"prompt": "x\x1b[2J"}, f"prompt: character 1 ('\\x1b') is a control character; {TEXT}"),
+    ({"prompt": "x" * 4001}, "prompt: has 4001 characters; accepted: at most 4000"),
+    ({"prompt": "x", "size": "\u00b2x\u00b2"},
+     "size: '\\xb2x\\xb2' is not WIDTHxHEIGHT, each a multiple of 4 from 4 to 64"),
+    ({"prompt": "x", "size": "\u0663\u0662x\u0663\u0662"},
+     "size: '\\u0663\\u0662x\\u0663\\u0662' is not WIDTHxHEIGHT, each a multiple of 4 "
+     "from 4 to 64"),
+    ({"prompt": "x", "size": "9" * 5000 + "x8"},
+     f"size: '{'9' * 40}' is not WIDTHxHEIGHT, each a multiple of 4 from 4 to 64"),
+    ({"prompt": "x", "guidance_scale": float("nan")},
+     "guidance_scale: nan is out of bounds; accepted: a number from 0 to 100"),
+    ({"prompt": "x", "guidance_scale": float("inf")},
+     "guidance_scale: inf is out of bounds; accepted: a number from 0 to 100"),
+    ({"prompt": "x", "guidance_scale": -1}, "guidance_scale: -1 is out of bounds; accepted: "
+                                            "a number from 0 to 100"),
+    ({"prompt": "x", "guidance_scale": 10**400}, f"guidance_scale: {10**400} is out of bounds; "
+                                                 "accepted: a number from 0 to 100"),
+])
+def test_what_no_pipeline_can_take_is_refused_with_its_field(body: dict, message: str) -> None:
+    """Each of these once reached the ranks (a 500, a hung AllGather wave) or was served as
+    something else ("\u0663\u0662" is 32 to `int`)."""
+    with pytest.raises(RequestError) as caught:
+        parse_request(body, LIMITS, default_seed=0)
+    assert str(caught.value) == message
+
+
+def test_a_prompt_is_text_up_to_the_bound_with_whitespace_and_format_characters() -> None:
+    prompt = "a cat\tin a hat,\r\nsmiling \U0001F469\u200d\U0001F52C"
+    prompt += "x" * (LIMITS.max_prompt_chars - len(prompt))
+    assert len(prompt) == LIMITS.max_prompt_chars
+    assert parse_request({"prompt": prompt}, LIMITS, default_seed=0).prompt == prompt
+
+
 def job(steps: int, seed: int = 0) -> Job:
     return Job("x", 8, 8, steps, 0.0, seed)
 
@@ -110,3 +150,12 @@ def test_an_entry_without_the_vae_is_refused_naming_the_folders(tmp_path: Path) 
     with pytest.raises(PodError, match=r"the entry has no vae/") as caught:
         check_model_folder(tmp_path)
     assert '"vae/*"' in caught.value.hint
+
+
+def test_an_abandoned_requests_jobs_hold_no_slot() -> None:
+    queue = WaveQueue(capacity=2, ranks=2)
+    for future in queue.submit([job(2, 0), job(2, 1)]):
+        assert future.cancel()  # its client went away
+    assert queue.depth == 0
+    kept = queue.submit([job(2, 2), job(2, 3)])
+    assert [p.future for p in queue.take_wave(0)] == kept

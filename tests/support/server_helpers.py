@@ -49,9 +49,10 @@ class PodFiles:
 
 
 def pod_files(directory: Path, *, ranks: int, allgather: bool = True,
-              publish: bool = True) -> PodFiles:
+              publish: bool = True, **offload: Any) -> PodFiles:
+    """`offload`: more fields of the settings' `OffloadConfig`."""
     model = save_pipeline_layout(tiny_model("flux"), directory / "model")
-    settings = Settings(offload=OffloadConfig(enabled=True, use_allgather=allgather),
+    settings = Settings(offload=OffloadConfig(enabled=True, use_allgather=allgather, **offload),
                         parallel=ParallelConfig(dp=ranks),
                         cache=CacheConfig(root=str(directory / "cache")))
     files = PodFiles(model, directory / "cache", directory / "settings.json",
