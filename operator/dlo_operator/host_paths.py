@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import PurePosixPath
 from typing import Any
 
-from dlo_contract.names import DEFAULT_CACHE_ROOT, RUN_DIR, SETTINGS_MOUNT
+from dlo_contract.names import DEFAULT_CACHE_ROOT, FILL_SECRET_MOUNT, RUN_DIR, SETTINGS_MOUNT
 from dlo_contract.source_credentials import SOURCE_CREDENTIALS_MOUNT
 from dlo_contract.validation import cr_names
 from dlo_operator.naming import LOADER_TMP, SHM_PATH
@@ -42,9 +42,9 @@ LOADER_CODE_DIRECTORIES: tuple[str, ...] = (
 /usr/sbin:/usr/bin:/sbin:/bin`, the dynamic linker's paths and `ld.so.preload` under `/etc`, and
 Python's `/usr/local/lib/python3.*`): `cachePathPrefix` may neither contain nor lie in one."""
 OWN_MOUNT_PATHS: tuple[str, ...] = (SETTINGS_MOUNT, RUN_DIR, LOADER_TMP, SHM_PATH,
-                                     SOURCE_CREDENTIALS_MOUNT)
+                                     SOURCE_CREDENTIALS_MOUNT, FILL_SECRET_MOUNT)
 """Where the operator mounts its own volumes in the containers (settings, entry file, the
-loader's scratch space, shared memory, the source's key file)."""
+loader's scratch space, shared memory, the source's key file, the DOD's fill secret)."""
 
 
 def normalized(path: str) -> bool:

@@ -24,7 +24,8 @@ MAX_NAME_LENGTH = 52
 """Longest DOD name. The StatefulSet (named like the DOD) labels its pods
 `controller-revision-hash: <name>-<hash of up to 10 characters>`, a label value of at most 63
 characters: 63 - 1 - 10 = 52. Every other name fits below it: `<name>-peers` (a DNS-1035 Service
-name, 63), pod `<name>-<index>` (a DNS label, 63), `<name>-settings` (a ConfigMap, 253). The CRD's
+name, 63), pod `<name>-<index>` (a DNS label, 63), `<name>-settings` (a ConfigMap, 253),
+`<name>-fill-secret` (a Secret, 253). The CRD's
 `[name-dns-1035]` rule checks the same bound at `kubectl apply`."""
 
 LABEL_DEPLOYMENT = f"{GROUP}/deployment"

@@ -148,6 +148,12 @@ def test_a_share_over_the_loader_s_own_mounts_is_refused() -> None:
                                              "mountPath": "/var/lib/dlo"}}}
     assert "[source-share-path] spec.model.share.mountPath='/var/lib/dlo' overlaps the " \
         "loader's mount path '/var/lib/dlo/cache'" in _refusal(spec)
+    # Nor over the DOD's fill secret, which the loader mounts (issue 43).
+    over_secret = {**FILE_SPEC, "model": {"source": "file:///run/dlo-fill-secret/m/",
+                                          "share": {"volumeName": "weights",
+                                                    "mountPath": "/run/dlo-fill-secret"}}}
+    assert "[source-share-path] spec.model.share.mountPath='/run/dlo-fill-secret' overlaps " \
+        "the loader's mount path '/run/dlo-fill-secret'" in _refusal(over_secret)
 
 
 def test_a_share_for_another_scheme_is_refused() -> None:
