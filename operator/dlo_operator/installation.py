@@ -229,6 +229,11 @@ def _id(text: str) -> int:
     return value
 
 
+def byte_count(text: str) -> int:
+    """A flag's byte count (`--node-cache-max-bytes`, the agent's `--namespace-quota-bytes`)."""
+    return _bytes(text)
+
+
 def _bytes(text: str) -> int:
     try:
         value = int(text)

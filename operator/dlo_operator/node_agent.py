@@ -13,9 +13,12 @@ which needs `patch`.)
 
 Its privileges, all needed and no more: the hostPath of the platform's root (`nodeCache.hostPath`)
 alone, uid 0 with only CAP_CHOWN (it owns what it creates; CHOWN gives `cache/` to the loader's
-UID/GID), a read-only root filesystem, and get/list/watch on PersistentVolumes (no writes to the
-cluster: kopf's event posting is off). Volumes of other nodes and of other provisioners are
-ignored. Imports kopf only when the command runs; `build_registry` is what tests run.
+UID/GID; CAP_SYS_ADMIN too only with `nodeCache.namespaceQuotaBytes`, for quotactl), a read-only
+root filesystem, and get/list/watch on PersistentVolumes (no writes to the cluster: kopf's event
+posting is off). Volumes of other nodes and of other provisioners are ignored. At its start it
+warns if the cache filesystem lacks `nosuid,nodev,noexec` ([Note: the cache filesystem] in
+`node_filesystem`). Its memory does not grow with the files tenants write (`node_handover`).
+Imports kopf only when the command runs; `build_registry` is what tests run.
 """
 
 from __future__ import annotations
@@ -28,15 +31,16 @@ from typing import Any
 
 from dlo_contract.deployment import DEFAULT_LOADER_UID
 from dlo_operator.errors import OperatorError
-from dlo_operator.installation import add_owner_flags, node_cache_root
+from dlo_operator.installation import add_owner_flags, byte_count, node_cache_root
 from dlo_operator.node_cache import DEFAULT_NODE_CACHE_ROOT, LABEL_NODE_CACHE, NODE_ANNOTATION
 from dlo_operator.node_directories import (
     NodeDirectoryError,
-    Owner,
     is_node_cache_volume,
     namespace_of,
     prepare,
 )
+from dlo_operator.node_filesystem import REQUIRED_MOUNT_OPTIONS, missing_mount_options
+from dlo_operator.node_handover import Owner
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +57,9 @@ class NodeAgentConfig:
     """The node directory holding `namespaces/<namespace>` (chart `nodeCache.hostPath`)."""
     owner: Owner = Owner(DEFAULT_LOADER_UID, DEFAULT_LOADER_UID)
     """The loader's UID/GID, owner of each `cache/` (chart `nodeCache.uid`, `nodeCache.gid`)."""
+    quota_bytes: int = 0
+    """Each namespace's project quota where the filesystem keeps them, 0 for none (chart
+    `nodeCache.namespaceQuotaBytes`)."""
 
 
 def prepare_volume(pv: Mapping[str, Any], config: NodeAgentConfig) -> str | None:
@@ -64,7 +71,7 @@ def prepare_volume(pv: Mapping[str, Any], config: NodeAgentConfig) -> str | None
         return None
     try:
         namespace = namespace_of(pv, config.root)
-        created = prepare(config.root, namespace, config.owner)
+        created = prepare(config.root, namespace, config.owner, config.quota_bytes)
     except NodeDirectoryError as exc:
         logger.error("volume %s not prepared: %s (hint: %s)", meta.get("name"), exc, exc.hint)
         return None
@@ -77,6 +84,20 @@ def prepare_volume(pv: Mapping[str, Any], config: NodeAgentConfig) -> str | None
                     meta.get("name"), config.root, namespace, config.owner.uid,
                     config.owner.gid)
     return namespace
+
+
+def check_mount(root: str, mountinfo: str | None = None) -> tuple[str, ...]:
+    """Warn if the filesystem of `root` lacks `REQUIRED_MOUNT_OPTIONS`; the options missing."""
+    mount, missing = (missing_mount_options(root) if mountinfo is None
+                      else missing_mount_options(root, mountinfo))
+    if missing:
+        logger.warning(
+            "the node cache %s is on %s (%s) mounted without %s: a file a pod writes there could "
+            "be a device it opens, a set-user-ID program or code it runs (the agent removes "
+            "device nodes and clears set-ID bits only when it hands a tree over); mount that "
+            "filesystem with %s, e.g. a disk of its own with those options in /etc/fstab",
+            root, mount.point, mount.fstype, ",".join(missing), ",".join(REQUIRED_MOUNT_OPTIONS))
+    return missing
 
 
 def build_registry(config: NodeAgentConfig) -> Any:
@@ -113,6 +134,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="node directory holding each namespace's cache, "
                         f"DIR/namespaces/NAMESPACE (default {DEFAULT_NODE_CACHE_ROOT})")
     add_owner_flags(parser)
+    parser.add_argument("--namespace-quota-bytes", type=byte_count, default=0, metavar="BYTES",
+                        help="each namespace's project quota on the cache filesystem, where it "
+                        "keeps them (XFS, ext4 with prjquota; needs CAP_SYS_ADMIN); default 0: "
+                        "none")
     parser.add_argument("--liveness", default=DEFAULT_LIVENESS, metavar="URL",
                         help=f"liveness endpoint served by the agent (default {DEFAULT_LIVENESS})")
 
@@ -124,7 +149,9 @@ def run(args: argparse.Namespace) -> int:
         raise OperatorError("--node-name is empty",
                             hint="pass the node's name, e.g. from the downward API spec.nodeName")
     config = NodeAgentConfig(node=args.node_name, root=args.node_cache_root,
-                             owner=Owner(args.node_cache_uid, args.node_cache_gid))
+                             owner=Owner(args.node_cache_uid, args.node_cache_gid),
+                             quota_bytes=args.namespace_quota_bytes)
+    check_mount(config.root)
     kopf.run(registry=build_registry(config), clusterwide=True, standalone=True,
              liveness_endpoint=args.liveness)
     return 0

@@ -14,7 +14,11 @@ The tree above `cache/` is root's (`<root>`, `namespaces/`, each namespace's dir
 container). Every name below `<root>` is opened with O_NOFOLLOW and worked on through its
 descriptor (fchown, fchmod, *at calls), so a symlink planted anywhere here is refused, never
 followed. Nothing below `cache/` or `runtime/` is read or changed, but for the one hand-over of
-a `cache/` whose owner changes (`_give_contents`: lchown only, hard links left alone).
+a `cache/` whose owner changes ([Note: hand-over] in `node_handover`: streamed, regular files
+and directories only, set-ID bits cleared). Each namespace is worked on under a lock of its own
+(`_lock_of`), so one namespace's hand-over of a million files delays no other namespace. With
+`nodeCache.namespaceQuotaBytes` set, each namespace's directory gets its project quota
+([Note: the cache filesystem] in `node_filesystem`) whenever it is prepared.
 
 The agent needs CAP_CHOWN alone: it is uid 0 and owns what it creates (mkdir, chmod as owner);
 to correct the mode of a directory it gave away it takes it back first (chown, chmod, chown).
@@ -32,10 +36,11 @@ import re
 import stat
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from dlo_operator.errors import OperatorError
+from dlo_operator.node_filesystem import QuotaUnavailable, set_project_quota
+from dlo_operator.node_handover import HandOver, Owner, give_tree
 from dlo_operator.node_cache import (
     CACHE_SUBPATH,
     NODE_CACHE_CLASS,
@@ -54,22 +59,16 @@ inference container, any user, reads the entries the loader wrote)."""
 _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 """A namespace name (an RFC 1123 label): no '/', no '.', so never '..' nor a staging name."""
 _OPEN_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_prepare_lock = threading.Lock()
+_namespace_locks: dict[str, threading.Lock] = {}
 """kopf runs handlers of different volumes at once: two volumes of one namespace must not build
-its directory twice (the second would find the first's staging directory half made)."""
+its directory twice (the second would find the first's staging directory half made). One lock
+per namespace: a namespace is never waited on by another."""
+_locks_guard = threading.Lock()
+"""Held only to look a namespace's lock up, never while the disk is worked on."""
 
 
 class NodeDirectoryError(OperatorError):
     """A volume or a node directory the agent refuses to prepare; a person must fix it."""
-
-
-@dataclass(frozen=True)
-class Owner:
-    """Who owns a namespace's `cache/`: the loader's user and group (chart `nodeCache.uid`,
-    `nodeCache.gid`)."""
-
-    uid: int
-    gid: int
 
 
 def is_node_cache_volume(pv: Mapping[str, Any]) -> bool:
@@ -96,23 +95,53 @@ def namespace_of(pv: Mapping[str, Any], root: str) -> str:
     return namespace
 
 
-def prepare(root: str, namespace: str, owner: Owner) -> bool:
+def prepare(root: str, namespace: str, owner: Owner, quota_bytes: int = 0) -> bool:
     """Make `<root>/namespaces/<namespace>` as [Note: node directory ownership] says, or bring
-    an existing one to it; whether the directory was created (False: it was there)."""
+    an existing one to it, with its project quota if `quota_bytes`; whether the directory was
+    created (False: it was there)."""
     if not _NAMESPACE.match(namespace):
         raise NodeDirectoryError(f"namespace {namespace!r} is not a namespace name",
                                  hint="pass a Kubernetes namespace name (an RFC 1123 label)")
-    with _prepare_lock:
+    with _lock_of(namespace):
         root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the platform's
         try:
             parent = _directory(root_fd, NAMESPACES, root, create=True)
             try:
                 _own(parent, Owner(0, 0))
-                return _prepare_in(parent, namespace, f"{root}/{NAMESPACES}", owner)
+                created = _prepare_in(parent, namespace, f"{root}/{NAMESPACES}", owner)
+                if quota_bytes:
+                    _quota(parent, namespace, quota_bytes, f"{root}/{NAMESPACES}")
+                return created
             finally:
                 os.close(parent)
         finally:
             os.close(root_fd)
+
+
+def _lock_of(namespace: str) -> threading.Lock:
+    with _locks_guard:
+        return _namespace_locks.setdefault(namespace, threading.Lock())
+
+
+def _quota(parent: int, namespace: str, limit: int, where: str) -> None:
+    """The namespace's project quota, where the filesystem keeps one (logged where not: the
+    directory serves its pods either way)."""
+    fd = os.open(namespace, _OPEN_DIRECTORY, dir_fd=parent)
+    try:
+        for child in ("", CACHE_SUBPATH, RUNTIME_SUBPATH):
+            child_fd = os.open(child, _OPEN_DIRECTORY, dir_fd=fd) if child else fd
+            try:
+                project = set_project_quota(child_fd, namespace, limit)
+            finally:
+                if child:
+                    os.close(child_fd)
+    except QuotaUnavailable as exc:
+        logger.warning("%s/%s: no quota of %d bytes: %s (hint: %s)", where, namespace, limit,
+                       exc, exc.hint)
+        return
+    finally:
+        os.close(fd)
+    logger.info("%s/%s: project %d, at most %d bytes", where, namespace, project, limit)
 
 
 def _prepare_in(parent: int, namespace: str, where: str, owner: Owner) -> bool:
@@ -180,23 +209,16 @@ def _repair(fd: int, where: str, owner: Owner) -> None:
 
 
 def _give_contents(fd: int, where: str, owner: Owner) -> None:
-    """chown everything below the directory `fd` to `owner`, never through a link: `os.fwalk`
-    does not descend into symlinks and checks each directory it opens is the one it listed, and
-    each chown is an lchown. A file with more than one link is skipped (a hard link could be a
-    file outside the cache, which must not change hands), and so is a symlink."""
-    def unreadable(exc: OSError) -> None:
-        logger.warning("%s: %s not given to %d:%d: %s", where, exc.filename, owner.uid,
-                       owner.gid, exc.strerror)
-
-    for _, dirnames, filenames, dir_fd in os.fwalk(".", dir_fd=fd, follow_symlinks=False,
-                                                   onerror=unreadable):
-        for name in (*dirnames, *filenames):
-            info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            if stat.S_ISLNK(info.st_mode) or (
-                    not stat.S_ISDIR(info.st_mode) and info.st_nlink > 1):
-                logger.warning("%s: %s left to uid %d (a link)", where, name, info.st_uid)
-                continue
-            os.chown(name, owner.uid, owner.gid, dir_fd=dir_fd, follow_symlinks=False)
+    """Give the tree below the directory `fd` to `owner` ([Note: hand-over]), in one line."""
+    counts = give_tree(fd, owner)
+    if counts == HandOver():  # a new, empty cache/
+        return
+    logger.warning(
+        "%s changed hands: %d files and directories given to %d:%d; %d links left as they were, "
+        "%d device nodes, fifos or sockets removed, %d set-ID bits cleared, %d directories "
+        "deeper than the walk left, %d names unreadable", where, counts.given, owner.uid,
+        owner.gid, counts.links_left, counts.specials_removed, counts.set_id_cleared,
+        counts.too_deep, counts.unreadable)
 
 
 def _directory(parent: int, name: str, where: str, *, create: bool) -> int:

@@ -74,6 +74,20 @@ def test_the_agents_command_line_is_accepted_and_agrees_with_the_operator(
                         ("--node-cache-uid", parsed.node_cache_uid),
                         ("--node-cache-gid", parsed.node_cache_gid)):
         assert f"{flag}={value}" in operator_args
+    assert parsed.namespace_quota_bytes == 0
+
+
+def test_a_namespace_quota_is_passed_with_sys_admin_and_only_then() -> None:
+    """Issue 43: `nodeCache.maxBytes` binds only the loader; the filesystem's project quota
+    binds every file a namespace's pods write. quotactl needs CAP_SYS_ADMIN, added with it."""
+    [container] = agent({"nodeCache": {"namespaceQuotaBytes": 500 * 2**30}})[
+        "spec"]["template"]["spec"]["containers"]
+    assert "--namespace-quota-bytes=536870912000" in container["args"]
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"],
+                                                            "add": ["CHOWN", "SYS_ADMIN"]}
+    for version in KUBERNETES_VERSIONS:
+        assert kubernetes_validate.validate(
+            agent({"nodeCache": {"namespaceQuotaBytes": 1}}), version, strict=True) == version
 
 
 def test_the_rendered_daemonset_is_valid_for_every_version() -> None:

@@ -28,7 +28,8 @@ from dlo_operator.node_cache import (
     NodeCacheConfig,
     build_persistent_volume,
 )
-from dlo_operator.node_directories import NodeDirectoryError, Owner, namespace_of, prepare
+from dlo_operator.node_directories import NodeDirectoryError, namespace_of, prepare
+from dlo_operator.node_handover import Owner
 from support.operator_harness import (
     DOD_PATH,
     NAMESPACE,
