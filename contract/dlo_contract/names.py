@@ -30,6 +30,10 @@ DEFAULT_SUMMARY_FILE = "/dev/termination-log"
 LOADER_SUMMARY_PATH = "/summary"
 """HTTP path, on the loader's metrics port, of its fill summary once the fill has ended (404
 before): a sidecar loader stays up, so the operator reads the figures there."""
+LOADER_PROOF_HEADER = "X-DLO-Fill-Proof"
+"""HTTP header by which a reader of a loader's `LOADER_SUMMARY_PATH` shows it holds the DOD's fill
+secret (`dlo_contract.fill_proof.summary_proof`): the summary names the entry, its source and the
+group's pods and nodes, which no other namespace may read."""
 
 # --- the node cache ------------------------------------------------------------------------------
 DEFAULT_CACHE_ROOT = "/var/lib/dlo/cache"

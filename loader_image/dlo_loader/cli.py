@@ -24,6 +24,7 @@ import typing
 from pathlib import Path
 
 from dlo_loader.fill import TRANSFER_MODULES, FillRequest, fill
+from dlo_loader.fill_secret import read_fill_secret
 from dlo_loader import metrics
 from dlo_loader.group_source import peer_holders, resolve_placement, this_member
 from dlo_loader.metrics import Endpoint
@@ -39,6 +40,7 @@ from dlo_contract.names import (
     DEFAULT_RENDEZVOUS_PORT,
     DEFAULT_SUMMARY_FILE,
     ENTRY_FILE_ENV,
+    FILL_SECRET_ENV,
     MASTER_ADDR_ENV,
     MASTER_PORT_ENV,
     RANK_ENV,
@@ -130,11 +132,13 @@ def _fill_command(args: argparse.Namespace, termination: Termination) -> int:
         log.info("fill group from %s: rank %d of %d", placement.origin, rank,
                  placement.world_size)
         settings = load_fill_settings(args)
-        endpoint = _serve_metrics(settings.loader.metrics_port)
+        secret = read_fill_secret()
+        endpoint = _serve_metrics(settings.loader.metrics_port, secret)
         request = FillRequest(
             settings=settings, rank=rank, world_size=placement.world_size,
             master_addr=placement.master_addr, master_port=placement.master_port,
             emit=_print_line, member=this_member(rank), holders=peer_holders(),
+            fill_secret=secret,
         )
         result = fill(request)
         termination.filled()  # SIGTERM now ends the stay (below), not the fill
@@ -157,7 +161,7 @@ def _fill_command(args: argparse.Namespace, termination: Termination) -> int:
     if endpoint is not None:
         endpoint.publish_summary(summary.to_json())
     if args.keep_running:
-        _serve_entry(endpoint, entry, settings.loader.peer_serve_bytes_per_second)
+        _serve_entry(endpoint, entry, settings.loader.peer_serve_bytes_per_second, secret)
         _stay_up(termination.stop)
     entry.close()
     if endpoint is not None:
@@ -192,23 +196,30 @@ def _stay_up(stop: threading.Event) -> None:
     log.info("stopping: the pod is shutting down")
 
 
-def _serve_entry(endpoint: Endpoint | None, entry: EntryHandle, rate: int) -> None:
+def _serve_entry(endpoint: Endpoint | None, entry: EntryHandle, rate: int,
+                 secret: bytes | None) -> None:
     """A sidecar that stays up serves the entry it holds to the DOD's loaders refilling other
-    nodes (`peer_serve`), at most `rate` bytes a second; 0, or no endpoint, serves nothing."""
+    nodes (`peer_serve`: to those that hold the DOD's fill `secret`), at most `rate` bytes a
+    second; 0, no endpoint or no secret serves nothing."""
     if endpoint is None or rate == 0:
         return
-    endpoint.serve_entry(EntryServer(entry, Throttle(rate), metrics.SERVED.inc))
+    if secret is None:
+        log.info("entry %s not served to peers: no fill secret (%s unset)", entry.entry_id,
+                 FILL_SECRET_ENV)
+        return
+    endpoint.serve_entry(EntryServer(entry, Throttle(rate), metrics.SERVED.inc, secret=secret))
     log.info("serving entry %s to refilling peers on port %d, at most %d bytes/s",
              entry.entry_id, endpoint.port, rate)
 
 
-def _serve_metrics(port: int) -> Endpoint | None:
-    """`/metrics` while the fill runs (the operator's live progress); 0 serves nothing. A port
-    in use costs the metrics, never the fill."""
+def _serve_metrics(port: int, secret: bytes | None) -> Endpoint | None:
+    """`/metrics` while the fill runs (the operator's live progress), and the summary to a
+    reader that shows the fill `secret`; 0 serves nothing. A port in use costs the metrics,
+    never the fill."""
     if port == 0:
         return None
     try:
-        endpoint = Endpoint(port)
+        endpoint = Endpoint(port, secret=secret)
     except OSError as exc:
         log.warning("metrics endpoint not served: port %d: %s", port, exc.strerror)
         return None

@@ -203,12 +203,13 @@ class _Fill:
 
     def _peers(self, eid: str, identity: dict[str, Any]) -> PeerReads | None:
         """The reads from the other nodes that hold the entry, for a fill alone; None when the
-        document names none or none serves it."""
-        if not self.request.holders:
+        document names none, none serves it, or this loader has no fill secret to show them."""
+        secret = self.request.fill_secret
+        if not self.request.holders or secret is None:
             return None
         from dlo_loader.peer_reads import open_peers
 
-        return open_peers(self.request.holders, entry_id=eid, identity=identity,
+        return open_peers(self.request.holders, entry_id=eid, identity=identity, secret=secret,
                           timeout_s=self.loader.stall_timeout_s, progress=self.progress)
 
     def _plan(self, files: list[ObjectIdentity], claim: Claim) -> Plan:

@@ -10,7 +10,7 @@ and the tests through it. Must do no I/O.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dlo_loader.members import Member
@@ -43,6 +43,10 @@ class FillRequest:
     holders: tuple[Holder, ...] = ()
     """Other nodes that hold the entry and serve it (the fill-group document's): a fill alone
     reads from them first (`peer_reads`)."""
+    fill_secret: bytes | None = field(default=None, repr=False)
+    """The DOD's fill secret (`fill_secret.read_fill_secret`), which keys the group's stores
+    (`group_keys`) and the reads from `holders` (see [Note: who may read an entry] in
+    `peer_serve`); None: an open group, and no peer is read."""
 
 
 @dataclass(frozen=True, kw_only=True)

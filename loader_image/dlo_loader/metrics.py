@@ -16,14 +16,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, Counter, make_wsgi_app
-from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from dlo_contract.names import LOADER_SUMMARY_PATH
+from dlo_contract.fill_proof import proven
+from dlo_contract.names import LOADER_PROOF_HEADER, LOADER_SUMMARY_PATH
+from dlo_loader.bounded_server import BoundedServer
 from dlo_loader.peer_serve import ENTRY_PATH
 
 if TYPE_CHECKING:
@@ -144,35 +144,28 @@ FILL = FillCollector()
 REGISTRY.register(FILL)
 
 
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base's name)
-        """Scrapes are not news: the loader's log is for the fill."""
+_PROOF_ENVIRON = "HTTP_" + LOADER_PROOF_HEADER.upper().replace("-", "_")
 
 
 class Endpoint:
-    """`/metrics` on a port, served by a daemon thread until `close()`.
+    """`/metrics` on a port, the fill's summary to a reader that shows the fill `secret` (see
+    `dlo_contract.fill_proof`; none without a secret), and the entry to refilling peers
+    (`serve_entry`), served by a `BoundedServer` (any number of slow clients leaves it
+    answering) until `close()`."""
 
-    The serve loop looks for `close()` every `_POLL_S`: the standard loop's half-second poll
-    would hold the loader's exit (and the pod's start) for up to that long."""
-
-    _POLL_S = 0.02
-
-    def __init__(self, port: int, addr: str = "0.0.0.0") -> None:
+    def __init__(self, port: int, addr: str = "0.0.0.0", *, secret: bytes | None = None) -> None:
         self._metrics = make_wsgi_app(REGISTRY)
+        self._secret = secret
         self._summary: bytes | None = None
         self._entry: Callable[..., Iterable[bytes]] | None = None
-        self._server = make_server(addr, port, self._app, ThreadingWSGIServer,
-                                   handler_class=_QuietHandler)
-        self.port = self._server.server_port
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        kwargs={"poll_interval": self._POLL_S},
-                                        name="dlo-metrics", daemon=True)
-        self._thread.start()
+        self._server = BoundedServer(addr, port, self._app)
+        self.port = self._server.port
 
     def publish_summary(self, line: str) -> None:
-        """Serve the fill's one-line summary at `LOADER_SUMMARY_PATH` from now on: a sidecar loader
-        stays up, so the kubelet never shows its termination message; the operator reads the
-        figures here (`dlo_operator.progress.read_summary`)."""
+        """Serve the fill's one-line summary at `LOADER_SUMMARY_PATH` from now on, to a reader
+        that shows the fill secret (`LOADER_PROOF_HEADER`): a sidecar loader stays up, so the
+        kubelet never shows its termination message; the operator reads the figures here
+        (`dlo_operator.progress.read_summary`)."""
         self._summary = line.encode() + b"\n"
 
     def serve_entry(self, app: Callable[..., Iterable[bytes]]) -> None:
@@ -189,6 +182,9 @@ class Endpoint:
             return self._entry(environ, start_response)
         if path != LOADER_SUMMARY_PATH:
             return self._metrics(environ, start_response)
+        if self._secret is None or not proven(self._secret, environ.get(_PROOF_ENVIRON, "")):
+            start_response("403 Forbidden", [("Content-Type", "text/plain")])
+            return [f"no proof of the DOD's fill secret in {LOADER_PROOF_HEADER}\n".encode()]
         if self._summary is None:
             start_response("404 Not Found", [("Content-Type", "text/plain")])
             return [b"no summary: the fill has not ended\n"]
@@ -196,6 +192,4 @@ class Endpoint:
         return [self._summary]
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join()
+        self._server.close()

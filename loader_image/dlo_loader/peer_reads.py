@@ -48,9 +48,10 @@ class PeerFailed(LoaderError):
 
 
 def open_peers(holders: Sequence[Holder], *, entry_id: str, identity: Mapping[str, Any],
-               timeout_s: float, progress: Progress) -> PeerReads | None:
-    """The reads from those of `holders` that serve this entry; None when none does."""
-    key = access_key(identity)
+               secret: bytes, timeout_s: float, progress: Progress) -> PeerReads | None:
+    """The reads from those of `holders` that serve this entry to a reader holding the DOD's
+    fill `secret`; None when none does."""
+    key = access_key(secret, identity)
     serving: list[Holder] = []
     manifest: Manifest | None = None
     with ThreadPoolExecutor(max_workers=min(len(holders), 16) or 1,

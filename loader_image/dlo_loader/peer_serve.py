@@ -8,13 +8,15 @@ published and holds (`GET ENTRY_PATH/<entry id>/manifest`, `GET ENTRY_PATH/<entr
 once the entry is published; `peer_reads` is the reading side.
 
 [Note: who may read an entry] The endpoint listens on the pod's port, which any pod of the
-cluster may reach, and `/summary` names the entry's id. So a request must carry `ACCESS_HEADER`:
-`access_key(identity)`, a digest of the entry's identity (its source's listing: every key, size
-and version) that its id does not reveal; a loader that listed the source itself (with the
-source's credentials) has it, and one that could not gets `403` and nothing else, not even the
-manifest (which holds the identity). Only the entry's own id is served, only names its manifest
-lists (no path is built from anything else: no traversal), only GET, only whole ranges within
-the file.
+cluster may reach, and an entry's identity (its source's listing: every key, size and version)
+is public for a public bucket or a gated Hub repository. So a request must carry
+`ACCESS_HEADER`: `access_key(secret, identity)`, an HMAC-SHA256 of the entry's identity keyed by
+the DOD's fill secret (`fill_secret`), which the operator mounts in that DOD's loaders alone. A
+loader of the same DOD that listed the same source has it; a process of another namespace that
+rebuilt the listing, or a loader of another DOD (another secret), gets `403` and nothing else,
+not even the manifest. A loader without a fill secret (started by hand) serves no entry and
+reads from no peer. Only the entry's own id is served, only names its manifest lists (no path
+is built from anything else: no traversal), only GET, only whole ranges within the file.
 """
 
 from __future__ import annotations
@@ -40,10 +42,14 @@ PIECE_BYTES = 1 << 20
 _RANGE = re.compile(r"bytes=(\d+)-(\d+)")
 
 
-def access_key(identity: Mapping[str, Any]) -> str:
-    """What a reader of an entry shows it knows (see [Note: who may read an entry])."""
-    return hashlib.sha256(b"dlo-peer-entry\n"
-                          + canonical_json(dict(identity)).encode("ascii")).hexdigest()
+_ACCESS_LABEL = b"dlo peer entry\n"
+
+
+def access_key(secret: bytes, identity: Mapping[str, Any]) -> str:
+    """What a reader of an entry shows it holds: the DOD's fill `secret`, bound to the entry's
+    `identity` (see [Note: who may read an entry])."""
+    message = _ACCESS_LABEL + canonical_json(dict(identity)).encode("ascii")
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
 
 
 class Throttle:
@@ -71,13 +77,13 @@ class Throttle:
 
 
 class EntryServer:
-    """The WSGI side of serving `entry` (held open by the sidecar) through `throttle`;
-    `served(n)` counts the bytes sent."""
+    """The WSGI side of serving `entry` (held open by the sidecar) through `throttle` to the
+    readers that hold the DOD's fill `secret`; `served(n)` counts the bytes sent."""
 
     def __init__(self, entry: EntryHandle, throttle: Throttle,
-                 served: Callable[[int], None]) -> None:
+                 served: Callable[[int], None], *, secret: bytes) -> None:
         self.entry, self.throttle, self._served = entry, throttle, served
-        self._key = access_key(entry.manifest.identity)
+        self._key = access_key(secret, entry.manifest.identity)
         self._prefix = f"{ENTRY_PATH}/{entry.entry_id}/"
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]

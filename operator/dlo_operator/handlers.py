@@ -20,6 +20,11 @@ They must not build manifests or decide phases themselves.
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import binascii
+import concurrent.futures
+import contextvars
 import functools
 import logging
 import os
@@ -35,7 +40,16 @@ from dlo_operator.conditions import post_event
 from dlo_operator.errors import KubeError, KubeTransientError, SpecError
 from dlo_operator.installation import InstallationConfig
 from dlo_operator.kube import KubeClient
-from dlo_operator.naming import ANNOTATION_FILL_SUMMARY, GROUP, LABEL_DEPLOYMENT, PLURAL, VERSION
+from dlo_contract.fill_proof import summary_proof
+from dlo_contract.names import FILL_SECRET_KEY
+from dlo_operator.naming import (
+    ANNOTATION_FILL_SUMMARY,
+    GROUP,
+    LABEL_DEPLOYMENT,
+    PLURAL,
+    VERSION,
+    fill_secret_name,
+)
 from dlo_operator.node_cache import LABEL_NODE_CACHE, NODE_CACHE_CLASS, NodeCacheConfig
 from dlo_operator.reconcile import ReconcileConfig, reconcile, utc_now
 from dlo_operator.prefill_record import format_time
@@ -50,6 +64,11 @@ PREFILL_BACKOFF_ENV = "DLO_OPERATOR_PREFILL_BACKOFF_SECONDS"
 """First delay before retrying a failed prefill (doubling up to 600 s); default 10."""
 TIMER_EXIT_WAIT_S = 5.0
 """How long a DOD's deletion waits for a timer run in flight before checking again each second."""
+PROGRESS_WORKERS = 16
+"""Threads that read the loaders' progress, all DODs together, apart from kopf's own pool."""
+PROGRESS_PER_NAMESPACE = 2
+"""The most progress reads of one namespace's DODs under way at once (the rest wait without a
+thread), so one tenant's slow pods hold at most this many of `PROGRESS_WORKERS`."""
 _OWNED = ("statefulsets", "configmaps", "services", "jobs", "poddisruptionbudgets")
 
 
@@ -64,7 +83,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.scanning.disabled = True
     settings.peering.standalone = True
     # A deleted DOD keeps kopf's finalizer until its timers stop; a timer caught mid-run (a
-    # reconcile, a progress read of up to `progress.READ_TIMEOUT_S` per pod) finishes first.
+    # reconcile, the progress reads of up to `progress.READ_DEADLINE_S`) finishes first.
     # kopf's default re-checks a minute later; wait for the run instead, then check each second.
     settings.background.instant_exit_timeout = TIMER_EXIT_WAIT_S
     settings.background.cancellation_polling = 1.0
@@ -78,6 +97,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         installation=memo.get("installation") or InstallationConfig(),
         clock=memo.get("clock") or utc_now)
     memo.node_cache = NodeCacheConfig(root=memo.config.installation.node_cache_root)
+    memo.progress_pool = concurrent.futures.ThreadPoolExecutor(
+        max_workers=PROGRESS_WORKERS, thread_name_prefix="dlo-progress")
+    memo.progress_gates = {}
 
 
 @kopf.on.login(registry=registry)
@@ -88,6 +110,7 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 @kopf.on.cleanup(registry=registry)
 def close(memo: kopf.Memo, **_: Any) -> None:
+    memo.progress_pool.shutdown(wait=False, cancel_futures=True)
     memo.kube.close()
 
 
@@ -150,13 +173,14 @@ def _keep_summaries(memo: kopf.Memo, body: kopf.Body, pods: Any, port: int,
                     logger: logging.Logger) -> None:
     """Copy each published sidecar loader's fill summary onto its pod, where the status reads it
     (the pod event that follows reconciles); Events say where one finished without members of
-    its group, or refilled from peers (`fill_report`)."""
-    namespace = body["metadata"]["namespace"]
-    for pod in pods:
+    its group, or refilled from peers (`fill_report`). The summaries are asked for with proof of
+    the DOD's fill secret; none is read before its Secret exists."""
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    proof = _summary_proof(memo, namespace, name, logger) if pods else None
+    if proof is None:
+        return
+    for pod, line in progress.read_summaries(pods, port, proof):
         pod_name = pod["metadata"]["name"]
-        line = progress.read_summary(pod["status"]["podIP"], port)
-        if line is None:
-            continue
         try:
             memo.kube.annotate_pod(namespace, pod_name, {ANNOTATION_FILL_SUMMARY: line})
         except (KubeError, KubeTransientError) as exc:
@@ -165,6 +189,22 @@ def _keep_summaries(memo: kopf.Memo, body: kopf.Body, pods: Any, port: int,
             continue
         for report in fill_report.summary_events(pod, line):
             post_event(body, report)
+
+
+def _summary_proof(memo: kopf.Memo, namespace: str, name: str,
+                   logger: logging.Logger) -> str | None:
+    """The proof (`fill_proof.summary_proof`) of the DOD's fill secret, from its Secret; None
+    while it is absent or unreadable (never a word of its data in the log)."""
+    secret_name = fill_secret_name(name)
+    try:
+        secret = memo.kube.get("Secret", namespace, secret_name)
+        value = base64.b64decode(((secret or {}).get("data") or {}).get(FILL_SECRET_KEY) or "",
+                                 validate=True)
+    except (KubeError, KubeTransientError, binascii.Error, ValueError) as exc:
+        logger.warning("fill summaries of %s/%s not read: Secret %s: %s", namespace, name,
+                       secret_name, type(exc).__name__ if isinstance(exc, ValueError) else exc)
+        return None
+    return summary_proof(value.strip()) if value.strip() else None
 
 
 def _quietly(memo: kopf.Memo, namespace: str, name: str, logger: logging.Logger) -> None:
@@ -197,12 +237,34 @@ def _reconcile(memo: kopf.Memo, namespace: str, name: str) -> None:
 
 
 @kopf.timer(*DOD, interval=progress.INTERVAL_S, registry=registry)
-def loader_progress(spec: kopf.Spec, name: str, namespace: str, status: kopf.Status,
-                    body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+async def loader_progress(spec: kopf.Spec, name: str, namespace: str, status: kopf.Status,
+                          body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
+                          **_: Any) -> None:
     """Live progress: while loaders fill (the pods' or a prefill's), read their metrics
     endpoints into `status.progress`; remove it once none fills (the fill summaries in
     `status.nodes` hold the final figures). A pod's sidecar loader that published has its
-    summary copied onto its pod first, once."""
+    summary copied onto its pod first, once.
+
+    The reads go to pods a tenant runs (see [Note: reading a tenant's pod] in `progress`), so
+    they run on the operator's own progress threads, never on kopf's pool, which every
+    reconcile needs; and at most `PROGRESS_PER_NAMESPACE` DODs of one namespace at once, the
+    others waiting here without a thread, so one tenant's slow pods delay no one else's."""
+    gate = memo.progress_gates.setdefault(namespace, asyncio.Semaphore(PROGRESS_PER_NAMESPACE))
+    tick = functools.partial(_read_progress, spec, name, namespace, status, body, memo, logger)
+    async with gate:
+        # In a copy of the handler's context, as kopf runs its own sync handlers: the Events
+        # the tick posts find kopf's settings there.
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                memo.progress_pool, contextvars.copy_context().run, tick)
+        except RuntimeError:  # the pool is shut down: the operator is stopping
+            if not memo.progress_pool._shutdown:
+                raise
+
+
+def _read_progress(spec: kopf.Spec, name: str, namespace: str, status: kopf.Status,
+                   body: kopf.Body, memo: kopf.Memo, logger: logging.Logger) -> None:
+    """One tick of `loader_progress`, on a progress thread."""
     try:
         port = parse_spec(spec).settings.loader.metrics_port
     except SpecError:

@@ -10,14 +10,25 @@ stays up, so its summary is read once from its endpoint and kept on its pod
 (`published_without_summary`, `read_summary`), with the Events its figures call for
 (`fill_report`). `read_loader` and `read_summary` do the HTTP;
 `progress_status` is pure. Called by the handlers' timer; must not patch anything itself.
+
+[Note: reading a tenant's pod] The address read is a pod's, and whoever runs the pod decides
+what answers there. So a read has a total deadline (`READ_DEADLINE_S`, from the connect to the
+last byte: a reply trickled a few bytes at a time is cut there, not kept alive by each read's
+own timeout), a size cap (`MAX_REPLY_BYTES`: past it the reply is dropped), and follows no
+redirect (a `3xx` is no reading: the operator asks no other address than the pod's). The
+summary, which names the entry, the source and the group's pods and nodes, is asked for with
+proof of the DOD's fill secret (`dlo_contract.fill_proof`), which the proof does not reveal. The
+handlers run these reads off kopf's shared pool (see `handlers.loader_progress`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
+import io
 import logging
-import urllib.error
-import urllib.request
+import socket
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,14 +36,17 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from dlo_contract.documents import DocumentError, FillSummary
-from dlo_contract.names import LOADER_SUMMARY_PATH
+from dlo_contract.names import LOADER_PROOF_HEADER, LOADER_SUMMARY_PATH
 from dlo_contract.units import human_bytes, human_eta
 from dlo_operator import metrics
 from dlo_operator.naming import ANNOTATION_FILL_SUMMARY, LOADER_CONTAINER
 
 log = logging.getLogger(__name__)
 
-READ_TIMEOUT_S = 2.0
+READ_DEADLINE_S = 2.0
+"""Seconds one read of a loader may take in all, from its connect to its last byte."""
+MAX_REPLY_BYTES = 1 << 20
+"""The most a loader's reply may hold (its metrics are a few KiB, its summary less)."""
 INTERVAL_S = 5.0
 """How often the operator reads the running loaders (the PROGRESS column's refresh)."""
 
@@ -77,10 +91,12 @@ def _running(container: Mapping[str, Any]) -> bool:
     return "running" in (container.get("state") or {})
 
 
-def read_summary(address: str, port: int, timeout_s: float = READ_TIMEOUT_S) -> str | None:
-    """One published loader's fill summary line (`names.LOADER_SUMMARY_PATH`); None when it does
-    not answer or is not a summary."""
-    line = (_get(address, port, LOADER_SUMMARY_PATH, timeout_s) or "").strip()
+def read_summary(address: str, port: int, proof: str,
+                 deadline_s: float = READ_DEADLINE_S) -> str | None:
+    """One published loader's fill summary line (`names.LOADER_SUMMARY_PATH`), asked for with
+    `proof` of the DOD's fill secret; None when it does not answer or is not a summary."""
+    line = (_get(address, port, LOADER_SUMMARY_PATH, deadline_s,
+                 {LOADER_PROOF_HEADER: proof}) or "").strip()
     try:
         FillSummary.from_json(line)
     except DocumentError as exc:
@@ -89,16 +105,72 @@ def read_summary(address: str, port: int, timeout_s: float = READ_TIMEOUT_S) -> 
     return line
 
 
-def _get(address: str, port: int, path: str, timeout_s: float) -> str | None:
-    """The body of `GET http://address:port/path` (at most 1 MiB), or None when the loader does
-    not answer."""
+def read_summaries(pods: Sequence[Mapping[str, Any]], port: int, proof: str
+                   ) -> list[tuple[Mapping[str, Any], str]]:
+    """Every pod's summary (`read_summary`) read in parallel: one read's deadline for all."""
+    if not pods:
+        return []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(pods), 16)) as pool:
+        lines = list(pool.map(lambda pod: read_summary(pod["status"]["podIP"], port, proof),
+                              pods))
+    return [(pod, line) for pod, line in zip(pods, lines) if line is not None]
+
+
+def _get(address: str, port: int, path: str, deadline_s: float,
+         headers: Mapping[str, str] | None = None) -> str | None:
+    """The body of a `200` answer to `GET http://address:port/path`, or None when the loader
+    does not answer one within `deadline_s` in all, answers another status (a redirect too),
+    or sends more than `MAX_REPLY_BYTES` (see [Note: reading a tenant's pod]). Nothing of the
+    reply, nor `headers` (a proof), reaches the log."""
+    deadline = time.monotonic() + deadline_s
     host = f"[{address}]" if ":" in address else address
+    lines = [f"GET {path} HTTP/1.1", f"Host: {host}:{port}", "Connection: close",
+             *(f"{name}: {value}" for name, value in (headers or {}).items())]
     try:
-        with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=timeout_s) as reply:
-            return reply.read(1 << 20).decode()
-    except (OSError, urllib.error.URLError, UnicodeDecodeError) as exc:
-        log.debug("loader %s at %s:%d not readable: %s", path, address, port, exc)
+        with socket.create_connection((address, port), timeout=deadline_s) as sock:
+            sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+            raw = _read_until_closed(sock, deadline)
+        reply = http.client.HTTPResponse(_Received(raw))  # type: ignore[arg-type]
+        reply.begin()
+        if reply.status != 200:
+            log.debug("loader %s at %s:%d answered %d", path, address, port, reply.status)
+            return None
+        return reply.read().decode()
+    except (OSError, http.client.HTTPException, UnicodeDecodeError, _TooLarge) as exc:
+        log.debug("loader %s at %s:%d not readable: %s", path, address, port,
+                  type(exc).__name__)
         return None
+
+
+class _TooLarge(Exception):
+    """A reply past `MAX_REPLY_BYTES`."""
+
+
+def _read_until_closed(sock: socket.socket, deadline: float) -> bytes:
+    """What the peer sends until it closes, by `deadline` (else `TimeoutError`), at most
+    `MAX_REPLY_BYTES` and a head (else `_TooLarge`)."""
+    received = bytearray()
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the reply did not end by the read's deadline")
+        sock.settimeout(left)  # each receive waits only for what is left of the deadline
+        piece = sock.recv(64 << 10)
+        if not piece:
+            return bytes(received)
+        received += piece
+        if len(received) > MAX_REPLY_BYTES + (16 << 10):
+            raise _TooLarge(f"more than {MAX_REPLY_BYTES} bytes")
+
+
+class _Received:
+    """A reply read whole, as `http.client.HTTPResponse` reads a socket."""
+
+    def __init__(self, raw: bytes) -> None:
+        self._raw = raw
+
+    def makefile(self, mode: str) -> io.BytesIO:
+        return io.BytesIO(self._raw)
 
 
 def read_all(pods: Sequence[Mapping[str, Any]], port: int
@@ -113,20 +185,25 @@ def read_all(pods: Sequence[Mapping[str, Any]], port: int
     return [(pod, reading) for pod, reading in zip(pods, readings) if reading is not None]
 
 
-def read_loader(address: str, port: int, timeout_s: float = READ_TIMEOUT_S) -> LoaderReading | None:
+def read_loader(address: str, port: int,
+                deadline_s: float = READ_DEADLINE_S) -> LoaderReading | None:
     """Scrape one loader; None when it does not answer (not serving yet, or just finished)."""
-    text = _get(address, port, "/metrics", timeout_s)
+    text = _get(address, port, "/metrics", deadline_s)
     if text is None:
         return None
     values: dict[str, float] = {}
     phase = ""
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "dlo_loader_phase":
-                if sample.value == 1:
-                    phase = sample.labels.get("phase", "")
-            else:
-                values[sample.name] = sample.value
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "dlo_loader_phase":
+                    if sample.value == 1:
+                        phase = sample.labels.get("phase", "")
+                else:
+                    values[sample.name] = sample.value
+    except ValueError:  # not the exposition format: whatever answers there is no loader
+        log.debug("loader metrics at %s:%d do not parse", address, port)
+        return None
     if "dlo_loader_bytes_total_bytes" not in values:
         return None
     return LoaderReading(

@@ -5,8 +5,11 @@ counted by a proxy outside the loader."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -30,8 +33,12 @@ from support.loader_fleet import (
 )
 
 from dlo_contract.fill_group import FillGroup, Holder
-from dlo_contract.cache import read_manifest
+from dlo_contract.cache import canonical_json, read_manifest
+from dlo_contract.fill_proof import summary_proof
+from dlo_contract.names import LOADER_PROOF_HEADER, LOADER_SUMMARY_PATH
 from dlo_loader.peer_serve import ACCESS_HEADER, ENTRY_PATH, access_key
+
+SECRET = b"fill secret of the DOD flux, 32B"
 
 
 @dataclass
@@ -41,6 +48,8 @@ class Node:
     tmp: Path
     name: str
     port: int
+    secret: bytes = SECRET
+    """The fill secret of the node's DOD (the operator mounts one per DOD)."""
 
     @property
     def root(self) -> Path:
@@ -62,10 +71,17 @@ class Node:
 
     def start(self, source: str, endpoint: str, *extra: str, holders: tuple[Holder, ...] = (),
               **settings: object) -> subprocess.Popen[str]:
+        command = self.command(source, endpoint, *extra, **settings)
+        secret_file = self.tmp / self.name / "fill-secret"
+        secret_file.write_bytes(self.secret)
         env = checkout_env(DLO_NODE_NAME=self.name,
-                           DLO_FILL_GROUP=FillGroup(holders=holders).to_json())
-        return subprocess.Popen(self.command(source, endpoint, *extra, **settings), env=env,
+                           DLO_FILL_GROUP=FillGroup(holders=holders).to_json(),
+                           DLO_FILL_SECRET_FILE=str(secret_file))
+        return subprocess.Popen(command, env=env,
                                 text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def entry_id(self) -> str:
+        return str(json.loads(self.entry_file.read_text())["entry_id"])
 
     def holder(self, port: int | None = None) -> Holder:
         return Holder(node=self.name, address="127.0.0.1", port=port or self.port)
@@ -86,6 +102,8 @@ def node_a(s3: S3Server, checkpoint: Checkpoint, tmp_path: Path
     try:
         wait_until(lambda: node.entry_file.exists() or process.poll() is not None, 120)
         assert node.entry_file.exists(), process.communicate(timeout=10)
+        entry = f"http://127.0.0.1:{node.port}{ENTRY_PATH}/{node.entry_id()}/manifest"
+        wait_until(lambda: _get(entry, {})[0] != 404)  # it serves the entry (to a keyed reader)
         yield node, process
     finally:
         if process.poll() is None:
@@ -208,13 +226,13 @@ def test_a_holder_that_dies_mid_refill_is_dropped_and_the_store_fills_the_rest(
 @pytest.mark.usefixtures("aws_env")
 def test_the_served_entry_answers_only_a_reader_that_listed_its_source(
         checkpoint: Checkpoint, node_a: tuple[Node, subprocess.Popen[str]]) -> None:
-    """Without the entry's key (a digest of its source's listing, which its id and summary do
-    not reveal), with another entry's id, a name outside the manifest, a range outside the file
+    """Without the entry's key (an HMAC of its source's listing with the DOD's fill secret),
+    with another entry's id, a name outside the manifest, a range outside the file
     or a method other than GET, A serves nothing; with the key, the range asked for."""
     a, _ = node_a
     entry_id = json.loads(a.entry_file.read_text())["entry_id"]
     manifest = read_manifest(a.root / "v1" / "entries" / entry_id / "manifest.json")
-    key = access_key(manifest.identity)
+    key = access_key(SECRET, manifest.identity)
     base = f"http://127.0.0.1:{a.port}{ENTRY_PATH}"
     name = "transformer/config.json"
 
@@ -236,3 +254,101 @@ def test_the_served_entry_answers_only_a_reader_that_listed_its_source(
     assert answer(f"/{entry_id}/files/transformer/../transformer/config.json")[0] == 404
     assert answer(f"/{entry_id}/files/{name}", asked="bytes=0-999999")[0] == 416
     assert answer(f"/{entry_id}/manifest", method="PUT")[0] == 405
+
+
+def _get(url: str, headers: dict[str, str]) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_a_client_that_knows_the_listing_but_not_the_secret_gets_nothing(
+        node_a: tuple[Node, subprocess.Popen[str]]) -> None:
+    """Another namespace rebuilds the entry's identity from the public listing (here read from
+    A's own manifest) and guesses its id: with a digest of the listing, or an HMAC with another
+    DOD's secret, A serves no manifest and no byte, and its summary (the entry id, the pods and
+    nodes) goes only to a reader that shows A's DOD's secret."""
+    a, _ = node_a
+    entry_id = json.loads(a.entry_file.read_text())["entry_id"]
+    manifest = read_manifest(a.root / "v1" / "entries" / entry_id / "manifest.json")
+    listing = canonical_json(dict(manifest.identity)).encode("ascii")
+    guesses = (hashlib.sha256(b"dlo-peer-entry\n" + listing).hexdigest(),
+               access_key(b"fill secret of another DOD, 32 B", manifest.identity))
+    base = f"http://127.0.0.1:{a.port}"
+    name = "transformer/config.json"
+    for guess in guesses:
+        for path in (f"/{entry_id}/manifest", f"/{entry_id}/files/{name}"):
+            status, body = _get(base + ENTRY_PATH + path, {ACCESS_HEADER: guess,
+                                                           "Range": "bytes=0-1"})
+            assert (status, body) == (403, b"no key of this entry\n")
+    refused = (403, f"no proof of the DOD's fill secret in {LOADER_PROOF_HEADER}\n".encode())
+    assert _get(base + LOADER_SUMMARY_PATH, {}) == refused
+    assert _get(base + LOADER_SUMMARY_PATH, {
+        LOADER_PROOF_HEADER: summary_proof(b"fill secret of another DOD, 32 B")}) == refused
+    status, body = _get(base + LOADER_SUMMARY_PATH, {LOADER_PROOF_HEADER: summary_proof(SECRET)})
+    assert status == 200 and json.loads(body)["entry_id"] == entry_id
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_a_loader_of_another_dod_reads_nothing_from_the_holder(
+        s3: S3Server, checkpoint: Checkpoint, node_a: tuple[Node, subprocess.Popen[str]],
+        tmp_path: Path) -> None:
+    """B lists the same public source as A but holds another DOD's fill secret: A refuses it,
+    and B fills from the store alone."""
+    a, _ = node_a
+    b = Node(tmp_path, "nodeB", free_port(), secret=b"fill secret of another DOD, 32 B")
+    with FaultProxy(s3.endpoint_url) as store:
+        outcome = _refill(b, checkpoint, store, (a.holder(),))
+    assert outcome.returncode == 0, outcome.stderr
+    total = sum(len(v) for v in included(checkpoint.files).values())
+    assert outcome.summary["bytes_from_peers"] == 0
+    assert outcome.summary["bytes_from_store"] == total == store.object_bytes
+    assert a.metric("dlo_loader_bytes_served_total") == 0
+    assert "answered 403 no key of this entry" in outcome.stderr
+
+
+SLOW_CLIENTS = 300
+
+
+def test_slow_clients_leave_the_endpoint_serving_its_peers_and_scrapes(
+        node_a: tuple[Node, subprocess.Popen[str]]) -> None:
+    """300 connections each send half a request and hold. A still answers a scrape and a peer
+    read, holds a bounded number of threads (not one per connection), and closes the oldest
+    half-sent requests itself once more than it keeps are waiting."""
+    a, process = node_a
+    entry_id = json.loads(a.entry_file.read_text())["entry_id"]
+    manifest = read_manifest(a.root / "v1" / "entries" / entry_id / "manifest.json")
+    name = "transformer/config.json"
+    slow = []
+    try:
+        for _ in range(SLOW_CLIENTS):
+            sock = socket.create_connection(("127.0.0.1", a.port), timeout=30)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: loader\r\n")
+            slow.append(sock)
+        status, text = _get(f"http://127.0.0.1:{a.port}/metrics", {})
+        assert status == 200 and b"dlo_loader_bytes_done_bytes" in text
+        status, body = _get(f"http://127.0.0.1:{a.port}{ENTRY_PATH}/{entry_id}/files/{name}", {
+            ACCESS_HEADER: access_key(SECRET, manifest.identity), "Range": "bytes=0-9"})
+        assert (status, body) == (206, checkpoint_bytes(a, entry_id, name)[:10])
+        threads = len(os.listdir(f"/proc/{process.pid}/task"))
+        assert threads < SLOW_CLIENTS // 3
+        closed = sum(_closed_by_server(sock) for sock in slow[:SLOW_CLIENTS // 2])
+        assert closed == SLOW_CLIENTS // 2  # the oldest went first
+    finally:
+        for sock in slow:
+            sock.close()
+
+
+def checkpoint_bytes(node: Node, entry_id: str, name: str) -> bytes:
+    return (node.root / "v1" / "entries" / entry_id / name).read_bytes()
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server closed `sock` (its end of file, or a reset, reaches the client)."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True

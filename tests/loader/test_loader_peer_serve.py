@@ -15,6 +15,7 @@ from dlo_loader.group_source import peer_holders
 from dlo_loader.peer_serve import ACCESS_HEADER, PIECE_BYTES, EntryServer, Throttle, access_key
 
 MIB = 1 << 20
+SECRET = b"the DOD's fill secret, 32 bytes."
 
 
 class FakeClock:
@@ -66,13 +67,14 @@ def test_every_byte_an_entry_server_sends_goes_through_its_throttle(tmp_path: Pa
     served: list[int] = []
     recorder = Recorder()
     with open_entry(root, eid) as entry:
-        server = EntryServer(entry, recorder, served.append)  # type: ignore[arg-type]
+        server = EntryServer(entry, recorder, served.append,  # type: ignore[arg-type]
+                             secret=SECRET)
         statuses: list[str] = []
         body = b"".join(server({
             "REQUEST_METHOD": "GET", "PATH_INFO": f"/entries/{eid}/files/model.safetensors",
             "HTTP_RANGE": f"bytes=5-{len(data) - 2}",
             "HTTP_" + ACCESS_HEADER.upper().replace("-", "_"): access_key(
-                entry.manifest.identity)}, lambda status, headers: statuses.append(status)))
+                SECRET, entry.manifest.identity)}, lambda status, headers: statuses.append(status)))
     assert statuses == ["206 Partial Content"]
     assert body == data[5:-1]
     assert sum(recorder.taken) == sum(served) == len(body)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dlo_loader import metrics as loader_metrics
 from support.operator_harness import (
     DOD_PATH,
     NAMESPACE,
@@ -22,6 +21,7 @@ from support.operator_harness import (
 )
 from test_operator_fill_report import REFILL, SURVIVOR
 from test_operator_peer_refill import (  # noqa: F401  (loader_endpoint: a fixture)
+    Sidecar,
     events,
     kept,
     loader_endpoint,
@@ -39,7 +39,7 @@ def rows(cluster: ClusterEmulator) -> dict[str, dict[str, Any]]:
 
 async def test_survivors_report_the_member_they_lost_and_its_node_refills_from_them(
         cluster: ClusterEmulator, operator: Operator,
-        loader_endpoint: loader_metrics.Endpoint) -> None:  # noqa: F811
+        loader_endpoint: Sidecar) -> None:  # noqa: F811
     await request(cluster, "POST", DOD_PATH, {
         "apiVersion": "dlo.dev/v1alpha1", "kind": "DiffusionOffloadDeployment",
         "metadata": {"name": "flux", "namespace": NAMESPACE},

@@ -10,6 +10,7 @@ import pytest
 from dlo_loader import metrics as loader_metrics
 from dlo_loader.progress import Progress
 from dlo_operator import metrics, progress
+from dlo_bench.s3server import free_port
 from dlo_operator.kube import _api_error
 from kubernetes.client.exceptions import ApiException
 from support.operator_harness import (
@@ -20,25 +21,37 @@ from support.operator_harness import (
     ClusterEmulator,
     Operator,
     eventually,
+    fill_secret,
     live,
     request,
     workload_pod,
 )
 from support.scrape import scrape, value
 
+from dlo_contract.fill_proof import summary_proof
+
 GIB = 1 << 30
 
 
+SECRET = b"0123456789abcdef0123456789abcdef"
+
+
 @pytest.fixture
-def loader_endpoint() -> Iterator[tuple[loader_metrics.Endpoint, Progress]]:
-    """A loader's real `/metrics` endpoint, 1 GiB of 4 GiB written."""
+def loader_fill() -> Progress:
+    """The fill a loader's real `/metrics` endpoint serves: 1 GiB of 4 GiB written."""
     fill = Progress(total_bytes=4 * GIB, prefix="")
     fill.add(written=GIB, from_store=GIB)
     fill.phase = "transferring"
     loader_metrics.FILL.attach(fill)
-    endpoint = loader_metrics.Endpoint(0, addr="127.0.0.1")
+    return fill
+
+
+@pytest.fixture
+def loader_endpoint(loader_fill: Progress) -> Iterator[tuple[loader_metrics.Endpoint, Progress]]:
+    """A loader's real endpoint, keyed by `SECRET`."""
+    endpoint = loader_metrics.Endpoint(0, addr="127.0.0.1", secret=SECRET)
     try:
-        yield endpoint, fill
+        yield endpoint, loader_fill
     finally:
         endpoint.close()
 
@@ -49,10 +62,9 @@ def operator_port() -> int:
 
 
 async def test_live_progress_from_the_loader_endpoint_and_operator_metrics(
-        cluster: ClusterEmulator, operator: Operator,
-        loader_endpoint: tuple[loader_metrics.Endpoint, Progress], operator_port: int) -> None:
-    endpoint, _fill = loader_endpoint
-    port = endpoint.port
+        cluster: ClusterEmulator, operator: Operator, loader_fill: Progress,
+        operator_port: int) -> None:
+    port = free_port()
     before = scrape(operator_port)
     await request(cluster, "POST", DOD_PATH, {
         "apiVersion": "dlo.dev/v1alpha1", "kind": "DiffusionOffloadDeployment",
@@ -67,6 +79,8 @@ async def test_live_progress_from_the_loader_endpoint_and_operator_metrics(
                                                 outcome="applied")
 
     await eventually(reconciled)  # pods come after the create handler, as in a cluster
+    # The pod's loader holds the DOD's fill secret, which the operator made first.
+    endpoint = loader_metrics.Endpoint(port, addr="127.0.0.1", secret=fill_secret(cluster, "flux"))
     await request(cluster, "POST", PODS_PATH, workload_pod(cluster, "flux", 0, "gpu-0"))
     await request(cluster, "PATCH", f"{PODS_PATH}/flux-0/status", {"status": {
         "podIP": "127.0.0.1", "initContainerStatuses": [
@@ -115,6 +129,7 @@ async def test_live_progress_from_the_loader_endpoint_and_operator_metrics(
             before, "dlo_operator_fills_total", outcome="ok") + 1
 
     await eventually(fill_counted)
+    endpoint.close()
 
 
 def test_filling_loaders_are_read_and_a_published_sidecar_summary_once(
@@ -132,10 +147,12 @@ def test_filling_loaders_are_read_and_a_published_sidecar_summary_once(
     assert [p["metadata"]["name"] for p in progress.running_loaders([*pods, prefill])] == [
         "p-1", "p-prefill-0"]
     assert [p["metadata"]["name"] for p in progress.published_without_summary(pods)] == ["p-0"]
-    assert progress.read_summary("127.0.0.1", endpoint.port) is None  # 404 before the end
+    proof = summary_proof(SECRET)
+    assert progress.read_summary("127.0.0.1", endpoint.port, proof) is None  # 404 before the end
     line = json.dumps({"status": "ok", "entry_id": "e" * 64, "cached": True})
     endpoint.publish_summary(line)
-    assert progress.read_summary("127.0.0.1", endpoint.port) == line
+    assert progress.read_summary("127.0.0.1", endpoint.port, proof) == line
+    assert progress.read_summary("127.0.0.1", endpoint.port, summary_proof(b"x" * 32)) is None
 
 
 def test_api_errors_are_counted_by_kind(operator_port: int) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from dlo_bench.s3server import free_port
 from dlo_loader import metrics as loader_metrics
 from support.operator_harness import (
     DOD_PATH,
@@ -18,6 +19,7 @@ from support.operator_harness import (
     ClusterEmulator,
     Operator,
     eventually,
+    fill_secret,
     live,
     request,
     workload_pod,
@@ -32,13 +34,29 @@ SUMMARY = {"status": "ok", "entry_id": "e" * 64, "mode": "multi-reader", "rank":
            "seconds": 2.0, "cached": False}
 
 
+class Sidecar:
+    """The sidecar loaders' endpoint: a real one on `port`, started at the first summary it
+    publishes with the DOD's fill secret (the operator made it with the DOD's first children)."""
+
+    def __init__(self, cluster: ClusterEmulator) -> None:
+        self.cluster, self.port = cluster, free_port()
+        self.endpoint: loader_metrics.Endpoint | None = None
+
+    def publish_summary(self, line: str) -> None:
+        if self.endpoint is None:
+            self.endpoint = loader_metrics.Endpoint(self.port, addr="127.0.0.1",
+                                                    secret=fill_secret(self.cluster, "flux"))
+        self.endpoint.publish_summary(line)
+
+
 @pytest.fixture
-def loader_endpoint() -> Iterator[loader_metrics.Endpoint]:
-    endpoint = loader_metrics.Endpoint(0, addr="127.0.0.1")
+def loader_endpoint(cluster: ClusterEmulator) -> Iterator[Sidecar]:
+    sidecar = Sidecar(cluster)
     try:
-        yield endpoint
+        yield sidecar
     finally:
-        endpoint.close()
+        if sidecar.endpoint is not None:
+            sidecar.endpoint.close()
 
 
 def group_document(cluster: ClusterEmulator) -> FillGroup:
@@ -70,7 +88,7 @@ def kept(cluster: ClusterEmulator, index: int) -> dict[str, Any] | None:
 
 async def test_holders_reach_the_fill_group_document_and_a_refill_is_reported(
         cluster: ClusterEmulator, operator: Operator,
-        loader_endpoint: loader_metrics.Endpoint) -> None:
+        loader_endpoint: Sidecar) -> None:
     port = loader_endpoint.port
     await request(cluster, "POST", DOD_PATH, {
         "apiVersion": "dlo.dev/v1alpha1", "kind": "DiffusionOffloadDeployment",

@@ -12,6 +12,7 @@ serve the namespace list.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import copy
 import dataclasses
@@ -190,12 +191,14 @@ def _kubeconfig(tmp_path: Path, url: str) -> Path:
 class Operator:
     """Starts and stops the operator (kopf's CLI runner in a thread) against the emulator."""
 
-    def __init__(self) -> None:
+    def __init__(self, stop_timeout_s: float = 30.0) -> None:
         self._runner: KopfRunner | None = None
+        self.stop_timeout_s = stop_timeout_s
+        """How long a stop may take (a hang guard): the handlers under way end first."""
 
     async def start(self, *extra: str) -> None:
         self._runner = KopfRunner(["run", "-A", "--standalone", *extra],
-                                  registry=handlers.registry, timeout=30)
+                                  registry=handlers.registry, timeout=self.stop_timeout_s)
         await asyncio.to_thread(self._runner.__enter__)
 
     async def stop(self) -> KopfRunner:
@@ -354,3 +357,11 @@ def workload_pod(cluster: ClusterEmulator, dod: str, index: int, node: str) -> d
             "annotations": dict((template.get("metadata") or {}).get("annotations") or {})},
         "spec": {"nodeName": node},
     }
+
+
+def fill_secret(cluster: ClusterEmulator, dod: str) -> bytes:
+    """The fill secret the operator made for `dod` (its loaders' `DLO_FILL_SECRET_FILE`)."""
+    secret = live(cluster, "v1/secrets", f"{dod}-fill-secret") or {}
+    value = base64.b64decode(((secret.get("data") or {}).get("secret")) or "")
+    assert value, f"the operator made no fill Secret for {dod}"
+    return value
