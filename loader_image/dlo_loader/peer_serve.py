@@ -14,7 +14,8 @@ is public for a public bucket or a gated Hub repository. So a request must carry
 the DOD's fill secret (`fill_secret`), which the operator mounts in that DOD's loaders alone. A
 loader of the same DOD that listed the same source has it; a process of another namespace that
 rebuilt the listing, or a loader of another DOD (another secret), gets `403` and nothing else,
-not even the manifest. A loader without a fill secret (started by hand) serves no entry and
+not even the manifest, nor whether a guessed entry id is the one served (the key is checked
+before the path). A loader without a fill secret (started by hand) serves no entry and
 reads from no peer. Only the entry's own id is served, only names its manifest lists (no path
 is built from anything else: no traversal), only GET, only whole ranges within the file.
 """
@@ -91,11 +92,12 @@ class EntryServer:
         path = environ.get("PATH_INFO", "")
         if environ.get("REQUEST_METHOD") != "GET":
             return _answer(start_response, "405 Method Not Allowed", "GET only")
-        if not path.startswith(self._prefix):
-            return _answer(start_response, "404 Not Found", "this loader holds another entry")
         shown = environ.get("HTTP_" + ACCESS_HEADER.upper().replace("-", "_"), "")
         if not hmac.compare_digest(shown.encode("latin-1", "replace"), self._key.encode()):
+            # Before the path: a guessed entry id is not confirmed to a reader without the key.
             return _answer(start_response, "403 Forbidden", "no key of this entry")
+        if not path.startswith(self._prefix):
+            return _answer(start_response, "404 Not Found", "this loader holds another entry")
         name = path[len(self._prefix):]
         if name == "manifest":
             body = self.entry.manifest.to_json().encode()

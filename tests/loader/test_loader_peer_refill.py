@@ -280,7 +280,8 @@ def test_a_client_that_knows_the_listing_but_not_the_secret_gets_nothing(
     base = f"http://127.0.0.1:{a.port}"
     name = "transformer/config.json"
     for guess in guesses:
-        for path in (f"/{entry_id}/manifest", f"/{entry_id}/files/{name}"):
+        for path in (f"/{entry_id}/manifest", f"/{entry_id}/files/{name}",
+                     f"/{'0' * 64}/manifest"):  # nor is a wrong guess of the id told apart
             status, body = _get(base + ENTRY_PATH + path, {ACCESS_HEADER: guess,
                                                            "Range": "bytes=0-1"})
             assert (status, body) == (403, b"no key of this entry\n")
