@@ -67,7 +67,8 @@ class OffloadConfig(Section):
         None, crd="offload.runtimeCacheRoot", pattern=f"^$|{NORMALIZED_PATH}",
         description="Directory of this deployment's runtime entries. Under the operator, the "
         "path in the inference container where its own directory of the namespace's node cache "
-        "is mounted writable, apart from cache.hostPath (neither inside the other); empty means "
+        "is mounted writable, apart from cache.hostPath (neither inside the other) and under the "
+        "platform's prefix (chart value cachePathPrefix, default /var/lib/dlo); empty means "
         "/var/lib/dlo/runtime there, and cache.hostPath for a document run by hand.")
     runtime_cache_lock_timeout_s: float = setting(
         600.0, crd="offload.runtimeCacheLockTimeoutSeconds", above=0,
@@ -207,8 +208,9 @@ class CacheConfig(Section):
         DEFAULT_CACHE_ROOT, crd="cache.hostPath", cli="--cache-root", pattern=NORMALIZED_PATH,
         description="Directory of the cache (holds v1/): an absolute normalized path (no '.', "
         "'..', '//' or trailing '/'). Under the operator, the path in the containers where the "
-        "namespace's node cache is mounted (writable by the loader, read-only for the server); "
-        "the node directory is the platform's (chart value nodeCache.hostPath), never the DOD's.")
+        "namespace's node cache is mounted (writable by the loader, read-only for the server), "
+        "under the platform's prefix (chart value cachePathPrefix, default /var/lib/dlo); the "
+        "node directory is the platform's (chart value nodeCache.hostPath), never the DOD's.")
     max_bytes: int = setting(
         0, crd="cache.maxBytes", minimum=0, int64=True,
         description="Bytes this deployment's entry may take; 0 takes the node's limit. Under the "
