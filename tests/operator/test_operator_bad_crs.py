@@ -42,7 +42,7 @@ def test_the_good_spec_passes_every_path() -> None:
     good = BadCR("good")
     assert crd_refusals(good.document()) == []
     assert [m["kind"] for m in render_document(good.document(), NAMESPACE)] == [
-        "ConfigMap", "ConfigMap", "Service", "StatefulSet"]
+        "ConfigMap", "ConfigMap", "Service", "StatefulSet", "NetworkPolicy", "Secret"]
     assert GOOD_SPEC["replicas"] == 2
 
 

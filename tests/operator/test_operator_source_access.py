@@ -14,7 +14,7 @@ from dlo_operator.admission import admit
 from dlo_operator.errors import SpecError
 from dlo_operator.installation import InstallationConfig
 from dlo_operator.manifests import build_children
-from dlo_operator.naming import Owner
+from dlo_operator.naming import Owner, fill_secret_name
 from dlo_operator.prefill import build_prefill_job
 from dlo_operator.source_access import SECRET_VARS
 
@@ -103,10 +103,15 @@ def test_a_file_share_is_mounted_read_only_into_the_loader_only(
 
 
 def test_no_rendered_manifest_holds_a_secret_value() -> None:
-    """Credentials are references: the manifests name the Secret and its keys, nothing else."""
+    """Credentials are references: the manifests name the Secret and its keys, nothing else.
+    The one Secret among them is the DOD's fill Secret, rendered without data (the operator
+    writes its random bytes when it creates it)."""
     for case, spec in SCHEME_SPECS.items():
         for child in build_children(OWNER, admit(_document(spec))):
-            assert "stringData" not in child and child["kind"] != "Secret", case
+            assert "stringData" not in child and "data" not in (
+                child if child["kind"] == "Secret" else {}), case
+            if child["kind"] == "Secret":
+                assert child["metadata"]["name"] == fill_secret_name(OWNER.name), case
 
 
 FILE_SPEC = SCHEME_SPECS["file-pvc"]
