@@ -100,6 +100,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.progress_pool = concurrent.futures.ThreadPoolExecutor(
         max_workers=PROGRESS_WORKERS, thread_name_prefix="dlo-progress")
     memo.progress_gates = {}
+    memo.progress_stopped = threading.Event()
 
 
 @kopf.on.login(registry=registry)
@@ -110,6 +111,7 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 @kopf.on.cleanup(registry=registry)
 def close(memo: kopf.Memo, **_: Any) -> None:
+    memo.progress_stopped.set()
     memo.progress_pool.shutdown(wait=False, cancel_futures=True)
     memo.kube.close()
 
@@ -258,7 +260,7 @@ async def loader_progress(spec: kopf.Spec, name: str, namespace: str, status: ko
             await asyncio.get_running_loop().run_in_executor(
                 memo.progress_pool, contextvars.copy_context().run, tick)
         except RuntimeError:  # the pool is shut down: the operator is stopping
-            if not memo.progress_pool._shutdown:
+            if not memo.progress_stopped.is_set():
                 raise
 
 
