@@ -14,8 +14,9 @@ the node cache's directories (the cache reaches pods only through the operator's
 wrote, are refused outright, and so is an ephemeral volume of the node cache's StorageClass
 (`node_cache.NODE_CACHE_CLASS`, which the operator serves with the namespace's node cache
 directory) and a `persistentVolumeClaim` naming a pod's node-cache claim (`<pod>-node-cache`,
-`node_cache.is_pod_cache_claim_name`): a volume of `model.share` is one of these. Paths are compared segment by segment, never as strings
-(`/var/lib/dlo-evil` is not under `/var/lib/dlo`). Pure; called by `admission`.
+`node_cache.is_pod_cache_claim_name`): a volume of `model.share` is one of these. Paths are
+compared segment by segment, never as strings (`/var/lib/dlo-evil` is not under `/var/lib/dlo`).
+Pure; called by `admission`.
 """
 
 from __future__ import annotations

@@ -86,10 +86,9 @@ def prepare_volume(pv: Mapping[str, Any], config: NodeAgentConfig) -> str | None
     return namespace
 
 
-def check_mount(root: str, mountinfo: str | None = None) -> tuple[str, ...]:
+def check_mount(root: str) -> tuple[str, ...]:
     """Warn if the filesystem of `root` lacks `REQUIRED_MOUNT_OPTIONS`; the options missing."""
-    mount, missing = (missing_mount_options(root) if mountinfo is None
-                      else missing_mount_options(root, mountinfo))
+    mount, missing = missing_mount_options(root)
     if missing:
         logger.warning(
             "the node cache %s is on %s (%s) mounted without %s: a file a pod writes there could "

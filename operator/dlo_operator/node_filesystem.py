@@ -26,6 +26,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import re
 import struct
 from dataclasses import dataclass
 
@@ -54,6 +55,11 @@ DQBLK = struct.Struct("=QQQQQQQQI4x")
 itime, valid (padded to 8 bytes)."""
 
 
+_OCTAL = re.compile(r"\\([0-7]{3})")
+"""mountinfo writes a space, tab, newline or backslash of a path as a backslash and 3 octal
+digits."""
+
+
 class QuotaUnavailable(OperatorError):
     """The cache filesystem keeps no project quota here; the directory is made without one."""
 
@@ -75,7 +81,7 @@ def parse_mountinfo(text: str) -> list[Mount]:
         if "-" not in fields[6:]:
             continue
         separator = fields.index("-", 6)
-        point = fields[4].encode().decode("unicode_escape")  # \040 for a space
+        point = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), fields[4])  # \040: a space
         options = {*fields[5].split(","), *fields[separator + 3].split(",")}
         mounts.append(Mount(point, fields[separator + 1], frozenset(options)))
     return mounts

@@ -73,7 +73,11 @@ def give_tree(fd: int, owner: Owner) -> HandOver:
                 continue
             child = _give_entry(directory, entry, owner, counts, deeper=len(levels) < MAX_DEPTH)
             if child is not None:
-                levels.append((child, os.scandir(child)))
+                try:
+                    levels.append((child, os.scandir(child)))
+                except OSError:
+                    os.close(child)
+                    raise
     finally:
         while levels:  # an error (EIO) left levels open: no descriptor outlives the walk
             _close(levels.pop(), fd)
