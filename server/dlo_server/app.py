@@ -106,7 +106,11 @@ class Server:
                                          retry_after=NOT_READY_RETRY_S)
         self.metrics.queue_depth.set(self.queue.depth)
         try:
-            images = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+            with self.metrics.in_flight.track_inprogress():
+                images = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except QueueClosed as exc:  # stopped before its images were made (cli's --stop-timeout)
+            return "unavailable", _error(503, str(exc), "server_unavailable",
+                                         retry_after=NOT_READY_RETRY_S)
         except Exception as exc:  # noqa: BLE001 (the wave's failure is this request's 500)
             return "failed", _error(500, f"the image could not be made: {exc}", "server_error")
         data = [{"b64_json": _b64(image)} for image in images]

@@ -10,7 +10,9 @@ readiness fails at once, new requests get 503, the queued and running ones finis
 others to stop, every rank closes its offload handle and destroys its process groups, and the
 command exits 0 once its children have. The children ignore SIGTERM and SIGINT: they stop when rank
 0 says so (or fail when it is gone). A server that is broken (a rank exited, a failed start) fails
-every probe and exits 1 on SIGTERM.
+every probe and exits 1 on SIGTERM. A wave that does not end within `--stop-timeout` after SIGTERM
+(a rank stopped or lost) does not hold the pod past its grace period: the images still queued get
+503, the ranks are killed and the command exits 1.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -31,12 +34,15 @@ from typing import Any
 from dlo_server.metrics import ServerMetrics
 from dlo_server.requests import Limits
 from dlo_server.status import State, Status
-from dlo_server.waves import WaveQueue
+from dlo_server.waves import QueueClosed, WaveQueue
 
 log = logging.getLogger(__name__)
 
 _CHILD_POLL_S = 0.5
 _CHILD_GRACE_S = 30.0
+_ANSWER_S = 5.0
+"""Seconds the HTTP side gives its handlers to write their answers once the engine stopped
+(aiohttp's `shutdown_timeout`); a handler still waiting on a wave that never ended is cancelled."""
 _UNSTARTED = (State.JOINING, State.FILLING)
 
 
@@ -59,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--threads", type=int, help="torch CPU threads per rank (default: torch's own choice)")
     add("--collective-timeout", type=float, default=1800.0, metavar="S",
         help="seconds a collective of the group may wait (default: %(default)s)")
+    add("--stop-timeout", type=float, default=20.0, metavar="S",
+        help="seconds SIGTERM waits for the queued and running images before it answers what "
+             "is left with 503 and stops the ranks; below Kubernetes' default grace period of "
+             "30 s, less the time to answer and stop (default: %(default)s)")
     add("--rank", type=int, default=0, help=argparse.SUPPRESS)
     add("--master-port", type=int, help=argparse.SUPPRESS)
 
@@ -104,7 +114,8 @@ async def _leader(args: argparse.Namespace, world: int) -> int:
     server = Server(status, queue, metrics)
     master_port = args.master_port or _free_port()
     # A client that goes away cancels its handler, which drops its queued jobs (app.py).
-    runner = web.AppRunner(server.app(), handler_cancellation=True)
+    runner = web.AppRunner(server.app(), handler_cancellation=True,
+                           shutdown_timeout=_ANSWER_S)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     log.info("dlo serve: listening on %s:%d, %d rank(s)", args.host, args.port, world)
@@ -119,7 +130,7 @@ async def _leader(args: argparse.Namespace, world: int) -> int:
     watcher = asyncio.create_task(_watch_children(children, status, queue, stop))
     await stop.wait()
     watcher.cancel()
-    return await _shutdown(status, queue, engine, runner, children)
+    return await _shutdown(status, queue, engine, runner, children, args.stop_timeout)
 
 
 def _lead_rank(args: argparse.Namespace, world: int, master_port: int, server: Any) -> None:
@@ -207,7 +218,7 @@ async def _watch_children(children: list[subprocess.Popen[bytes]], status: Statu
 
 
 async def _shutdown(status: Status, queue: WaveQueue, engine: threading.Thread, runner: Any,
-                    children: list[subprocess.Popen[bytes]]) -> int:
+                    children: list[subprocess.Popen[bytes]], stop_timeout: float) -> int:
     """Finish what was accepted, stop the ranks, close the HTTP side; 0 when all went well."""
     before = status.state
     status.set(State.STOPPING, "stopping: finishing the queued requests, taking no new ones")
@@ -215,9 +226,14 @@ async def _shutdown(status: Status, queue: WaveQueue, engine: threading.Thread, 
     queue.close()
     waits = before not in _UNSTARTED and before is not State.BROKEN
     if waits:
-        await asyncio.to_thread(engine.join)
+        await asyncio.to_thread(engine.join, stop_timeout)
+    stuck = engine.is_alive() and waits
+    if stuck:  # a wave that cannot end (a rank stopped or lost) must not outlast the grace period
+        log.error("dlo serve: the images in flight did not finish within --stop-timeout %g s; "
+                  "stopping the ranks", stop_timeout)
+        queue.fail_all(QueueClosed("the server stopped before making this image; retry"))
     await runner.cleanup()
-    clean = waits and status.state is State.STOPPING
+    clean = waits and not stuck and status.state is State.STOPPING
     for child in children:
         if not clean:
             child.kill()
@@ -228,6 +244,9 @@ async def _shutdown(status: Status, queue: WaveQueue, engine: threading.Thread, 
             clean = False
     clean = clean and all(child.returncode == 0 for child in children)
     log.info("dlo serve: stopped %s", "cleanly" if clean else "after a failure")
+    if stuck:  # the engine thread is still inside a collective: finalizing torch under it aborts
+        logging.shutdown()
+        os._exit(1)
     return 0 if clean or before in _UNSTARTED else 1
 
 

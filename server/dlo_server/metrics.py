@@ -16,6 +16,9 @@ METRICS: dict[str, tuple[str, str]] = {
         "not ready or stopping, 500), abandoned (the client went away first; its queued "
         "images were dropped)."),
     "dlo_server_queue_depth": ("gauge", "Images accepted and not yet in a wave."),
+    "dlo_server_requests_in_flight": (
+        "gauge", "Generation requests accepted into the queue and not yet answered (queued or "
+        "being made)."),
     "dlo_server_waves_total": (
         "counter", "Waves run over the AllGather group (up to one image per rank, one step "
         "count); none in rank-local mode, where each rank takes the next image when free."),
@@ -45,6 +48,8 @@ class ServerMetrics:
                                          buckets=_BUCKETS, registry=reg)
         self.queue_depth = Gauge("dlo_server_queue_depth", meaning("dlo_server_queue_depth"),
                                  registry=reg)
+        self.in_flight = Gauge("dlo_server_requests_in_flight",
+                               meaning("dlo_server_requests_in_flight"), registry=reg)
         self.waves = Counter("dlo_server_waves", meaning("dlo_server_waves_total"), registry=reg)
         self.images = Counter("dlo_server_images", meaning("dlo_server_images_total"),
                               registry=reg)

@@ -13,14 +13,14 @@ import signal
 import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import openai
 import psutil
 import pytest
 from support.scrape import scrape, value
-from support.server_helpers import RunningServer, pod_files, png_of, start_server
+from support.server_helpers import RunningServer, pod_files, start_server
 from test_server_lifecycle import wait_for
 
 pytestmark = pytest.mark.slow
@@ -87,10 +87,6 @@ def forwards(server: RunningServer) -> float:
     return value(scrape(server.port), "dlo_runtime_forwards_total", component="transformer")
 
 
-def depth(server: RunningServer) -> float:
-    return value(scrape(server.port), "dlo_server_queue_depth")
-
-
 def refusals(server: RunningServer) -> list[tuple[int, str | None]]:
     """Each bad input, sent by the client that can send it; its status and `error.param`."""
     out = []
@@ -121,7 +117,7 @@ EXPECTED = [(400, field) for _, field in BAD_JSON] + [(400, "body"), (413, "body
 def test_bad_requests_get_400_naming_the_field_while_a_wave_runs(
         tmp_path: Path, servers: list[RunningServer], allgather: bool) -> None:
     server = start_server(pod_files(tmp_path, ranks=2, allgather=allgather),
-                          tmp_path / "server.log")
+                          tmp_path / "server.log", "--stop-timeout", "600")
     servers.append(server)
     server.wait_ready()
     with ThreadPoolExecutor(2) as pool:
@@ -151,33 +147,70 @@ def rank1_stopped(server: RunningServer) -> Iterator[None]:
     try:
         yield
     finally:
-        os.kill(rank1.pid, signal.SIGCONT)
+        with suppress(ProcessLookupError):  # killed by the server meanwhile
+            os.kill(rank1.pid, signal.SIGCONT)
+
+
+def held(server: RunningServer) -> tuple[float, float]:
+    """(requests accepted and not answered, images queued)."""
+    samples = scrape(server.port)
+    return (value(samples, "dlo_server_requests_in_flight"),
+            value(samples, "dlo_server_queue_depth"))
+
+
+def send_and_leave_open(server: RunningServer, body: dict) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    data = json.dumps(body)
+    sock.sendall(f"POST {GENERATIONS} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                 f"application/json\r\nContent-Length: {len(data)}\r\n\r\n{data}".encode())
+    return sock
 
 
 @MODES
 def test_an_abandoned_requests_queued_images_are_not_made(
         tmp_path: Path, servers: list[RunningServer], allgather: bool) -> None:
+    """Every rank busy (rank 1 stopped; in rank-local mode rank 0 makes 50 steps at 256x256),
+    one more request queued, its client gone: its image is never made."""
     server = start_server(pod_files(tmp_path, ranks=2, allgather=allgather),
-                          tmp_path / "server.log", "--queue-size", "8")
+                          tmp_path / "server.log")
     servers.append(server)
     server.wait_ready()
-    with ThreadPoolExecutor(1) as pool:
-        with rank1_stopped(server):
-            # Two images of A fill both ranks, two wait; in rank-local mode rank 0 makes its own
-            # (50 steps at 128x128) while the rest runs.
-            first = pool.submit(generate, server, "a lighthouse", 4, 50, 1, "128x128")
-            wait_for(lambda: depth(server) == 2)
-            body = json.dumps({"prompt": "gone", "n": 3, "size": "128x128", "seed": 9})
-            with socket.create_connection(("127.0.0.1", server.port)) as sock:
-                sock.sendall(f"POST {GENERATIONS} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                             "Content-Type: application/json\r\nContent-Length: "
-                             f"{len(body)}\r\n\r\n{body}".encode())
-                wait_for(lambda: depth(server) == 5)
-            wait_for(lambda: depth(server) == 2)  # the client went away: its images dropped
-        assert len(first.result()) == 4
+    busy = 1 if allgather else 2  # requests that hold every rank: one wave, or one per rank
+    with ThreadPoolExecutor(busy) as pool, rank1_stopped(server):
+        first = []
+        for index in range(busy):
+            first.append(pool.submit(generate, server, f"busy {index}", 1, 50, index,
+                                     "256x256"))
+            wait_for(lambda count=index + 1: held(server) == (count, 0))  # taken, not queued
+        with send_and_leave_open(server, {"prompt": "gone", "size": "128x128", "seed": 9}):
+            wait_for(lambda: held(server) == (busy + 1, 1))
+        wait_for(lambda: held(server) == (busy, 0))  # its client went away: its image dropped
+    assert all(len(answer.result()) == 1 for answer in first)
     assert len(generate(server, "after", 1, 2, 3)) == 1
     samples = scrape(server.port)
-    assert value(samples, "dlo_server_images_total") == 5
+    assert value(samples, "dlo_server_images_total") == busy + 1
     assert value(samples, "dlo_server_request_seconds_count", outcome="abandoned") == 1
-    assert value(samples, "dlo_server_request_seconds_count", outcome="ok") == 2
+    assert value(samples, "dlo_server_request_seconds_count", outcome="ok") == busy + 1
     assert server.stop() == 0, server.log_tail()
+
+
+def test_sigterm_with_a_wave_that_cannot_end_exits_within_the_stop_timeout(
+        tmp_path: Path, servers: list[RunningServer]) -> None:
+    """A rank stopped mid-wave (SIGSTOP): the wave never ends, yet SIGTERM stops the server
+    (exit 1, the ranks killed) instead of waiting out the group's timeouts."""
+    server = start_server(pod_files(tmp_path, ranks=2), tmp_path / "server.log",
+                          "--stop-timeout", "1")
+    servers.append(server)
+    server.wait_ready()
+    with ThreadPoolExecutor(2) as pool, rank1_stopped(server):
+        stuck = pool.submit(generate, server, "stuck", 1, 2, 1)
+        wait_for(lambda: held(server) == (1, 0))  # in a wave that waits for rank 1
+        queued = pool.submit(server.generate, {"prompt": "queued", "size": "16x16"})
+        wait_for(lambda: held(server) == (2, 1))
+        assert server.stop() == 1, server.log_tail()
+        answer = queued.result()
+        assert (answer.status_code, answer.json()["error"]["type"]) == (
+            503, "server_unavailable")
+        with pytest.raises(openai.APIConnectionError):
+            stuck.result()
+    assert "did not finish within --stop-timeout 1 s" in server.log_tail()

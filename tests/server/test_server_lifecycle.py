@@ -73,7 +73,7 @@ def _state(server: RunningServer) -> str | None:
 def test_sigterm_finishes_the_requests_in_flight_and_exits_0(
         tmp_path: Path, servers: list[RunningServer]) -> None:
     files = pod_files(tmp_path, ranks=1)
-    server = start_server(files, tmp_path / "server.log")
+    server = start_server(files, tmp_path / "server.log", "--stop-timeout", "600")
     servers.append(server)
     server.wait_ready()
     body = {"prompt": "x", "size": "128x128", "num_inference_steps": 20, "n": 2}

@@ -15,6 +15,7 @@ import base64
 import json
 import os
 from concurrent.futures import Future
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,9 @@ from dlo_server.waves import WaveQueue
 
 PATHS = "paths.json"
 JOBS = "jobs.json"
+DISPATCH_TIMEOUT = timedelta(seconds=300)
+"""Bound of the waves' broadcasts and gathers: a rank left waiting on a wave that never ends
+fails the test instead of waiting out torch's 30 minutes."""
 
 
 def main(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -41,8 +45,9 @@ def main(rank: int, world: int, port: int, out_dir: str) -> None:
     in_gloo_rank(rank, world, port, out_dir, partial(_serve, Path(out_dir)))
 
 
-def _serve(out_dir: Path, world: int, group: dist.ProcessGroup) -> dict[str, Any]:
+def _serve(out_dir: Path, world: int, _: dist.ProcessGroup) -> dict[str, Any]:
     rank = dist.get_rank()
+    group = dist.new_group(list(range(world)), timeout=DISPATCH_TIMEOUT)
     model = start_model(Status(), torch.device("cpu"))
     try:
         if rank > 0:
