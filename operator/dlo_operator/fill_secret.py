@@ -10,11 +10,11 @@ in the inference container.
 reconciler compares with the live Secret's metadata (labels, owner reference). `new_data` is 32
 fresh random bytes from `secrets`, hex-encoded, and makes the Secret immutable; the reconciler
 writes it only into a Secret that has none (it creates the Secret with it, or fills one applied
-from a render), so the data is written once and never again:
-a reconcile or a spec change never rotates it (that would split running loaders between two
-keys). A Secret someone deleted is created again with new bytes; a group that started with the
-old ones cannot meet the new members, follows `loader.onRendezvousTimeout`, and fills again.
-Pure; called by `reconcile` and `manifests`.
+from a render), so the data is written once and never again: a reconcile or a spec change never
+rotates it (that would split running loaders between two keys). A Secret someone deleted is
+created again with new bytes; a group that started with the old ones cannot meet the new members,
+follows `loader.onRendezvousTimeout`, and fills again. No cluster access (`reconcile` writes);
+called by `reconcile` and `manifests`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ SECRET_ROLE = "fill-secret"
 
 
 def build_fill_secret(owner: Owner) -> dict[str, Any]:
-    """The DOD's fill Secret, owned by the DOD, without data (`with_new_data` adds it)."""
+    """The DOD's fill Secret, owned by the DOD, without data (`new_data` holds it)."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
