@@ -84,13 +84,13 @@ ISSUE_43_ATTACKS = [
     pytest.param({"cache": {"hostPath": path}},
                  OUTSIDE_PREFIX_MESSAGE.format(field="cache.hostPath", path=path,
                                                prefix="/var/lib/dlo"),
-                 id=f"43-cache-host-path-{path}")
+                 id=f"43-cache-host-path{path.replace('/', '-')}")
     for path in ("/usr/local/bin", "/var/lib/dlo-evil")
 ] + [
     pytest.param({"offload": {**RUNTIME_CACHE, "runtimeCacheRoot": path}},
                  OUTSIDE_PREFIX_MESSAGE.format(field="offload.runtimeCacheRoot", path=path,
                                                prefix="/var/lib/dlo"),
-                 id=f"43-runtime-cache-root-{path}")
+                 id=f"43-runtime-cache-root{path.replace('/', '-')}")
     for path in ("/usr/local/bin", "/var/lib/dlo-evil")
 ] + [
     pytest.param({"volumes": POD_CLAIM}, POD_CLAIM_MESSAGE, id="43-pod-cache-claim"),
