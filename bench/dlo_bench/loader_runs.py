@@ -108,14 +108,11 @@ def measure_disk(directory: Path, total: int, chunk_bytes: int, meter: Any) -> f
     block.write(os.urandom(chunk_bytes))
     with meter:
         sink = FileSink(directory, [ObjectIdentity("probe", total, "")])
-        try:
-            for number, offset in enumerate(range(0, total, chunk_bytes)):
-                length = min(chunk_bytes, total - offset)
-                chunk = Chunk(index=number, file=0, number=number, offset=offset, length=length,
-                              owner=0)
-                sink.write(chunk, memoryview(block)[:length])
-        finally:
-            sink.close()
+        for number, offset in enumerate(range(0, total, chunk_bytes)):
+            length = min(chunk_bytes, total - offset)
+            chunk = Chunk(index=number, file=0, number=number, offset=offset, length=length,
+                          owner=0)
+            sink.write(chunk, memoryview(block)[:length])
         fd = os.open(directory / "probe", os.O_RDONLY)
         try:
             os.fsync(fd)

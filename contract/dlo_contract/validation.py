@@ -252,10 +252,6 @@ class GroupChoice:
     """The settings ask for AllGather (`offload.use_allgather` with DLO on), whether or not a
     group of more than one rank was found: a group passed in must then be the chosen one."""
 
-    @property
-    def uses_allgather(self) -> bool:
-        return self.shard_count > 1
-
 
 def select_group(settings: Settings) -> GroupChoice:
     """DP group if dp > 1, else SP group if sp > 1, else none; never TP.

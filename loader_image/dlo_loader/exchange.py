@@ -36,7 +36,6 @@ holds (`replan`).
 from __future__ import annotations
 
 import logging
-import mmap
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -44,7 +43,7 @@ from typing import TYPE_CHECKING
 from dlo_loader.chunk_writer import ChunkWriter
 from dlo_loader.errors import LoaderError, MemberLost
 from dlo_loader.exchange_budget import BUFFERS, ROUNDS_IN_FLIGHT, Budget, memory_budget
-from dlo_loader.fetch import POLL_S, BufferPool, Fetcher, Reader, Span, span_of
+from dlo_loader.fetch import POLL_S, BufferPool, Fetcher, Reader, span_of
 from dlo_loader.plan import Plan
 from dlo_loader.progress import Progress
 from dlo_loader.ring import LATE_AFTER_S, Ring
@@ -67,14 +66,12 @@ class Exchange:
 
     def __init__(self, plan: Plan, *, rank: int, grouped: bool, read: Reader,
                  sink: FileSink | None, progress: Progress, config: LoaderConfig,
-                 deadline: float, stop: threading.Event,
-                 fetched: dict[Span, tuple[mmap.mmap, str]] | None = None,
-                 stream: Streamer | None = None, names: Names = document_names) -> None:
+                 deadline: float, stop: threading.Event, stream: Streamer | None = None,
+                 names: Names = document_names) -> None:
         """Reading starts here (see [Note: reading before the group]); `grouped`: `run` will
-        be given the group the plan was made for; `fetched`: chunks an abandoned exchange read
-        already (`abandon`), not read again; `stream`: how to read alone (see [Note: streaming
-        alone] in `stream`; default: piece by piece through `read`); `names`: how messages
-        spell the settings (the fill's namer)."""
+        be given the group the plan was made for; `stream`: how to read alone (see [Note:
+        streaming alone] in `stream`; default: piece by piece through `read`); `names`: how
+        messages spell the settings (the fill's namer)."""
         self._names = names
         self.plan, self.grouped, self.progress = plan, grouped, progress
         self.group: Group | None = None
@@ -92,17 +89,13 @@ class Exchange:
         self._ring: Ring | None = None
         """The rounds with the group, once `run` was given it."""
         self._writer = ChunkWriter(plan, sink, progress)
-        self._start_reading(budget, config, read, sink, fetched or {}, stream)
+        self._start_reading(budget, config, read, sink, stream)
 
     def _start_reading(self, budget: Budget, config: LoaderConfig, read: Reader,
-                       sink: FileSink | None, fetched: dict[Span, tuple[mmap.mmap, str]],
-                       stream: Streamer | None) -> None:
+                       sink: FileSink | None, stream: Streamer | None) -> None:
         """Start this rank's reads: alone, streams to the sink; with a group, the fetcher into
         the chunk buffers the budget leaves beside the rounds'."""
-        owned = self.plan.owned(self.rank)
-        self._fetched = [(c, fetched[span_of(c)]) for c in owned if span_of(c) in fetched]
-        """Chunks of this plan read by an abandoned exchange: written first, not read again."""
-        to_read = tuple(c for c in owned if span_of(c) not in fetched)
+        to_read = tuple(self.plan.owned(self.rank))
         self._streams: ChunkStreams | None = None
         if not self.grouped:
             if sink is None:
@@ -113,7 +106,7 @@ class Exchange:
                                          algorithms=algorithms, readers=config.readers,
                                          stop=self._fetch_stop, progress=self.progress)
             to_read = ()
-        fetch_buffers = budget.fetch_buffers(len(self._fetched))
+        fetch_buffers = budget.fetch_buffers
         shape = fetch_shape(chunk_bytes=self.plan.chunk_bytes, readers=config.readers,
                             buffers=fetch_buffers)
         self._fetch_pool = BufferPool(fetch_buffers, budget.slot, BUFFERS)
@@ -121,13 +114,11 @@ class Exchange:
                                 algorithms=self.plan.algorithms, pool=self._fetch_pool,
                                 timed=self.progress.timed)
 
-    def abandon(self) -> dict[Span, tuple[mmap.mmap, str]]:
-        """Stop reading for this plan (the group it was made for did not form): a read in flight
-        finishes unused, nothing is written. Returns the complete chunks, for the exchange of
-        the plan that replaces this one."""
+    def abandon(self) -> None:
+        """Stop reading for this plan (the group it was made for did not form, or the fill
+        ended): a read in flight finishes unused, nothing more is written."""
         self._fetch_stop.set()
         self._writer.close()
-        return self._fetcher.take_all_ready()
 
     def settle(self) -> dict[int, str]:
         """Once `run` ended for good (a member was lost): let the reads in flight complete
@@ -140,7 +131,8 @@ class Exchange:
         until = time.monotonic() + LATE_AFTER_S
         while not self._fetcher.wait_open(POLL_S) and time.monotonic() < until:
             pass
-        kept = self.abandon()
+        self.abandon()
+        kept = self._fetcher.take_all_ready()
         self._writer.drain()
         for chunk in self.plan.owned(self.rank):
             found = kept.pop(span_of(chunk), None)
@@ -149,7 +141,7 @@ class Exchange:
         taken = self._ring.in_rounds if self._ring is not None else {}
         for chunk, data, digest in taken.values():  # their buffers: never reused
             self._writer.write_here(chunk, memoryview(data)[:chunk.length], digest)
-        self._fetched, self._ring = [], None  # its paddings go
+        self._ring = None  # its paddings go
         self._rounds.release()
         self._fetch_pool.release()
         return self.held()
@@ -199,9 +191,6 @@ class Exchange:
     def _run_alone(self) -> None:
         """Nothing waits on the order: chunks stream to disk as they arrive."""
         assert self._streams is not None
-        for chunk, (data, digest) in self._fetched:  # read before a fallback: its own buffers
-            self._writer.submit(chunk, memoryview(data)[:chunk.length], lambda: None, digest)
-        self._fetched = []
         while not self._streams.wait(POLL_S):
             self._raise_problem()
         self._writer.drain()

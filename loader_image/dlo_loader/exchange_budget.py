@@ -87,9 +87,10 @@ class Budget:
     receive: int
     """Slots held by round buffers (0 alone)."""
 
-    def fetch_buffers(self, fetched: int) -> int:
-        """Chunk buffers left for the readers beside `fetched` chunks already read."""
-        return max(self.buffers - self.receive - fetched, 1)
+    @property
+    def fetch_buffers(self) -> int:
+        """Chunk buffers left for the readers beside the rounds'."""
+        return max(self.buffers - self.receive, 1)
 
 
 def memory_budget(plan: Plan, config: LoaderConfig, *, grouped: bool,

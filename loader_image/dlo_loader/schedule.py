@@ -86,10 +86,6 @@ class FetchOrder:
         self._pending: dict[int, int] = {}  # open chunk -> parts not yet complete
 
     @property
-    def open_positions(self) -> tuple[int, ...]:
-        return tuple(self._pending)
-
-    @property
     def all_claimed(self) -> bool:
         return self._position >= len(self._lengths)
 

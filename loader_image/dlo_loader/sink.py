@@ -77,9 +77,6 @@ class FileSink:
         if aligned < len(data):
             _write_at(self.paths[file], data[aligned:], offset + aligned, direct=False)
 
-    def close(self) -> None:
-        """Nothing stays open between writes; kept for the callers' `finally`."""
-
     def _refuse_direct(self, file: int, exc: OSError) -> None:
         if self._direct[file]:
             self._direct[file] = False

@@ -248,11 +248,6 @@ class DistributedLayerwiseOffloadBackend:
         """Bytes of the streamed blocks' tensors (without padding)."""
         return sum(layout.tensor_bytes for layout in self.layouts)
 
-    @property
-    def on_demand_bytes(self) -> int:
-        """Bytes of the on-demand modules' tensors, held whole in host memory on every rank."""
-        return self._on_demand.tensor_bytes if self._on_demand is not None else 0
-
     def host_tensors(self) -> list[torch.Tensor]:
         """The host tensors this backend holds: the streamed blocks' shards or sources, and the
         on-demand modules' arena."""

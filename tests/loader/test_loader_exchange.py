@@ -1,6 +1,6 @@
-"""The exchange reads before its group forms, and a fallback keeps what it read: the chunks an
-abandoned group exchange completed are written by the exchange that replaces it, never read
-twice."""
+"""One exchange's data path: alone, chunks stream to disk through a piece buffer per reader,
+each piece on disk before its buffer is read into again, and a failed write fails it; after a
+loss, `settle` writes what this rank read."""
 
 from __future__ import annotations
 
@@ -36,38 +36,14 @@ class CountingReader:
         return extend(0, into, ALGORITHM)
 
 
-def exchange(plan, read, tmp_path: Path, *, grouped: bool, fetched=None) -> Exchange:
+def exchange(plan, read, tmp_path: Path, *, grouped: bool) -> Exchange:
     config = LoaderConfig(source="s3://b/p/", readers=2, chunk_bytes=plan.chunk_bytes,
                           memory_limit_bytes=64 * plan.chunk_bytes)
     sink = FileSink(tmp_path, plan.files) if not grouped else None
     return Exchange(plan, rank=1, grouped=grouped, read=read, sink=sink,
                     progress=Progress(total_bytes=plan.total_bytes, emit=None, prefix=""),
                     config=config,
-                    deadline=time.monotonic() + 60, stop=threading.Event(), fetched=fetched)
-
-
-def test_a_fallback_writes_the_chunks_read_for_the_group_and_reads_only_the_rest(
-        tmp_path: Path) -> None:
-    grouped_plan = build_plan(FILES, mode="multi-reader", world_size=3, chunk_bytes=16 * KIB)
-    early_reader = CountingReader()
-    early = exchange(grouped_plan, early_reader, tmp_path, grouped=True)  # reads start here
-    owned = grouped_plan.owned(1)
-    for position in range(len(owned)):  # a chunk is complete once its read was recorded
-        assert early._fetcher.wait_ready(30, position) and early._fetcher.error is None
-    fetched = early.abandon()
-    assert sorted(fetched) == sorted((c.file, c.offset, c.length) for c in owned)
-
-    alone_plan = build_plan(FILES, mode="independent", world_size=1, chunk_bytes=16 * KIB)
-    rest_reader = CountingReader()
-    digests = exchange(alone_plan, rest_reader, tmp_path, grouped=False,
-                       fetched=fetched).run()
-
-    assert not set(rest_reader.spans) & set(fetched)  # nothing read twice
-    assert len(rest_reader.spans) + len(fetched) == len(alone_plan.chunks)
-    for index, obj in enumerate(FILES):
-        assert (tmp_path / obj.key).read_bytes() == CONTENT[index]
-    assert digests == [chunk_digest(CONTENT[c.file][c.offset:c.offset + c.length], ALGORITHM)
-                       for c in alone_plan.chunks]
+                    deadline=time.monotonic() + 60, stop=threading.Event())
 
 
 def test_alone_chunks_stream_to_disk_through_one_piece_buffer_per_reader(

@@ -43,12 +43,9 @@ def test_every_chunk_lands_at_its_offset(
     expected = {name: content(size, seed) for seed, (name, size) in enumerate(FILES.items())}
     plan = build_plan(objects, mode="independent", world_size=1, chunk_bytes=chunk_bytes)
     sink = FileSink(tmp_path, plan.files)
-    try:
-        for chunk in reversed(plan.chunks):  # any order: writes are positioned
-            data = expected[plan.files[chunk.file].key]
-            sink.write(chunk, make_buffer(data[chunk.offset:chunk.offset + chunk.length]))
-    finally:
-        sink.close()
+    for chunk in reversed(plan.chunks):  # any order: writes are positioned
+        data = expected[plan.files[chunk.file].key]
+        sink.write(chunk, make_buffer(data[chunk.offset:chunk.offset + chunk.length]))
     assert {name: (tmp_path / name).read_bytes() for name in FILES} == expected
     assert set(os.listdir(tmp_path)) == set(FILES)
 

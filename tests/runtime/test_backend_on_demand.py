@@ -46,10 +46,9 @@ def test_on_demand_modules_are_on_the_device_only_while_they_run() -> None:
         assert model.refiner.bias_cache.numel() == 16
         assert all(p.numel() > 0 for p in model.out.parameters())
         reference = seeded(OnDemandDiT)
-        assert backend.on_demand_bytes == _tensor_bytes(reference.embed, reference.refiner)
-        assert host_bytes(backend.host_tensors()) >= (
-            backend.streamed_bytes + backend.on_demand_bytes
-        )
+        on_demand = _tensor_bytes(reference.embed, reference.refiner)
+        assert backend._on_demand is not None and backend._on_demand.tensor_bytes == on_demand
+        assert host_bytes(backend.host_tensors()) >= backend.streamed_bytes + on_demand
         assert {name: id(p) for name, p in model.named_parameters()} == before
     assert all(t.numel() > 0 for t in model.state_dict().values())
     assert not model.embed._forward_pre_hooks and not model.embed._forward_hooks
@@ -78,7 +77,7 @@ def test_disable_without_restore_leaves_on_demand_placeholders() -> None:
     forward(model, TOKENS)
     backend.disable(restore=False)
     assert all(p.numel() == 0 for p in model.refiner.parameters())
-    assert host_bytes(backend.host_tensors()) == 0 and backend.on_demand_bytes == 0
+    assert host_bytes(backend.host_tensors()) == 0 and backend._on_demand is None
 
 
 def test_a_module_that_raises_is_brought_in_again_on_the_next_call() -> None:

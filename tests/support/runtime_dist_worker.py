@@ -75,7 +75,7 @@ def _on_demand_case(world: int, group: dist.ProcessGroup) -> dict[str, object]:
             "equal_second_step": torch.equal(forward(model, inputs), expected),
             "released_while_enabled": mapping.closed,
             "on_demand_host_bytes": host_bytes(backend._on_demand.host_tensors()),
-            "on_demand_bytes": backend.on_demand_bytes,
+            "on_demand_bytes": backend._on_demand.tensor_bytes,
             "mode": backend.mode,
         }
     outcome["equal_after_disable"] = torch.equal(forward(model, inputs), expected)

@@ -162,4 +162,3 @@ def test_memory_limit_must_hold_two_chunks() -> None:
 def test_group_selection_dp_else_sp_never_tp(allgather, topology, expected) -> None:
     choice = select_group(make(allgather, **topology))
     assert choice == expected
-    assert choice.uses_allgather == (expected.shard_count > 1)
