@@ -138,6 +138,12 @@ def pod_owned(meta: Mapping[str, Any]) -> bool:
                for ref in meta.get("ownerReferences") or ())
 
 
+def not_a_pods_claim(pvc: Mapping[str, Any]) -> bool:
+    """A claim of the node cache's class that no pod controls (`pod_owned`): never served."""
+    meta, spec = pvc.get("metadata") or {}, pvc.get("spec") or {}
+    return spec.get("storageClassName") == NODE_CACHE_CLASS and not pod_owned(meta)
+
+
 def build_persistent_volume(claim: Claim, hostname: str,
                             config: NodeCacheConfig) -> dict[str, Any]:
     """The volume of `claim`: its namespace's directory on its node (`hostname`, the node's

@@ -23,11 +23,13 @@ from dlo_operator.errors import KubeTransientError
 from dlo_operator.kube import KubeClient, backoff_delay
 from dlo_operator.node_cache import (
     HOSTNAME_LABEL,
+    NODE_CACHE_CLASS,
     NodeCacheConfig,
     build_persistent_volume,
     claim_gone,
     claim_reference,
     namespace_directory,
+    not_a_pods_claim,
     pending_claim,
     volume_name,
 )
@@ -45,6 +47,12 @@ def serve_claim(kube: KubeClient, pvc: Mapping[str, Any], config: NodeCacheConfi
     None when the claim needs none (yet)."""
     claim = pending_claim(pvc)
     if claim is None:
+        if not_a_pods_claim(pvc):
+            meta = pvc.get("metadata") or {}
+            logger.warning("claim %s/%s of class %s is not served: only a pod's own ephemeral "
+                           "claim is (its controller the pod it is named after); use an "
+                           "ephemeral volume in the pod, or another StorageClass",
+                           meta.get("namespace"), meta.get("name"), NODE_CACHE_CLASS)
         return None
     node = kube.get_node(claim.node)
     if node is None:  # the scheduler will choose again, and the claim's new annotation returns

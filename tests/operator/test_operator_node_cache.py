@@ -123,6 +123,18 @@ def test_only_a_scheduled_unbound_node_cache_claim_is_served(change: dict[str, A
     assert (pending_claim(pvc) is not None) == served
 
 
+def test_a_claim_no_pod_controls_is_named_in_a_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Its own pod stays Pending: the operator's log says why."""
+    mine = {"metadata": {**PENDING["metadata"], "name": "mine", "ownerReferences": []},
+            "spec": PENDING["spec"]}
+    assert provisioner.serve_claim(None, mine, NodeCacheConfig()) is None  # type: ignore[arg-type]
+    assert caplog.messages == [
+        "claim team-a/mine of class dlo-node-cache is not served: only a pod's own ephemeral "
+        "claim is (its controller the pod it is named after); use an ephemeral volume in the "
+        "pod, or another StorageClass"]
+
+
 def test_nothing_a_tenant_writes_reaches_the_node_directory() -> None:
     """The claim's name, annotations and labels are the tenant's; only its namespace and the
     platform's root decide the directory."""
