@@ -17,6 +17,11 @@ import pytest
 from dlo_bench.s3server import S3Server, free_port
 from support.loader_fleet import LOADER_SETTINGS, Checkpoint
 
+from dlo_contract.fill_proof import summary_proof
+from dlo_contract.names import FILL_SECRET_ENV, LOADER_PROOF_HEADER, LOADER_SUMMARY_PATH
+
+SECRET = b"fill secret of the DOD flux, 32B"
+
 
 def test_the_fill_path_imports_only_what_one_node_needs() -> None:
     probe = ("import sys, dlo_cli.main, dlo_loader.cli, dlo_loader.fill, dlo_loader.source; "
@@ -71,11 +76,14 @@ def test_a_sidecar_fill_stays_up_serving_its_summary_until_sigterm(
     config.write_text(json.dumps({"loader": {**LOADER_SETTINGS, "metrics_port": free_port()}}))
     port = json.loads(config.read_text())["loader"]["metrics_port"]
     entry_file = tmp_path / "entry.json"
+    secret_file = tmp_path / "fill-secret"
+    secret_file.write_bytes(SECRET)  # the DOD's: the summary goes to a reader that proves it
     process = subprocess.Popen(
         [sys.executable, "-m", "dlo_cli.main", "cache", "fill", "--config", str(config),
          "--source", checkpoint.source, "--endpoint-url", s3.endpoint_url,
          "--cache-root", str(tmp_path / "c"), "--entry-file", str(entry_file),
          "--summary-file", str(tmp_path / "termination-log"), "--keep-running", "--yield-cpu"],
+        env={**os.environ, FILL_SECRET_ENV: str(secret_file)},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -86,7 +94,9 @@ def test_a_sidecar_fill_stays_up_serving_its_summary_until_sigterm(
         assert process.poll() is None  # still up after publishing
         assert os.getpriority(os.PRIO_PROCESS, process.pid) == min(
             os.getpriority(os.PRIO_PROCESS, 0) + 10, 19)  # `--yield-cpu`: the server first
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/summary", timeout=10) as reply:
+        asked = urllib.request.Request(f"http://127.0.0.1:{port}{LOADER_SUMMARY_PATH}",
+                                       headers={LOADER_PROOF_HEADER: summary_proof(SECRET)})
+        with urllib.request.urlopen(asked, timeout=10) as reply:
             served = json.loads(reply.read())
         assert served["status"] == "ok"
         assert served["entry_id"] == json.loads(entry_file.read_text())["entry_id"]
