@@ -123,11 +123,14 @@ def set_project_quota(fd: int, namespace: str, limit_bytes: int) -> int:
     if FSXATTR.unpack(raw)[3] != project:  # ext4 without the `project` feature keeps 0
         raise QuotaUnavailable("the cache filesystem keeps no project id (ext4 without the "
                                "project feature)", hint=_QUOTA_HINT)
-    _quotactl(fd, project, -(-limit_bytes // QUOTA_BLOCK))
+    set_block_limit(fd, project, limit_bytes)
     return project
 
 
-def _quotactl(fd: int, project: int, blocks: int) -> None:
+def set_block_limit(fd: int, project: int, limit_bytes: int) -> None:
+    """Q_SETQUOTA of `project` on the filesystem of `fd`: a hard limit of `limit_bytes`, rounded
+    up to whole quota blocks."""
+    blocks = -(-limit_bytes // QUOTA_BLOCK)
     libc = ctypes.CDLL(None, use_errno=True)
     limits = ctypes.create_string_buffer(DQBLK.pack(blocks, 0, 0, 0, 0, 0, 0, 0, QIF_BLIMITS))
     command = (Q_SETQUOTA << 8) | PRJQUOTA

@@ -30,6 +30,7 @@ from dlo_operator.node_filesystem import (
     mount_of,
     parse_mountinfo,
     project_id,
+    set_block_limit,
     set_project_quota,
 )
 from dlo_operator.node_handover import MAX_DEPTH, Owner
@@ -243,3 +244,21 @@ def test_a_filesystem_without_project_ids_is_refused_at_the_syscall_and_logged(
     assert caplog.messages == [f"{root}/namespaces/team-a: no quota of 1048576 bytes: "
                                f"{refused.value} (hint: {refused.value.hint})"]
     assert os.lstat(root / "namespaces" / "team-a" / "cache").st_uid == 65532
+
+
+def test_the_quota_call_reaches_the_kernel_and_its_refusal_is_named(
+        loop_ext4: Callable[..., Path]) -> None:
+    """A real quotactl_fd(Q_SETQUOTA, PRJQUOTA) on a filesystem without quotas: the kernel
+    parses the call and answers that quotas are off (ENOSYS on a kernel before 5.14)."""
+    root = loop_ext4("nosuid,nodev,noexec")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(QuotaUnavailable) as refused:
+            set_block_limit(fd, project_id("team-a"), 1 << 20)
+    finally:
+        os.close(fd)
+    assert str(refused.value) in (
+        "the cache filesystem refused project quotas (quotactl_fd): project quotas are not on "
+        "for this mount",
+        "the cache filesystem refused project quotas (quotactl_fd): the kernel has no "
+        "quotactl_fd (Linux 5.14+)")
