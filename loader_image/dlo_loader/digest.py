@@ -6,7 +6,7 @@ record it writes) and the comparison with what the store publishes. The digests 
 run at several GB/s on one core (SHA-256 at under 2), so hashing no longer bounds a fill; and
 S3 keeps a CRC of every whole object it stores (type FULL_OBJECT; `crc64nvme` by default,
 `crc32` from recent AWS SDKs, `crc32c`), named in its listing (or answered to a HEAD where a
-store does not list it: [Note: unlisted checksums] in `source`), so a file's chunks are hashed
+store does not list it: [Note: unlisted checksums] in `source_listing`), so a file's chunks are hashed
 with its object's CRC and their digests combine into the store's figure without reading a byte
 again (`dlo_contract.cache.combine_crc`); an object uploaded in parts whose CRC32 or CRC32C is
 of its parts' CRCs (COMPOSITE) is cut into chunks at its part boundaries, so the same holds
@@ -114,7 +114,7 @@ def extend(value: int, piece: Any, algorithm: str) -> int:
     """The running CRC `value` (0 for no bytes yet) extended by `piece`.
 
     [Note: hashing while reading] A reader hashes each piece right after it lands in the chunk
-    buffer (a socket read of up to 2 MiB, see [Note: read size] in `source`, or 1 MiB from
+    buffer (a socket read of up to 2 MiB, see [Note: read size] in `source_body`, or 1 MiB from
     disk), while those bytes are still in the CPU's cache; hashing a whole 16 MiB chunk once it
     is complete reads it back from memory at a third of the speed, on the core the readers
     share with the store's client."""

@@ -23,12 +23,15 @@ _PIECE_BYTES = 1 << 20
 """Read size on the public path: a piece stays in the CPU cache between urllib3's two copies."""
 _DIRECT_PIECE_BYTES = STREAM_PIECE_BYTES
 """Most bytes one read asks for on the direct path (`http.client`'s buffered reader loops on the
-socket until they are all in), then hashed at once: a reading alone's whole piece. [Note: read
-size] Smaller reads cost more CPU than their calls explain: the kernel sizes a socket's receive
-buffer by how much the reader takes at once (on loopback, where a round trip is short, 256 KiB
-reads kept it several times smaller than 2 MiB reads, as `ss -tmi` shows), so small reads drain
-a small buffer in more, smaller steps. `dlo bench loader` reports the loader's CPU-seconds per
-GiB. 2 MiB is still in a core's L2 cache, or its share of L3, when it is hashed."""
+socket until they are all in), then hashed at once: a reading alone's whole piece (see [Note:
+read size]).
+
+[Note: read size] Smaller reads cost more CPU than their calls explain: the kernel sizes a
+socket's receive buffer by how much the reader takes at once (on loopback, where a round trip is
+short, 256 KiB reads kept it several times smaller than 2 MiB reads, as `ss -tmi` shows), so
+small reads drain a small buffer in more, smaller steps. `dlo bench loader` reports the loader's
+CPU-seconds per GiB. 2 MiB is still in a core's L2 cache, or its share of L3, when it is
+hashed."""
 
 
 def check_response(response: dict, obj: ObjectIdentity, start: int, length: int,
