@@ -152,6 +152,14 @@ class PeerWatch:
                 loss = self.lost()
                 if loss is not None:
                     raise self.error(loss) from None
+            except BaseException:
+                # The error's traceback holds this frame, and the future holds the error: a cycle
+                # that kept a failed collective's buffers (`function`'s) alive until the cyclic
+                # GC ran, counted in the next exchange's budget or not by chance.
+                if self._busy is future:
+                    self._busy = None
+                future = None
+                raise
 
     def error(self, loss: Loss) -> GroupError:
         """What this member raises for `loss` (see `Loss.error`)."""
@@ -214,6 +222,7 @@ class PeerWatch:
                 future.set_result(call())
             except BaseException as exc:  # noqa: BLE001 (handed to the caller)
                 future.set_exception(exc)
+            future = call = None  # nor holds the last call (its buffers) while idle
 
     def _post(self, key: str, value: str) -> None:
         self._posts.append((key, value))
