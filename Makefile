@@ -46,7 +46,8 @@ $(AZURITE): tools/azurite/package-lock.json
 demo: $(STAMP)
 	$(VENV)/bin/dlo demo
 
-test: $(STAMP) $(AZURITE)
+# The benchmarks' real runs (tests/bench) need ministack's venv; the cluster runs also need root.
+test: $(STAMP) $(AZURITE) $(MINISTACK_VENV)/.installed
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 test-fast: $(STAMP) $(AZURITE)

@@ -109,6 +109,9 @@ def _measure_mode(mode: str, processes: int, env: dict[str, str]) -> dict[str, A
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+            for pipe in (proc.stdin, proc.stdout):  # each worker's, not left to the collector
+                if pipe is not None:
+                    pipe.close()
     # The device slots live in host memory when the device is the CPU; in shared mode the two
     # staging slots are sized like them. Both are bounded by the largest block, not the model.
     slots = sum(int(reply[1]) for reply in replies) * (2 if mode == "shared" else 1)

@@ -3,26 +3,33 @@ run, each fill checked against the source's digests and set against its own serv
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import io
+import json
 from pathlib import Path
 
 import pytest
 
-from dlo_bench import loader, loader_schemes
+from dlo_bench import loader_schemes
 from dlo_bench.emulators import AZURITE_BLOB
 from dlo_bench.loader_runs import write_checkpoint
+from dlo_cli import main as cli
 
 pytestmark = pytest.mark.slow
-SCHEMES = ["file", "https", "hf", "gs"] + (["az"] if AZURITE_BLOB.exists() else [])
+SCHEMES = ["s3", "file", "https", "hf", "gs"] + (["az"] if AZURITE_BLOB.exists() else [])
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    parser = argparse.ArgumentParser()
-    loader.add_arguments(parser)
-    args = parser.parse_args(["--size-mib", "2", "--files", "2", "--chunk-bytes", "262144",
-                              "--readers", "4", "--repeats", "2"])
-    return loader_schemes.run_schemes(args, SCHEMES, tmp_path_factory.mktemp("bench"))
+def report(ministack: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """`dlo bench loader --schemes ... --json` as the command runs it; its report."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli.main(["bench", "loader", "--schemes", ",".join(SCHEMES), "--size-mib", "2",
+                         "--files", "2", "--chunk-bytes", "262144", "--readers", "4",
+                         "--repeats", "2", "--ministack", str(ministack), "--work-dir",
+                         str(tmp_path_factory.mktemp("bench")), "--json"])
+    assert code == 0, out.getvalue()[-3000:]
+    return json.loads(out.getvalue().strip().splitlines()[-1])
 
 
 def test_every_scheme_fills_the_same_bytes_correctly(report: dict) -> None:

@@ -1,0 +1,37 @@
+"""What the benchmarks' real runs need: ministack (the S3 server of `make
+.venv-ministack/.installed`) and, for the cluster runs, network namespaces and shaped links
+(root, iproute2). Missing here, a test that needs them skips with the reason; in CI (`CI` set,
+as `.ci/run` sets it) it fails instead, since CI installs both and a skipped benchmark run is
+how a crash in one went unnoticed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+MINISTACK = Path(__file__).resolve().parents[2] / ".venv-ministack" / "bin" / "ministack"
+
+
+def needed(reason: str | None) -> None:
+    """Skip with `reason` where something a test needs is missing (fail in CI)."""
+    if reason is None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason}; CI must provide it")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def ministack() -> Path:
+    needed(None if MINISTACK.exists() else
+           "ministack not installed (make .venv-ministack/.installed)")
+    return MINISTACK
+
+
+@pytest.fixture(scope="session")
+def namespaces() -> None:
+    missing = os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None
+    needed("network namespaces need root and iproute2 (ip, tc)" if missing else None)
