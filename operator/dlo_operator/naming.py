@@ -81,11 +81,6 @@ class Owner:
             uid=meta.get("uid"),
         )
 
-    @property
-    def configmap_name(self) -> str:
-        """Prefix of the per-revision settings ConfigMaps."""
-        return f"{self.name}-settings"
-
     def settings_name(self, revision: str) -> str:
         """The immutable settings ConfigMap of one revision."""
         return f"{self.name}-settings-{revision}"
