@@ -46,8 +46,9 @@ $(AZURITE): tools/azurite/package-lock.json
 demo: $(STAMP)
 	$(VENV)/bin/dlo demo
 
-# The benchmarks' real runs (tests/bench) need ministack's venv; the cluster runs also need root.
-test: $(STAMP) $(AZURITE) $(MINISTACK_VENV)/.installed
+# The benchmarks' real runs (tests/bench) need ministack's and the cold start's venvs; the
+# cluster runs also need root.
+test: $(STAMP) $(AZURITE) $(MINISTACK_VENV)/.installed $(COLDSTART_VENV)/.installed
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 test-fast: $(STAMP) $(AZURITE)

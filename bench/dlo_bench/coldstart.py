@@ -74,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--runai-concurrency", type=int, default=2, help="default: %(default)s")
     add("--runai-chunk-mib", type=int, default=32, help="default: %(default)s")
     add("--output", help="also write the JSON report to this file")
+    add("--small", action="store_true",
+        help="a Flux of three blocks of width 64 instead of the ~1 GB one: every path runs in "
+             "seconds (a test's run; its figures mean nothing)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"dlo bench coldstart: {page_cache.DROP_CACHES} is not writable; use --cold files",
               file=sys.stderr)
         return 2
-    checkpoint = coldstart_model.ensure_checkpoint(Path(args.model_cache).resolve())
+    checkpoint = coldstart_model.ensure_checkpoint(Path(args.model_cache).resolve(),
+                                                   args.small)
     _compile_bytecode()
     work = Path(tempfile.mkdtemp(prefix="dlo-bench-coldstart-", dir=args.work_dir))
     try:
@@ -204,6 +208,7 @@ class _Bench:
 
     def _report(self, runs: dict[str, list[dict[str, Any]]], equal: bool) -> dict[str, Any]:
         median = {c: statistics.median(r["total_s"] for r in runs[c]) for c in CONFIGS}
+        name, config = coldstart_model.chosen(self.args.small)
         ratios = {"dlo/plain": median["dlo"] / median["plain"],
                   "dlo/runai": median["dlo"] / median["runai"],
                   "dlo_warm/plain": median["dlo_warm"] / median["plain"],
@@ -211,8 +216,7 @@ class _Bench:
         return {
             "benchmark": "coldstart", "commit": provenance.commit(),
             "machine": provenance.machine(),
-            "model": {"name": coldstart_model.NAME, "bytes": _bytes(self.checkpoint),
-                      "config": coldstart_model.CONFIG},
+            "model": {"name": name, "bytes": _bytes(self.checkpoint), "config": config},
             "cold_cache": self.args.cold, "rounds": self.args.rounds,
             "drop_caches_writable": page_cache.drop_caches_writable(),
             "torch_threads": self.args.torch_threads,

@@ -113,7 +113,7 @@ def _first_forward(model: Any, marks: dict[str, Any]) -> Any:
 
     marks["forward_start"] = time.time()
     with torch.no_grad():
-        out = model(**coldstart_model.inputs())[0]
+        out = model(**coldstart_model.inputs(model.config))[0]
     marks["forward"] = time.time()
     return out
 

@@ -1,6 +1,6 @@
 """What the benchmarks' real runs need: ministack (the S3 server of `make
-.venv-ministack/.installed`) and, for the cluster runs, network namespaces and shaped links
-(root, iproute2). Missing here, a test that needs them skips with the reason; in CI (`CI` set,
+.venv-ministack/.installed`), the cold start's peers (`make .venv-coldstart/.installed`) and, for
+the cluster runs, network namespaces and shaped links (root, iproute2). Missing here, a test that needs them skips with the reason; in CI (`CI` set,
 as `.ci/run` sets it) it fails instead, since CI installs both and a skipped benchmark run is
 how a crash in one went unnoticed."""
 
@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-MINISTACK = Path(__file__).resolve().parents[2] / ".venv-ministack" / "bin" / "ministack"
+ROOT = Path(__file__).resolve().parents[2]
+MINISTACK = ROOT / ".venv-ministack" / "bin" / "ministack"
+COLDSTART_PYTHON = ROOT / ".venv-coldstart" / "bin" / "python"
 
 
 def needed(reason: str | None) -> None:
@@ -29,6 +31,13 @@ def ministack() -> Path:
     needed(None if MINISTACK.exists() else
            "ministack not installed (make .venv-ministack/.installed)")
     return MINISTACK
+
+
+@pytest.fixture(scope="session")
+def coldstart_python() -> Path:
+    needed(None if COLDSTART_PYTHON.exists() else
+           "the cold start's peers are not installed (make .venv-coldstart/.installed)")
+    return COLDSTART_PYTHON
 
 
 @pytest.fixture(scope="session")

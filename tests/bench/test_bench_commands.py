@@ -2,12 +2,14 @@
 a small model: a command that crashes fails here, not on the next person who runs it. Each run
 is checked as the benchmark checks itself (outputs equal, entries byte-identical to the source:
 its exit status) and by the figures its report must hold; no timing is asserted (the figures
-live in bench/results). The runs of `dlo bench loader --schemes`, `dlo demo` and `dlo bench
-cluster --kill-at` are `test_loader_schemes`', `test_demo`'s and `test_cluster_bench`'s."""
+live in bench/results). The runs of `dlo bench loader --schemes`, `dlo demo`, `dlo bench
+cluster --kill-at` and the default `dlo bench runtime` are `test_loader_schemes`', `test_demo`'s,
+`test_cluster_bench`'s and `test_runtime_bench`'s."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +84,20 @@ def test_serve_against_a_resident_pipeline(capsys: pytest.CaptureFixture[str]) -
     report = dlo_bench(capsys, "serve", "--ranks", "2", "--requests", "2", "--concurrency", "1",
                        "--steps", "1", "--size", "16", "--layers", "2", "--head-dim", "16")
     assert report
+
+
+def test_coldstart_against_plain_and_runai(ministack: Path, coldstart_python: Path,
+                                           tmp_path: Path) -> None:
+    """From `.venv-coldstart`, where runai-model-streamer is: every configuration once."""
+    done = subprocess.run(
+        [str(coldstart_python), "-m", "dlo_cli.main", "bench", "coldstart", "--small",
+         "--rounds", "1", "--ministack", str(ministack), "--model-cache", str(tmp_path / "models"),
+         "--work-dir", str(tmp_path), "--json"],
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["outputs_equal"] is True and report["model"]["name"] == "flux-w64-3blocks-bf16"
+    assert set(report["median_total_s"]) == {"dlo", "plain", "runai", "dlo_late", "dlo_warm"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, make gpu-check runs it whole")

@@ -38,7 +38,7 @@ def run_of(total: float, fill: bool = False) -> dict:
 def test_ratios_and_goals_come_from_medians_of_the_same_run(tmp_path: Path) -> None:
     bench = object.__new__(coldstart._Bench)
     bench.args = argparse.Namespace(cold="files", rounds=3, torch_threads=1,
-                                    runai_concurrency=2, runai_chunk_mib=32)
+                                    runai_concurrency=2, runai_chunk_mib=32, small=False)
     bench.checkpoint = tmp_path
     runs = {"dlo": [run_of(5.0, True), run_of(4.0, True), run_of(9.0, True)],
             "plain": [run_of(6.0), run_of(5.0), run_of(5.5)],
