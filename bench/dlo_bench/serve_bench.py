@@ -2,13 +2,14 @@
 ranks) against the same server with the model resident, and against a resident pipeline called
 directly (no HTTP, no queue), in one run on this machine's CPU.
 
-Owns the benchmark's sequence: write a tiny random-weight Flux model folder and publish it as a
-checkpoint entry (the loader's stand-in), then for each server mode start `dlo serve` (G ranks,
+Owns the benchmark's sequence: write a tiny random-weight Flux pipeline (its real CLIP and T5
+text encoders and tokenizers, `serve_model`) and publish it as a checkpoint entry (the loader's
+stand-in), then for each server mode start `dlo serve` (G ranks,
 one thread each), warm every step count up, and send `--requests` requests (steps cycling
 through `--steps`) from `--concurrency` client threads; each answer is checked against the
-direct resident pipeline's PNG of the same job, bit for bit. It also times what an idle rank
-of an AllGather wave adds over a gather-only step: one wave's forwards on the smallest latent,
-compute only (resident), against a real job. Prints a report, then one JSON line with `--json`.
+direct diffusers pipeline's PNG of the same job, bit for bit. It also times what an idle rank
+of an AllGather wave adds over a gather-only step: the wave's first job run again to its
+latents, compute only (resident), against a real job. Prints a report, then one JSON line with `--json`.
 """
 
 from __future__ import annotations
@@ -98,23 +99,26 @@ def _direct(model: Path, jobs: list[dict[str, Any]], steps: list[int]
     figures, each job's PNG (the reference), and the idle-rank figures."""
     import torch
 
+    from dlo_bench.serve_model import direct_pipeline
+    from dlo_server.pipeline import FAMILIES
     from dlo_server.requests import Job
-    from dlo_server.sampler import FluxSampler, resident_dit
+    from dlo_server.sampler import Sampler
 
     torch.set_num_threads(1)
-    device = torch.device("cpu")
-    sampler = FluxSampler(resident_dit(model, device), model, device)
+    pipeline = direct_pipeline(model)
+    sampler = Sampler(pipeline, FAMILIES[type(pipeline).__name__])
     for count in steps:  # warm-up
         sampler.generate(Job(**{**jobs[0], "steps": count}))
     seconds, pngs = [], []
     for job in jobs:
         started = time.perf_counter()
-        pngs.append(sampler.generate(Job(**job)))
+        [png] = sampler.generate(Job(**job))
+        pngs.append(png)
         seconds.append(time.perf_counter() - started)
     idle = []
     for count in steps:
         started = time.perf_counter()
-        sampler.idle(count)
+        sampler.idle(Job(**{**jobs[0], "steps": count}))
         idle.append((time.perf_counter() - started) / count)
     per_step = statistics.median(s / job["steps"] for s, job in zip(seconds, jobs))
     figures = {"requests_per_s": len(jobs) / sum(seconds), "p50_s": _quantile(seconds, 0.5),
@@ -193,7 +197,7 @@ def _format(result: dict[str, Any]) -> str:
         lines.append(f"  {name + ':':27} {figures['requests_per_s']:6.2f} requests/s, "
                      f"p50 {figures['p50_s'] * 1000:7.1f} ms, p99 {figures['p99_s'] * 1000:7.1f} ms")
     idle = result["idle_rank"]
-    lines.append(f"  idle rank: a dropped forward on the smallest latent computes "
+    lines.append(f"  idle rank: the wave's first job run again to its latents computes "
                  f"{idle['idle_forward_compute_s'] * 1000:.2f} ms per step, "
                  f"{idle['idle_to_job_step_ratio']:.1%} of a real job's step: what a "
                  "gather-only step would save at most")

@@ -73,3 +73,6 @@ OPERATOR_METRICS_PORT = 8081
 `metrics.port`)."""
 LOADER_METRICS_PORT_NAME = "loader-metrics"
 """Name of the loader container's `/metrics` port; the chart's PodMonitor selects it by name."""
+PIPELINE_INDEX = "model_index.json"
+"""The file of a diffusers checkpoint that names its pipeline class and components: what `dlo serve`
+builds, and the folders a cache entry must hold for it."""

@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from dlo_server.metrics import ServerMetrics
 from dlo_server.requests import Limits, RequestError, parse_request
 from dlo_server.status import Probe, Status
+from dlo_server.videos import Videos
 from dlo_server.waves import QueueClosed, QueueFull, WaveQueue
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class Server:
         for path, probe in PROBES.items():
             app.router.add_get(path, self._probe_handler(probe))
         app.router.add_get("/metrics", self.metrics_page)
+        Videos(self).add_routes(app)
         return app
 
     async def generations(self, request: web.Request) -> web.Response:
@@ -113,7 +115,7 @@ class Server:
                                          retry_after=NOT_READY_RETRY_S)
         except Exception as exc:  # noqa: BLE001 (the wave's failure is this request's 500)
             return "failed", _error(500, f"the image could not be made: {exc}", "server_error")
-        data = [{"b64_json": _b64(image)} for image in images]
+        data = [{"b64_json": _b64(png)} for pngs in images for png in pngs]
         return "ok", web.json_response({"created": int(time.time()), "data": data})
 
     def _probe_handler(self, probe: Probe) -> Any:

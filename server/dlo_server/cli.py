@@ -32,6 +32,7 @@ from datetime import timedelta
 from typing import Any
 
 from dlo_server.metrics import ServerMetrics
+from dlo_server.pipeline import Output, TextEncoders
 from dlo_server.requests import Limits
 from dlo_server.status import State, Status
 from dlo_server.waves import QueueClosed, WaveQueue
@@ -63,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-side", type=int, default=Limits.max_side,
         help="width and height at most, in pixels (default: %(default)s)")
     add("--threads", type=int, help="torch CPU threads per rank (default: torch's own choice)")
+    add("--text-encoders", choices=[choice.value for choice in TextEncoders],
+        default=TextEncoders.DEVICE.value,
+        help="where the text encoders live: on the device for the server's life, or in host "
+             "memory, each moved to the device for its own forward only (default: %(default)s)")
     add("--collective-timeout", type=float, default=1800.0, metavar="S",
         help="seconds a collective of the group may wait (default: %(default)s)")
     add("--stop-timeout", type=float, default=20.0, metavar="S",
@@ -144,7 +149,9 @@ def _lead_rank(args: argparse.Namespace, world: int, master_port: int, server: A
         with _rank(args, 0, world, master_port, status) as (model, group, pairs):
             server.limits = Limits(size_multiple=model.sampler.size_multiple,
                                    model=args.model, max_side=args.max_side,
-                                   max_steps=args.max_steps, max_n=args.max_n)
+                                   max_steps=args.max_steps, max_n=args.max_n,
+                                   videos=model.sampler.family.output is Output.VIDEO,
+                                   frame_multiple=model.sampler.frame_multiple)
             server.metrics.registry.register(OffloadCollector(model.handle.stats))
             status.set(State.READY, f"{world} rank(s), "
                                     f"{'allgather' if model.allgather else 'rank-local'} mode")
@@ -181,7 +188,7 @@ def _rank(args: argparse.Namespace, rank: int, world: int, master_port: int | No
         pairs = {peer: dist.new_group([0, peer], backend="gloo") for peer in range(1, world)}
     try:
         device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
-        model = start_model(status, device)
+        model = start_model(status, device, TextEncoders(args.text_encoders))
         try:
             if group is not None:
                 dist.barrier(group=group)
@@ -200,6 +207,7 @@ def _start_child(args: argparse.Namespace, rank: int, world: int,
             "--collective-timeout", str(args.collective_timeout)]
     if args.threads:
         argv += ["--threads", str(args.threads)]
+    argv += ["--text-encoders", args.text_encoders]
     return subprocess.Popen(argv)
 
 

@@ -1,11 +1,13 @@
-"""One rank of `dlo serve`: build the model with the pod API, then run waves until told to stop.
+"""One rank of `dlo serve`: build the pipeline with the pod API, then run waves until told to stop.
 
-Owns the start of a rank (the entry, `pod.build_dit`, `pod.enable`, the sampler) and the wave
-loop. Rank 0 leads: it draws each wave from the queue (`waves.WaveQueue`), broadcasts it to the
-other ranks over the gloo dispatch group (`broadcast_object_list`), makes its own job's image,
-and gathers the others' PNGs (`gather_object`). Every rank makes the job with its index; in
-AllGather mode a rank without one runs the wave's forwards on the smallest latent and drops
-them, so every gather of the wave has all G ranks (`FluxSampler.idle`). A job that fails is that
+Owns the start of a rank (the entry, the pipeline its `model_index.json` names with the DiT from
+`pod.build_dit` offloaded by `pod.enable`, see `dlo_server.pipeline`) and the wave loop. Rank 0
+leads: it draws each wave from the queue (`waves.WaveQueue`), broadcasts it to the other ranks
+over the gloo dispatch group (`broadcast_object_list`), makes its own job, and gathers the others'
+outputs (`gather_object`). Every rank makes the job with its index; in AllGather mode a rank
+without one runs the wave's first job again, stopped at the latents and dropped: the wave's jobs
+share their wave key (`waves.wave_key`), so it makes the same DiT calls and every gather of the
+wave has all G ranks (`Sampler.idle`). A job that fails is that
 job's result (its request's 500), not the wave's: in AllGather mode its rank first runs, as an idle
 rank would, the forwards the job did not reach (`ForwardCount`), so every rank still runs the
 wave's forwards and the group stays in step; a failure inside a forward, which leaves the block
@@ -17,13 +19,11 @@ closed and empty, then every rank closes its handle; the caller destroys the pro
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,25 +31,27 @@ import torch.distributed as dist
 
 from dlo_server.metrics import ServerMetrics
 from dlo_server.requests import Job
-from dlo_server.sampler import FluxSampler
+from dlo_server.pipeline import TextEncoders
+from dlo_server.sampler import Result, Sampler
 from dlo_server.status import State, Status
-from dlo_server.waves import Pending, WaveQueue
+from dlo_server.waves import Pending, WaveKey, WaveQueue, wave_key
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 5.0
-SAMPLER_PARTS = ("transformer", "vae", "scheduler")
-"""Folders of the entry the server loads (diffusers layout)."""
 TICK = "tick"
 STOP = "stop"
 
 
 @dataclass(frozen=True)
 class Wave:
-    """Jobs by rank (None: that rank has none) and the step count they share (AllGather)."""
+    """Jobs by rank (None: that rank has none); they share one wave key (AllGather)."""
 
-    steps: int
     jobs: tuple[Job | None, ...]
+
+    @property
+    def first(self) -> Job:
+        return next(job for job in self.jobs if job is not None)
 
 
 class ForwardCount:
@@ -72,22 +74,24 @@ class ForwardCount:
 class Model:
     """What a started rank serves with."""
 
-    sampler: FluxSampler
+    sampler: Sampler
     handle: Any
     allgather: bool
     forwards: ForwardCount
+    known: dict[WaveKey, int] = field(default_factory=dict)
+    """DiT forwards a job of each wave key made here, as counted (`_keep_in_step`)."""
 
 
 class WaveFailed(RuntimeError):
     """A rank could not make its job's image; the message is that rank's error."""
 
 
-def start_model(status: Status, device: torch.device) -> Model:
-    """Wait for the loader's entry, build the DiT weightless when the entry backs it, enable DLO,
-    and load the VAE and scheduler from the entry."""
-    from diffusers import FluxTransformer2DModel
-
+def start_model(status: Status, device: torch.device,
+                text_encoders: TextEncoders = TextEncoders.DEVICE) -> Model:
+    """Wait for the loader's entry, check the pipeline it holds, build the DiT weightless when the
+    entry backs it, load the rest of the pipeline from the entry and enable DLO on its DiT."""
     from dlo_runtime import pod
+    from dlo_server import pipeline as pipelines
 
     status.set(State.FILLING, "waiting for the loader to publish the entry")
     entry = pod.wait_for_entry_file()
@@ -95,35 +99,23 @@ def start_model(status: Status, device: torch.device) -> Model:
         raise pod.PodError(f"no entry file at {pod.entry_file_path()}",
                            hint="run the loader (`dlo cache fill`) first")
     status.set(State.LOADING, f"building the model of entry {entry.entry_id}")
-    check_model_folder(entry.path)
-    dit = pod.build_dit(FluxTransformer2DModel)
+    index = pipelines.index_of(entry.path)
+    family = pipelines.family_of(index)
+    dit = pod.build_dit(pipelines.check_components(entry.path, index))
+    pipeline = pipelines.load_pipeline(entry.path, index, dit)
     handle = pod.enable(dit, device=device)
     try:
-        sampler = FluxSampler(dit, entry.path, handle.device)
+        pipelines.place(pipeline, handle.device, text_encoders)
+        sampler = Sampler(pipeline, family)
         allgather = handle.stats().mode == "allgather"
     except BaseException:
         handle.close()
         raise
-    log.info("serving entry %s on %s, %s mode, host backing %s", entry.entry_id, handle.device,
-             "allgather" if allgather else "rank-local", handle.backing().value)
+    log.info("serving %s of entry %s on %s, %s mode, host backing %s, text encoders %s",
+             family.pipeline, entry.entry_id, handle.device,
+             "allgather" if allgather else "rank-local", handle.backing().value,
+             text_encoders.value)
     return Model(sampler, handle, allgather, ForwardCount(dit))
-
-
-def check_model_folder(path: Path) -> None:
-    """The entry must hold what the sampler runs: a Flux transformer, a VAE and a scheduler."""
-    from dlo_runtime.pod import PodError
-
-    missing = [part for part in SAMPLER_PARTS if not (path / part / "config.json").is_file()
-               and not (path / part / "scheduler_config.json").is_file()]
-    if missing:
-        raise PodError(f"the entry has no {', '.join(f'{part}/' for part in missing)}: dlo serve "
-                       "needs the transformer, the VAE and the scheduler",
-                       hint="include them in the model's files (model.include: "
-                            + ", ".join(f'"{part}/*"' for part in SAMPLER_PARTS) + ")")
-    kind = json.loads((path / "transformer" / "config.json").read_text()).get("_class_name")
-    if kind != "FluxTransformer2DModel":
-        raise PodError(f"the entry's transformer is {kind}; dlo serve runs "
-                       "FluxTransformer2DModel only")
 
 
 def lead(model: Model, queue: WaveQueue, group: Any, metrics: ServerMetrics) -> None:
@@ -158,7 +150,7 @@ def follow(model: Model, rank: int, group: Any) -> None:
 def _run_wave(model: Model, pending: list[Pending], ranks: int, group: Any,
               metrics: ServerMetrics) -> None:
     jobs = tuple(item.job for item in pending) + (None,) * (ranks - len(pending))
-    wave = Wave(steps=pending[0].job.steps, jobs=jobs)
+    wave = Wave(jobs=jobs)
     broadcast(wave, group)
     results = _gather(_own_part(model, wave, 0), group)
     metrics.waves.inc()
@@ -167,34 +159,47 @@ def _run_wave(model: Model, pending: list[Pending], ranks: int, group: Any,
         resolve(item, result, metrics)
 
 
-def _own_part(model: Model, wave: Wave, rank: int) -> bytes | str | None:
-    """This rank's image of `wave` (or its error as text); an idle rank's dropped forwards in
+def _own_part(model: Model, wave: Wave, rank: int) -> Result | str | None:
+    """This rank's output of `wave` (or its error as text); an idle rank's dropped forwards in
     AllGather mode."""
     job = wave.jobs[rank]
     if job is None:
-        model.sampler.idle(wave.steps)
+        model.sampler.idle(wave.first)
         return None
     ended = model.forwards.ended
     result = make_image(model, job, rank)
-    if isinstance(result, str) and model.allgather:
-        _keep_in_step(model, wave.steps - (model.forwards.ended - ended), result)
+    done = model.forwards.ended - ended
+    if not isinstance(result, str):
+        model.known[wave_key(job)] = done
+    elif model.allgather:
+        _keep_in_step(model, job, done, result)
     return result
 
 
-def _keep_in_step(model: Model, missing: int, error: str) -> None:
-    """After this rank's job of an AllGather wave failed: run the `missing` forwards the job did
-    not reach, as an idle rank would, so that the other ranks' block gathers are answered and the
-    wave ends for all. A forward left unfinished broke the gathers mid-forward: the group cannot
-    go on (`WaveFailed`, the server breaks) rather than hang until the group's timeout."""
+def _keep_in_step(model: Model, job: Job, done: int, error: str) -> None:
+    """After this rank's `job` of an AllGather wave failed having made `done` DiT forwards: run
+    the forwards it did not reach, as an idle rank would, so that the other ranks' block gathers
+    are answered and the wave ends for all (a job of the same key makes as many forwards as the
+    ones counted before, or, when it failed before its first, as the whole job run idle). A
+    forward left unfinished broke the gathers mid-forward, and a count never seen cannot be
+    finished: the group cannot go on (`WaveFailed`, the server breaks) rather than hang until
+    the group's timeout."""
     if model.forwards.begun != model.forwards.ended:
         raise WaveFailed(f"{error} (inside a forward of the DiT; the group cannot go on)")
-    if missing > 0:
-        model.sampler.idle(missing)
+    if done == 0:
+        model.sampler.idle(job)
+        return
+    total = model.known.get(wave_key(job))
+    if total is None:
+        raise WaveFailed(f"{error} (after {done} forwards of the DiT, a count this rank cannot "
+                         "complete; the group cannot go on)")
+    if total > done:
+        model.sampler.idle(job, forwards=total - done)
 
 
-def make_image(model: Model, job: Job, rank: int) -> bytes | str:
-    """The PNG of `job`, or the error that stopped it as text (that request's 500; the server
-    goes on)."""
+def make_image(model: Model, job: Job, rank: int) -> Result | str:
+    """The output of `job` (its PNGs, or its videos' frames), or the error that stopped it as
+    text (that request's 500; the server goes on)."""
     try:
         return model.sampler.generate(job)
     except Exception as exc:
@@ -202,9 +207,9 @@ def make_image(model: Model, job: Job, rank: int) -> bytes | str:
         return f"rank {rank}: {type(exc).__name__}: {exc}"
 
 
-def resolve(item: Pending, result: bytes | str, metrics: ServerMetrics) -> None:
-    if isinstance(result, bytes):
-        metrics.images.inc()
+def resolve(item: Pending, result: Result | str, metrics: ServerMetrics) -> None:
+    if not isinstance(result, str):
+        metrics.images.inc(len(result))
         item.future.set_result(result)
     else:
         item.future.set_exception(WaveFailed(result))

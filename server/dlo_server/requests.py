@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
 RESPONSE_FORMAT = "b64_json"
 FIELDS = ("prompt", "n", "size", "response_format", "num_inference_steps", "guidance_scale",
-          "seed", "model", "user")
+          "seed", "model", "user", "negative_prompt", "true_cfg_scale")
 """Every field a request may carry; `model`, when given, must name the served model; `user` is
 accepted and not used."""
+VIDEO_FIELDS = ("prompt", "size", "num_frames", "num_inference_steps", "guidance_scale", "seed",
+                "negative_prompt", "model", "user")
+"""Every field of `POST /v1/videos` (one video per request)."""
 
 PROMPT_WHITESPACE = "\t\n\r"
 """The only control characters a prompt may hold. A prompt is text a tokenizer can take: valid
@@ -32,11 +35,11 @@ _SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")
 superscripts ("٣٢", "²")."""
 
 
-
 @dataclass(frozen=True)
 class Job:
-    """One image to make: what a request asks for, one per image (`n` images: seeds
-    `seed`, `seed + 1`, ...)."""
+    """What a request asks for: one call of the pipeline, `n` images (or videos) drawn from one
+    generator seeded with `seed`, as diffusers' `num_images_per_prompt=n` does (image i of n is
+    not the image of seed + i)."""
 
     prompt: str
     width: int
@@ -44,6 +47,12 @@ class Job:
     steps: int
     guidance_scale: float
     seed: int
+    n: int = 1
+    negative_prompt: str | None = None
+    true_cfg_scale: float = 1.0
+    """Flux's true classifier-free guidance: on with a negative prompt and a scale above 1."""
+    frames: int = 1
+    """Video frames (video pipelines)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,12 @@ class Limits:
     default_size: str = "64x64"
     default_steps: int = 4
     default_guidance: float = 3.5
+    videos: bool = False
+    """The served pipeline makes videos (`/v1/videos`), not images."""
+    frame_multiple: int = 1
+    """A video's frames are 1 more than a multiple of this (the VAE's temporal factor)."""
+    max_frames: int = 81
+    default_frames: int = 5
 
     @property
     def max_body_bytes(self) -> int:
@@ -84,7 +99,7 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """A checked request: `jobs()` gives one job per image."""
+    """A checked request: `jobs()` gives its one job (one pipeline call for its `n` images)."""
 
     prompt: str
     n: int
@@ -93,22 +108,28 @@ class GenerationRequest:
     steps: int
     guidance_scale: float
     seed: int
+    negative_prompt: str | None = None
+    true_cfg_scale: float = 1.0
 
     def jobs(self) -> list[Job]:
         return [Job(prompt=self.prompt, width=self.width, height=self.height, steps=self.steps,
-                    guidance_scale=self.guidance_scale, seed=self.seed + index)
-                for index in range(self.n)]
+                    guidance_scale=self.guidance_scale, seed=self.seed, n=self.n,
+                    negative_prompt=self.negative_prompt, true_cfg_scale=self.true_cfg_scale)]
 
 
-def parse_request(body: Any, limits: Limits, *, default_seed: int) -> GenerationRequest:
+def parse_request(body: Any, limits: Limits, *, default_seed: int,
+                  video: bool = False) -> GenerationRequest:
     """Check a decoded JSON body; raises `RequestError` naming the first field at fault.
-    `default_seed` is used when the body names none."""
+    `default_seed` is used when the body names none; `video`: the fields of a video's body
+    (`parse_video_request`)."""
     if not isinstance(body, dict):
         raise RequestError("body", "must be a JSON object")
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
         raise RequestError(unknown[0], f"unknown field; accepted: {', '.join(FIELDS)}")
     prompt = _prompt(body.get("prompt"), limits)
+    if limits.videos and not video:
+        raise RequestError("model", f"{limits.model!r} makes videos: ask POST /v1/videos")
     if body.get("model", limits.model) != limits.model:
         raise RequestError("model", f"{body['model']!r} is not served here; this server serves "
                                     f"{limits.model!r}")
@@ -123,7 +144,10 @@ def parse_request(body: Any, limits: Limits, *, default_seed: int) -> Generation
         steps=_integer(body, "num_inference_steps", limits.default_steps, 1, limits.max_steps),
         guidance_scale=_number(body, "guidance_scale", limits.default_guidance,
                                limits.max_guidance),
-        seed=_integer(body, "seed", default_seed, 0, 2**63 - 1 - limits.max_n),
+        seed=_integer(body, "seed", default_seed, 0, 2**63 - 1),
+        negative_prompt=(None if body.get("negative_prompt") is None
+                         else _prompt(body["negative_prompt"], limits, "negative_prompt")),
+        true_cfg_scale=_number(body, "true_cfg_scale", 1.0, limits.max_guidance),
     )
 
 
@@ -147,18 +171,18 @@ def _number(body: dict[str, Any], field: str, default: float, high: float) -> fl
     return float(value)
 
 
-def _prompt(value: Any, limits: Limits) -> str:
+def _prompt(value: Any, limits: Limits, field: str = "prompt") -> str:
     """Text a tokenizer can take, up to `max_prompt_chars` characters (`PROMPT_WHITESPACE`)."""
     if not isinstance(value, str) or not value:
-        raise RequestError("prompt", "is required: a non-empty string")
+        raise RequestError(field, "is required: a non-empty string")
     if len(value) > limits.max_prompt_chars:
-        raise RequestError("prompt", f"has {len(value)} characters; accepted: at most "
+        raise RequestError(field, f"has {len(value)} characters; accepted: at most "
                                      f"{limits.max_prompt_chars}")
     for index, char in enumerate(value):
         kind = unicodedata.category(char)
         if kind == "Cs" or (kind == "Cc" and char not in PROMPT_WHITESPACE):
             what = "a lone surrogate" if kind == "Cs" else "a control character"
-            raise RequestError("prompt", f"character {index} ({ascii(char)}) is {what}; "
+            raise RequestError(field, f"character {index} ({ascii(char)}) is {what}; "
                                          "accepted: Unicode text, with tab, newline and "
                                          "carriage return as its only control characters")
     return value
@@ -180,3 +204,22 @@ def _size(value: Any, limits: Limits) -> tuple[int, int]:
                                        f"from {multiple} to {limits.max_side} (the model's "
                                        "patch times its VAE factor)")
     return width, height
+
+
+def parse_video_request(body: Any, limits: Limits, *, default_seed: int) -> Job:
+    """Check a decoded `POST /v1/videos` body (`VIDEO_FIELDS`): its one job."""
+    if not isinstance(body, dict):
+        raise RequestError("body", "must be a JSON object")
+    unknown = sorted(set(body) - set(VIDEO_FIELDS))
+    if unknown:
+        raise RequestError(unknown[0], f"unknown field; accepted: {', '.join(VIDEO_FIELDS)}")
+    if not limits.videos:
+        raise RequestError("model", f"{limits.model!r} makes images: ask POST "
+                                    "/v1/images/generations")
+    frames = _integer(body, "num_frames", limits.default_frames, 1, limits.max_frames)
+    if (frames - 1) % limits.frame_multiple:
+        raise RequestError("num_frames", f"{frames} is not 1 more than a multiple of "
+                                         f"{limits.frame_multiple} (the model's temporal factor)")
+    rest = {field: value for field, value in body.items() if field != "num_frames"}
+    [job] = parse_request(rest, limits, default_seed=default_seed, video=True).jobs()
+    return replace(job, frames=frames)

@@ -1,10 +1,11 @@
 """The bounded queue of images waiting to be made, and how waves are drawn from it.
 
 Owns the wave rule of an AllGather group: every rank runs the same blocks in the same order, so a
-wave holds up to G jobs (one per rank) with the same step count; the oldest job always leads the
-next wave (no job waits behind younger ones of another step count for more than the waves
-before it). In rank-local mode each rank takes the oldest job alone (`size=1`). Pure threading,
-no torch.
+wave holds up to G jobs (one per rank) that make the same sequence of DiT calls, those with one
+wave key (`wave_key`: everything of a job but its prompt and seed); the oldest job always leads
+the next wave (no job waits behind younger ones of another key for more than the waves before
+it). In rank-local mode each rank takes the oldest job alone (`size=1`). The capacity counts
+images (a job of `n` images takes `n`). Pure threading, no torch.
 """
 
 from __future__ import annotations
@@ -12,9 +13,25 @@ from __future__ import annotations
 import math
 import threading
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 from dlo_server.requests import Job
+
+
+WaveKey = tuple
+"""A job's fields that set the number or shape of its DiT calls (`wave_key`)."""
+SHARED = ("prompt", "seed")
+"""What jobs of one wave may differ in: their text and noise, not their calls."""
+
+
+def wave_key(job: Job) -> WaveKey:
+    """Everything of `job` that may change the number or shape of its DiT calls: steps, size,
+    frames, `n` (the batch), guidance (on or off, and its scales: CFG and true CFG), and whether a
+    negative prompt is given (with a scale it turns true CFG on); not its prompt, seed or the
+    negative prompt's text."""
+    shared = replace(job, **{name: None for name in SHARED},
+                     negative_prompt=None if job.negative_prompt is None else "")
+    return tuple(getattr(shared, item.name) for item in fields(shared))
 
 
 @dataclass
@@ -54,7 +71,10 @@ class WaveQueue:
         """Images waiting, those of requests whose client went away left out."""
         with self._changed:
             self._drop_cancelled()
-            return len(self._pending)
+            return self._images()
+
+    def _images(self) -> int:
+        return sum(item.job.n for item in self._pending)
 
     def submit(self, jobs: list[Job]) -> list[Future[bytes]]:
         """Queue all of `jobs` or none: `QueueFull` when they do not fit, `QueueClosed` after
@@ -63,8 +83,9 @@ class WaveQueue:
             if self._closed:
                 raise QueueClosed("the server is shutting down")
             self._drop_cancelled()  # an abandoned request's jobs hold no slot
-            if len(self._pending) + len(jobs) > self.capacity:
-                waves_ahead = math.ceil((len(self._pending) + len(jobs)) / self.ranks)
+            queued = self._images() + sum(job.n for job in jobs)
+            if queued > self.capacity:
+                waves_ahead = math.ceil(queued / self.ranks)
                 raise QueueFull(max(1, math.ceil(waves_ahead * self.wave_s)))
             added = [Pending(job) for job in jobs]
             self._pending.extend(added)
@@ -82,9 +103,9 @@ class WaveQueue:
             self._drop_cancelled()
             if not self._pending:
                 return None if not self._closed else []
-            lead = self._pending[0]
+            key = wave_key(self._pending[0].job)
             wave = [item for item in self._pending
-                    if item.job.steps == lead.job.steps][:size or self.ranks]
+                    if wave_key(item.job) == key][:size or self.ranks]
             taken = {id(item) for item in wave}
             self._pending = [item for item in self._pending if id(item) not in taken]
         wave = [item for item in wave if item.future.set_running_or_notify_cancel()]

@@ -14,9 +14,10 @@ from pathlib import Path
 import psutil
 import pytest
 from PIL import Image
+from torch import nn
 
 from dlo_bench.models import tiny_model
-from dlo_bench.serve_model import tiny_vae
+from dlo_bench.serve_model import Family, components
 
 LAYERS = 8
 HEAD_DIM = 32
@@ -83,12 +84,12 @@ def test_demo_fills_three_caches_and_serves_identical_outputs(tmp_path: Path) ->
     assert "outputs: identical (offloaded vs resident, bit for bit, every rank)" in done.stdout
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["status"] == "ok"
-    tensor_bytes = sum(t.nbytes for module in (
-        tiny_model("flux", num_layers=LAYERS, head_dim=HEAD_DIM), tiny_vae())
-        for t in module.state_dict().values())
-    # the model folder is the DiT's and the VAE's tensors plus safetensors headers and small
-    # JSON documents (configs, the scheduler's, the model index)
-    assert tensor_bytes < report["model"]["bytes"] < tensor_bytes + (64 << 10)
+    parts = components(Family.FLUX, dit=tiny_model("flux", num_layers=LAYERS, head_dim=HEAD_DIM))
+    tensor_bytes = sum(t.nbytes for module in parts.values() if isinstance(module, nn.Module)
+                       for t in module.state_dict().values())
+    # the model folder is the whole pipeline's tensors (DiT, VAE, CLIP and T5) plus safetensors
+    # headers and small documents (configs, the scheduler's, the model index, the tokenizers)
+    assert tensor_bytes < report["model"]["bytes"] < tensor_bytes + (128 << 10)
     with Image.open(image) as png:  # served over HTTP by `dlo serve`
         assert (png.format, png.size) == ("PNG", tuple(report["served"]["size"]))
     assert report["served"]["image"] == str(image)

@@ -30,7 +30,7 @@ def test_a_request_gets_the_resident_pipelines_png(one_rank_server: RunningServe
     job = {"prompt": "a red fox", "width": 32, "height": 16, "steps": 3, "guidance_scale": 3.5,
            "seed": 5}
     other = {**job, "seed": 6}
-    expected, different = references(one_rank_files, [job, other], tmp_path / "jobs.json")
+    [expected], [different] = references(one_rank_files, [job, other], tmp_path / "jobs.json")
     assert png == expected
     assert png != different  # the seed matters: equality above is not a constant image
 

@@ -39,7 +39,7 @@ def test_a_job_that_fails_fails_alone_and_the_group_goes_on(tmp_path: Path,
     rank0, rank1 = run_world(server_wave_worker.main, 2, tmp_path)
     good = [fields for fields in jobs if fields["prompt"] != BAD]
     expected = [base64.b64encode(png).decode()
-                for png in references(files, good, tmp_path / "reference.json")]
+                for [png] in references(files, good, tmp_path / "reference.json")]
     results = rank0["results"]
     assert [results[index] for index in (1, 2, 4)] == expected
     for index in (0, 3):

@@ -1,28 +1,21 @@
-"""The request body checks, the wave rule and the model folder check, without a server."""
+"""The request body checks and the wave rule, without a server."""
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 
-from dlo_bench.models import tiny_model
-from dlo_bench.serve_model import save_pipeline_layout
-from dlo_runtime.pod import PodError
-from dlo_server.engine import check_model_folder
 from dlo_server.requests import Job, Limits, RequestError, parse_request
 from dlo_server.waves import QueueClosed, QueueFull, WaveQueue
 
 LIMITS = Limits(size_multiple=4, max_side=64, max_steps=8, max_n=3)
 
 
-def test_a_full_request_becomes_one_job_per_image() -> None:
+def test_a_full_request_becomes_one_job_of_n_images() -> None:
     parsed = parse_request({"prompt": "a cat", "n": 2, "size": "32x16", "seed": 7,
                             "num_inference_steps": 3, "guidance_scale": 2,
                             "response_format": "b64_json", "model": "dlo"}, LIMITS,
                            default_seed=0)
-    assert parsed.jobs() == [Job("a cat", 32, 16, 3, 2.0, 7), Job("a cat", 32, 16, 3, 2.0, 8)]
+    assert parsed.jobs() == [Job("a cat", 32, 16, 3, 2.0, 7, n=2)]
 
 
 def test_defaults_fill_what_the_body_leaves_out() -> None:
@@ -141,15 +134,6 @@ def test_jobs_of_a_request_whose_client_went_away_are_dropped() -> None:
     assert not kept.cancel()  # taken into a wave: running, the engine will resolve it
     queue.submit([job(3, 2)])[0].cancel()
     assert queue.take_wave(0) is None
-
-
-def test_an_entry_without_the_vae_is_refused_naming_the_folders(tmp_path: Path) -> None:
-    save_pipeline_layout(tiny_model("flux", num_layers=2), tmp_path)
-    check_model_folder(tmp_path)
-    shutil.rmtree(tmp_path / "vae")
-    with pytest.raises(PodError, match=r"the entry has no vae/") as caught:
-        check_model_folder(tmp_path)
-    assert '"vae/*"' in caught.value.hint
 
 
 def test_an_abandoned_requests_jobs_hold_no_slot() -> None:

@@ -6,6 +6,7 @@ resident reference a served image must equal."""
 from __future__ import annotations
 
 import base64
+import io
 import json
 import os
 import signal
@@ -16,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import requests
 from dlo_bench.entries import publish_layout
-from dlo_bench.models import tiny_model
 from dlo_bench.s3server import free_port
-from dlo_bench.serve_model import save_pipeline_layout
+from dlo_bench.serve_model import Family, save_pipeline
 from dlo_contract.names import CONFIG_ENV, ENTRY_FILE_ENV, ENTRY_WAIT_ENV
 from dlo_contract.settings import CacheConfig, OffloadConfig, ParallelConfig, Settings
 from dlo_contract.validation import validate
@@ -49,9 +50,10 @@ class PodFiles:
 
 
 def pod_files(directory: Path, *, ranks: int, allgather: bool = True,
-              publish: bool = True, **offload: Any) -> PodFiles:
-    """`offload`: more fields of the settings' `OffloadConfig`."""
-    model = save_pipeline_layout(tiny_model("flux"), directory / "model")
+              publish: bool = True, family: Family = Family.FLUX, **offload: Any) -> PodFiles:
+    """A tiny `family` pipeline published for a pod of `ranks`; `offload`: more fields of the
+    settings' `OffloadConfig`."""
+    model = save_pipeline(family, directory / "model")
     settings = Settings(offload=OffloadConfig(enabled=True, use_allgather=allgather, **offload),
                         parallel=ParallelConfig(dp=ranks),
                         cache=CacheConfig(root=str(directory / "cache")))
@@ -78,6 +80,19 @@ class RunningServer:
 
     def generate(self, body: dict[str, Any], timeout_s: float = 300) -> requests.Response:
         return requests.post(self.url + "/v1/images/generations", json=body, timeout=timeout_s)
+
+    def video(self, body: dict[str, Any], timeout_s: float = 300) -> tuple[np.ndarray, bytes]:
+        """A video job's frames (uint8) and MP4, once completed (polled: a hang guard)."""
+        created = requests.post(self.url + "/v1/videos", json=body, timeout=30)
+        assert created.status_code == 200, created.text
+        path = f"/v1/videos/{created.json()['id']}"
+        deadline = time.monotonic() + timeout_s
+        while (status := self.get(path).json())["status"] not in ("completed", "failed"):
+            assert time.monotonic() < deadline, f"video not made:\n{self.log_tail()}"
+            time.sleep(0.2)
+        assert status["status"] == "completed", status
+        frames = np.load(io.BytesIO(self.get(path + "/content?variant=frames").content))
+        return frames, self.get(path + "/content").content
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Poll readiness (a hang guard, not a timing assertion)."""
@@ -126,14 +141,16 @@ def png_of(response: requests.Response) -> list[bytes]:
     return [base64.b64decode(item["b64_json"]) for item in response.json()["data"]]
 
 
-def references(files: PodFiles, jobs: list[dict[str, Any]], out: Path) -> list[bytes]:
-    """Each job's PNG from a resident pipeline in one process with one thread."""
+def references(files: PodFiles, jobs: list[dict[str, Any]], out: Path) -> list[list[Any]]:
+    """Each job's outputs from the folder's diffusers pipeline called directly, with a resident
+    transformer, in one process with one thread: its PNGs, or its videos' uint8 frames."""
     out.write_text(json.dumps(jobs))
     done = subprocess.run([sys.executable, "-m", "support.server_reference", str(files.model),
                            str(out)], env=files.env(PYTHONPATH=os.pathsep.join(sys.path)),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return [base64.b64decode(text) for text in json.loads(out.read_text())]
+    return [[base64.b64decode(item) if isinstance(item, str) else item for item in outputs]
+            for outputs in json.loads(out.read_text())]
 
 
 __all__ = ["ENTRY_WAIT_ENV", "PodFiles", "RunningServer", "free_port", "pod_files", "png_of",

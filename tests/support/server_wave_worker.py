@@ -78,4 +78,5 @@ def _result(future: Future[bytes]) -> str:
     error = future.exception()
     if error is not None:
         return f"error: {error}"
-    return base64.b64encode(future.result()).decode()
+    [png] = future.result()
+    return base64.b64encode(png).decode()
