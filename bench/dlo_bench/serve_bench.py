@@ -176,8 +176,12 @@ def _result(args: argparse.Namespace, steps: list[int], direct: dict[str, Any],
                                                  / resident["requests_per_s"], 3),
         "offloaded_to_resident_p50_ratio": round(offloaded["p50_s"] / resident["p50_s"], 3),
         "idle_rank": _rounded(idle),
-        "identical": offloaded["identical"] and resident["identical"]
+        # The offloaded server's images must be the direct pipeline's. The resident server's
+        # DiT is diffusers' own load (tensors at the file's unaligned offsets), whose CPU
+        # kernels may round apart from the aligned reference: reported, not required.
+        "identical": offloaded["identical"]
                      and all(modes[mode]["exit_status"] == 0 for mode in MODES),
+        "resident_identical": resident["identical"],
         "commit": provenance.commit(), "machine": provenance.machine(),
     }
 
@@ -202,5 +206,6 @@ def _format(result: dict[str, Any]) -> str:
                  f"{idle['idle_to_job_step_ratio']:.1%} of a real job's step: what a "
                  "gather-only step would save at most")
     lines.append(f"  images equal to the direct resident pipeline's: "
-                 f"{'yes' if result['identical'] else 'NO'}")
+                 f"{'yes' if result['identical'] else 'NO'} (offloaded server), "
+                 f"{'yes' if result['resident_identical'] else 'no'} (resident server)")
     return "\n".join(lines)

@@ -25,4 +25,4 @@ def test_bench_serve_reports_rates_and_latencies_of_identical_images() -> None:
         assert figures["requests_per_s"] > 0 and 0 < figures["p50_s"] <= figures["p99_s"]
     assert result["resident"]["exit_status"] == result["offloaded"]["exit_status"] == 0
     assert result["idle_rank"]["idle_to_job_step_ratio"] > 0
-    assert "images equal to the direct resident pipeline's: yes" in done.stdout
+    assert "images equal to the direct resident pipeline's: yes (offloaded server)" in done.stdout
